@@ -1,0 +1,152 @@
+"""What every attention variant shares: its construction spec, the cache interface, rotary
+positions and the naive masked attention that tests use as the oracle.
+
+The contract (DESIGN.md), for every registered variant:
+
+    forward(x, cache=None) -> y     cache None: the whole sequence in parallel (training);
+                                    cache given: x holds the next T >= 1 tokens, cache updated in place
+    new_cache(batch, max_len, device, dtype) -> KVCache
+    KVCache.length, KVCache.truncate(n)   exact rollback (speculative decoding)
+    aux_losses: dict[str, Tensor]   named auxiliary losses of the last training forward
+
+Dimension legend: B batch, T new tokens, S keys, H query heads, G key/value heads, D head width.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange, repeat
+from torch import Tensor, nn
+
+
+@dataclass(kw_only=True)
+class AttentionSpec:
+    """The shape of one attention layer, common to all variants."""
+
+    dim: int  # model width
+    n_heads: int  # query heads H
+    dim_head: int  # head width D
+    n_kv_heads: int  # key/value heads G (H must be a multiple)
+    dropout: float  # attention-probability dropout, training only
+    max_seq_len: int
+    layer_index: int  # 0-based, for per-layer options
+    n_layers: int
+    rotary: RotaryEmbedding | None  # shared positions module, None when positions are not rotary
+
+    def __post_init__(self) -> None:
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"heads ({self.n_heads}) must be a multiple of kv_heads ({self.n_kv_heads})")
+
+
+class KVCache:
+    """Per-layer decoding state. `length` counts the tokens already fed."""
+
+    length: int = 0
+
+    def truncate(self, length: int) -> None:
+        """Forget everything after the first `length` tokens, exactly."""
+        raise NotImplementedError
+
+    def _check_truncate(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of length {self.length} to {length}")
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary positions (Su et al., RoFormer, arXiv 2104.09864), rotate-half layout.
+
+    The cos/sin table is built once for a power-of-two length and sliced by absolute position,
+    so the same position always gets bit-identical factors, whatever the chunking.
+    """
+
+    def __init__(self, dim_head: int, theta: float = 10000.0, max_seq_len: int = 2048) -> None:
+        super().__init__()
+        if dim_head % 2:
+            raise ValueError("rotary positions need an even head width")
+        self.dim_head = dim_head
+        self.theta = theta
+        self._build(max_seq_len)
+
+    def _build(self, length: int) -> None:
+        length = 1 << max(0, math.ceil(math.log2(max(length, 1))))
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.dim_head, 2, dtype=torch.float64) / self.dim_head))
+        angles = torch.outer(torch.arange(length, dtype=torch.float64), inv_freq)  # [L, D/2]
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+
+    def forward(self, x: Tensor, offset: int) -> Tensor:
+        """x [B, H, T, D] at positions offset..offset+T-1 -> rotated x."""
+        length = x.shape[-2]
+        if offset + length > self.cos.shape[0]:
+            self._build(offset + length)
+            self.cos, self.sin = self.cos.to(x.device), self.sin.to(x.device)
+        cos = self.cos[offset : offset + length].to(x.dtype)  # [T, D/2]
+        sin = self.sin[offset : offset + length].to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def expand_kv(x: Tensor, n_heads: int) -> Tensor:
+    """[B, G, S, D] -> [B, H, S, D], each key/value head serving H/G query heads (GQA)."""
+    groups = n_heads // x.shape[1]
+    if groups == 1:
+        return x
+    return repeat(x, "b g s d -> b (g r) s d", r=groups)
+
+
+def naive_attention(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor) -> Tensor:
+    """The test oracle: softmax(q k^T / sqrt(D)) v over the keys `allowed` permits.
+
+    q [B, H, T, D], k and v [B, G, S, D], allowed bool broadcastable to [B, H, T, S].
+    Rows with no allowed key return zeros. Quadratic on purpose: clarity over speed.
+    """
+    k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
+    scores = torch.einsum("bhtd,bhsd->bhts", q, k) / math.sqrt(q.shape[-1])
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    return torch.einsum("bhts,bhsd->bhtd", probs, v)
+
+
+def causal_mask(n_queries: int, n_keys: int, device: torch.device | None = None) -> Tensor:
+    """bool [T, S]: query i (the (S - T + i)-th token) sees keys 0..S-T+i."""
+    offset = n_keys - n_queries
+    query = torch.arange(n_queries, device=device)[:, None]
+    key = torch.arange(n_keys, device=device)[None, :]
+    return key <= query + offset
+
+
+def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, dropout: float) -> Tensor:
+    """torch's fused attention, with key/value heads expanded for GQA when needed."""
+    if k.shape[1] != q.shape[1]:
+        k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, dropout_p=dropout)
+
+
+class HeadProjections(nn.Module):
+    """Input -> rotated per-head queries, keys and values; heads -> output. Used by every variant."""
+
+    def __init__(self, spec: AttentionSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        inner_q, inner_kv = spec.n_heads * spec.dim_head, spec.n_kv_heads * spec.dim_head
+        self.to_q = nn.Linear(spec.dim, inner_q, bias=False)
+        self.to_k = nn.Linear(spec.dim, inner_kv, bias=False)
+        self.to_v = nn.Linear(spec.dim, inner_kv, bias=False)
+        self.to_out = nn.Linear(inner_q, spec.dim, bias=False)
+
+    def split(self, x: Tensor, offset: int) -> tuple[Tensor, Tensor, Tensor]:
+        """x [B, T, dim] at positions offset.. -> q [B, H, T, D], k and v [B, G, T, D]."""
+        q = rearrange(self.to_q(x), "b t (h d) -> b h t d", d=self.spec.dim_head)
+        k = rearrange(self.to_k(x), "b t (g d) -> b g t d", d=self.spec.dim_head)
+        v = rearrange(self.to_v(x), "b t (g d) -> b g t d", d=self.spec.dim_head)
+        if self.spec.rotary is not None:
+            q, k = self.spec.rotary(q, offset), self.spec.rotary(k, offset)
+        return q, k, v
+
+    def merge(self, y: Tensor) -> Tensor:
+        """y [B, H, T, D] -> [B, T, dim]."""
+        return self.to_out(rearrange(y, "b h t d -> b t (h d)"))

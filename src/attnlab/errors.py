@@ -1,0 +1,17 @@
+"""Errors a user can act on. The CLI prints these as one line, without a traceback."""
+
+
+class AttnlabError(Exception):
+    """Base class of every error caused by user input (a file, a name, a value)."""
+
+
+class ConfigError(AttnlabError):
+    """An unknown preset or key, or a value of the wrong type."""
+
+
+class DataError(AttnlabError):
+    """A missing, empty or malformed data file."""
+
+
+class CheckpointError(AttnlabError):
+    """A missing, truncated or corrupt checkpoint."""

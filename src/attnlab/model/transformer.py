@@ -1,0 +1,173 @@
+"""The autoregressive Transformer: embeddings, a stack of pre-norm blocks, an output head.
+
+Attention, feed-forward and norm are chosen by name from their registries. The same model runs
+in parallel over a whole sequence (training) or incrementally with a cache (decoding):
+
+    model(tokens)                                     -> ModelOutput(logits)
+    model(tokens, targets=targets)                    -> ModelOutput(logits, loss, aux_losses)
+    cache = model.new_cache(batch_size, max_len); model(next_tokens, cache=cache)
+
+Legend: B batch, T tokens, V vocabulary, dim model width.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import attnlab.attention  # noqa: F401  (registers the attention variants)
+from attnlab.attention.base import AttentionSpec, KVCache, RotaryEmbedding
+from attnlab.config import ModelConfig
+from attnlab.model.layers import Chunked, TokenEmbedding
+from attnlab.registry import ATTENTION, FEED_FORWARD, NORM
+
+IGNORE_INDEX = -100  # targets with this value contribute no loss (padding, masked positions)
+
+
+@dataclass
+class ModelOutput:
+    logits: Tensor  # [B, T, V]
+    loss: Tensor | None = None  # lm_loss + every auxiliary loss (already weighted)
+    lm_loss: Tensor | None = None  # mean next-token cross-entropy over unmasked targets
+    aux_losses: dict[str, Tensor] = field(default_factory=dict)  # by name, summed over layers
+
+
+class ModelCache:
+    """One KVCache per layer, advanced together."""
+
+    def __init__(self, layers: list[KVCache], max_len: int) -> None:
+        self.layers = layers
+        self.max_len = max_len
+
+    @property
+    def length(self) -> int:
+        return self.layers[0].length
+
+    def truncate(self, length: int) -> None:
+        for layer in self.layers:
+            layer.truncate(length)
+
+
+class Block(nn.Module):
+    """x + attention(norm(x)), then x + feed_forward(norm(x))."""
+
+    def __init__(self, config: ModelConfig, layer_index: int, rotary: RotaryEmbedding | None) -> None:
+        super().__init__()
+        spec = AttentionSpec(
+            dim=config.dim,
+            n_heads=config.heads,
+            dim_head=config.dim_head,
+            n_kv_heads=config.n_kv_heads,
+            dropout=config.attention.dropout,
+            max_seq_len=config.max_seq_len,
+            layer_index=layer_index,
+            n_layers=config.depth,
+            rotary=rotary,
+        )
+        attention_class = ATTENTION.get(config.attention.kind)
+        # a variant named X reads its options from `attention.X`
+        variant_config = getattr(config.attention, config.attention.kind, None)
+        norm_class = NORM.get(config.norm)
+        self.attention_norm = norm_class(config.dim)
+        self.attention = attention_class(spec, variant_config)
+        self.feed_forward_norm = norm_class(config.dim)
+        self.feed_forward = Chunked(FEED_FORWARD.get(config.feed_forward)(config), config.ff_chunks)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: Tensor, cache: KVCache | None = None) -> Tensor:
+        x = x + self.dropout(self.attention(self.attention_norm(x), cache))
+        return x + self.feed_forward(self.feed_forward_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        rotary = None
+        if config.position == "rotary":
+            rotary = RotaryEmbedding(config.dim_head, config.rope_theta, config.max_seq_len)
+        self.rotary = rotary
+        self.token_embedding = TokenEmbedding(config)
+        self.position_embedding = (
+            nn.Embedding(config.max_seq_len, config.dim) if config.position == "learned" else None
+        )
+        self.blocks = nn.ModuleList(Block(config, index, rotary) for index in range(config.depth))
+        self.norm = NORM.get(config.norm)(config.dim)
+        out_width = config.emb_dim or config.dim
+        # factorised embeddings project back to E before the (possibly tied) vocabulary matrix
+        self.head_project = nn.Linear(config.dim, out_width, bias=False) if config.emb_dim else None
+        self.head = nn.Linear(out_width, config.num_tokens, bias=False)
+        if config.tie_embeddings:
+            self.head.weight = self.token_embedding.embed.weight
+        self.apply(self._init_weights)
+        for name, parameter in self.named_parameters():
+            if name.endswith(("to_out.weight", "down.weight")):  # GPT-2: scale residual projections
+                nn.init.normal_(parameter, std=0.02 / math.sqrt(2 * config.depth))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(
+        self,
+        tokens: Tensor,
+        targets: Tensor | None = None,
+        cache: ModelCache | None = None,
+        loss_mask: Tensor | None = None,
+    ) -> ModelOutput:
+        """tokens [B, T]; targets [B, T] (next tokens) for the loss; loss_mask [B, T] (0 = ignore)."""
+        offset = 0 if cache is None else cache.length
+        n_tokens = tokens.shape[1]
+        x = self.token_embedding(tokens)  # [B, T, dim]
+        if self.position_embedding is not None:
+            if offset + n_tokens > self.config.max_seq_len:
+                raise ValueError(
+                    f"learned positions stop at max_seq_len={self.config.max_seq_len}; "
+                    f"got position {offset + n_tokens - 1}"
+                )
+            positions = torch.arange(offset, offset + n_tokens, device=tokens.device)
+            x = x + self.position_embedding(positions)
+        for index, block in enumerate(self.blocks):
+            x = block(x, None if cache is None else cache.layers[index])
+        x = self.norm(x)
+        if self.head_project is not None:
+            x = self.head_project(x)
+        logits = self.head(x)  # [B, T, V]
+        output = ModelOutput(logits=logits, aux_losses=self.collect_aux_losses())
+        if targets is not None:
+            if loss_mask is not None:
+                targets = targets.masked_fill(loss_mask == 0, IGNORE_INDEX)
+            lm_loss = F.cross_entropy(
+                logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX
+            )
+            output.lm_loss = lm_loss
+            output.loss = lm_loss + sum(output.aux_losses.values(), torch.zeros((), device=lm_loss.device))
+        return output
+
+    def collect_aux_losses(self) -> dict[str, Tensor]:
+        """Named auxiliary losses of the last forward, summed over layers."""
+        totals: dict[str, Tensor] = {}
+        for module in self.modules():
+            for name, value in getattr(module, "aux_losses", {}).items():
+                totals[name] = totals[name] + value if name in totals else value
+        return totals
+
+    def new_cache(self, batch_size: int, max_len: int | None = None, device=None, dtype=None) -> ModelCache:
+        """An empty cache for incremental decoding of up to `max_len` tokens (default max_seq_len)."""
+        parameter = next(self.parameters())
+        max_len = max_len or self.config.max_seq_len
+        device = device or parameter.device
+        dtype = dtype or parameter.dtype
+        layers = [block.attention.new_cache(batch_size, max_len, device, dtype) for block in self.blocks]
+        return ModelCache(layers, max_len)
+
+    def num_parameters(self) -> int:
+        """Distinct parameters (a tied matrix counted once)."""
+        return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())

@@ -1,0 +1,19 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path_factory, monkeypatch):
+    """Prepared corpora go to one temporary cache per test session, never to the home directory."""
+    cache = os.environ.get("ATTNLAB_TEST_CACHE")
+    if cache is None:
+        cache = str(tmp_path_factory.getbasetemp() / "attnlab-cache")
+        os.environ["ATTNLAB_TEST_CACHE"] = cache
+    monkeypatch.setenv("ATTNLAB_CACHE", cache)
