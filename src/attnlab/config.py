@@ -37,11 +37,32 @@ class LocalAttentionConfig:
     max_rollback: int = 64  # cached tokens kept beyond the window so truncate() can go back this far
 
 
+# ---- routing (owned by attention/routing.py)
+@dataclass(kw_only=True)
+class RoutingAttentionConfig:
+    window_size: int = 128  # most recent same-cluster keys a token attends to (and the local window)
+
+
+# ---- sinkhorn (owned by attention/sinkhorn.py)
+@dataclass(kw_only=True)
+class SinkhornAttentionConfig:
+    bucket_size: int = 128  # tokens per bucket
+
+
+# ---- nsa (owned by attention/nsa.py)
+@dataclass(kw_only=True)
+class NSAAttentionConfig:
+    sliding_window_size: int = 64  # sliding-window branch width
+
+
 @dataclass(kw_only=True)
 class AttentionConfig:
-    kind: str = "full"  # registry name: full | local | ...
+    kind: str = "full"  # registry name: full | local | routing | sinkhorn | nsa
     dropout: float = 0.0  # dropout on attention probabilities (training only)
     local: LocalAttentionConfig = field(default_factory=LocalAttentionConfig)
+    routing: RoutingAttentionConfig = field(default_factory=RoutingAttentionConfig)
+    sinkhorn: SinkhornAttentionConfig = field(default_factory=SinkhornAttentionConfig)
+    nsa: NSAAttentionConfig = field(default_factory=NSAAttentionConfig)
 
 
 @dataclass(kw_only=True)
