@@ -1,0 +1,44 @@
+"""`attnlab sample RUN --prompt TEXT --max-new-tokens N [--temperature T --top-k K --top-p P --min-p M]`"""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import sys
+
+import torch
+
+from attnlab.data.bytes import encode_text
+from attnlab.generate.sampling import SamplingConfig, stream
+from attnlab.train.checkpoint import load_model
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("sample", help="generate text from a trained run, streamed")
+    parser.add_argument("run", help="run directory or checkpoint file")
+    parser.add_argument("--prompt", default="", help="text to continue")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--min-p", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-cache", action="store_true", help="recompute the whole prefix each token (slow path)")
+    parser.add_argument("--weights", choices=["auto", "model", "ema"], default="auto")
+    parser.add_argument("--device", default="cpu")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    model = load_model(args.run, device=args.device, weights=args.weights)
+    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
+    prompt_tokens = encode_text(args.prompt) or [ord("\n")]
+    prompt = torch.tensor([prompt_tokens], device=args.device)
+    generator = torch.Generator(device=args.device).manual_seed(args.seed)
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    sys.stdout.write(args.prompt)
+    for token, _ in stream(model, prompt, args.max_new_tokens, sampling, not args.no_cache, generator):
+        sys.stdout.write(decoder.decode(bytes([int(token[0])])))
+        sys.stdout.flush()
+    sys.stdout.write(decoder.decode(b"", final=True) + "\n")
+    return 0

@@ -1,0 +1,47 @@
+"""`attnlab train [-p PRESET | -c FILE] [--resume [CHECKPOINT]] [key.path=value ...]`"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from attnlab.config import known_presets, load_config
+from attnlab.train.loop import train
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "train",
+        help="train a model (no arguments: the demo preset on the built-in corpus)",
+        description="Train a model. Overrides are key.path=value, e.g. train.max_steps=2000 model.depth=6.",
+    )
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("-p", "--preset", default=None, help=f"named preset: {', '.join(known_presets())}")
+    source.add_argument("-c", "--config", default=None, help="YAML config file (may name `preset:` to start from)")
+    parser.add_argument(
+        "--resume", nargs="?", const="auto", default=None, metavar="CHECKPOINT",
+        help="continue the run: from its latest checkpoint, or from CHECKPOINT",
+    )
+    parser.add_argument(
+        "--until-step", type=int, default=None, metavar="N",
+        help="stop with a checkpoint after step N, keeping the schedule of train.max_steps",
+    )
+    parser.add_argument("overrides", nargs="*", metavar="key.path=value")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    source = args.config or args.preset or "demo"
+    overrides = list(args.overrides)
+    if args.preset is None and args.config is None and not any(o.startswith("name=") for o in overrides):
+        overrides.insert(0, "name=demo")
+    config = load_config(source, overrides)
+    result = train(config, resume=args.resume, command_line=["attnlab", *sys.argv[1:]], until_step=args.until_step)
+    where = result.run_dir
+    if result.interrupted:
+        print(f"stopped at step {result.step}; continue with: attnlab train --resume ... (run {where})")
+        return 130
+    if result.last_eval:
+        print(f"done: step {result.step}, validation bits per byte {result.last_eval['val_bpb']:.4f}")
+    print(f"run directory: {where}\nsample from it: attnlab sample {where} --prompt 'def '")
+    return 0

@@ -1,0 +1,116 @@
+"""Sampling: logit filters (temperature, top-k, top-p, min-p), and cached or uncached generation.
+
+The filters are pure functions so that speculative decoding applies exactly the same ones to the
+draft and the target distributions.
+
+Legend: B batch, T tokens, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from attnlab.model.transformer import Transformer
+
+
+@dataclass(kw_only=True)
+class SamplingConfig:
+    temperature: float = 1.0  # 0 means greedy
+    top_k: int | None = None  # keep the k most likely tokens
+    top_p: float | None = None  # keep the smallest set whose probability reaches p (nucleus)
+    min_p: float | None = None  # keep tokens with probability >= min_p * the most likely one's
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError("top_k must be >= 1")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.min_p is not None and not 0 <= self.min_p <= 1:
+            raise ValueError("min_p must be in [0, 1]")
+
+
+def filter_logits(logits: Tensor, config: SamplingConfig) -> Tensor:
+    """Logits [..., V] with the tokens the filters reject set to -inf (temperature not applied)."""
+    logits = logits.float()
+    if config.top_k is not None and config.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, config.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if config.min_p is not None:
+        probs = torch.softmax(logits, dim=-1)
+        floor = config.min_p * probs.amax(dim=-1, keepdim=True)
+        logits = logits.masked_fill(probs < floor, float("-inf"))
+    if config.top_p is not None and config.top_p < 1:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)
+        # drop a token when the tokens strictly more likely already reach top_p
+        before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        drop_sorted = before >= config.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def probabilities(logits: Tensor, config: SamplingConfig) -> Tensor:
+    """The distribution sampled from: filtered, tempered softmax; one-hot argmax when greedy."""
+    filtered = filter_logits(logits, config)
+    if config.temperature == 0:
+        return torch.nn.functional.one_hot(filtered.argmax(dim=-1), logits.shape[-1]).float()
+    return torch.softmax(filtered / config.temperature, dim=-1)
+
+
+def sample_from(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """One token per row of probs [..., V] -> [...]."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+
+
+@torch.no_grad()
+def stream(
+    model: Transformer,
+    prompt: Tensor,
+    max_new_tokens: int,
+    sampling: SamplingConfig | None = None,
+    use_cache: bool = True,
+    generator: torch.Generator | None = None,
+) -> Iterator[tuple[Tensor, Tensor]]:
+    """Yield (next tokens [B], the logits they were drawn from [B, V]) one step at a time.
+
+    With the cache, the prompt is fed once and each step feeds one token; without it, each step
+    re-runs the model on the whole sequence (the slow path, kept as a check of the cache).
+    """
+    sampling = sampling or SamplingConfig()
+    was_training = model.training
+    model.eval()
+    try:
+        sequence = prompt
+        cache = model.new_cache(prompt.shape[0], prompt.shape[1] + max_new_tokens) if use_cache else None
+        next_input = prompt
+        for _ in range(max_new_tokens):
+            logits = model(next_input if use_cache else sequence, cache=cache).logits[:, -1]  # [B, V]
+            token = sample_from(probabilities(logits, sampling), generator)  # [B]
+            yield token, logits
+            sequence = torch.cat((sequence, token[:, None]), dim=1)
+            next_input = token[:, None]
+    finally:
+        model.train(was_training)
+
+
+def generate(
+    model: Transformer,
+    prompt: Tensor,
+    max_new_tokens: int,
+    sampling: SamplingConfig | None = None,
+    use_cache: bool = True,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """prompt [B, T] -> [B, T + max_new_tokens]."""
+    new = [token for token, _ in stream(model, prompt, max_new_tokens, sampling, use_cache, generator)]
+    if not new:
+        return prompt
+    return torch.cat((prompt, torch.stack(new, dim=1)), dim=1)

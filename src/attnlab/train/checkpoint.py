@@ -1,0 +1,128 @@
+"""Checkpoints: written atomically, read without unpickling arbitrary objects, the last k kept.
+
+A checkpoint is one file `RUN/checkpoints/step-NNNNNNN.pt` holding plain data only (tensors,
+numbers, strings, lists, dicts): model and optimiser state, the step, RNG states, the data
+sampler's position and the resolved config. It is read with `torch.load(weights_only=True)`, whose
+restricted unpickler refuses any other object, so a crafted file cannot run code.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from attnlab.config import RunConfig, config_from_dict
+from attnlab.errors import CheckpointError
+from attnlab.model.transformer import Transformer
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+CHECKPOINT_DIR = "checkpoints"
+_NAME = re.compile(r"step-(\d+)\.pt$")
+
+
+def checkpoint_path(run_dir: Path, step: int) -> Path:
+    return Path(run_dir) / CHECKPOINT_DIR / f"step-{step:07d}.pt"
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Checkpoints of a run, oldest first."""
+    folder = Path(run_dir) / CHECKPOINT_DIR
+    if not folder.is_dir():
+        return []
+    found = [path for path in folder.iterdir() if _NAME.search(path.name)]
+    return sorted(found, key=lambda path: int(_NAME.search(path.name).group(1)))
+
+
+def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
+    """Write to a temporary file in the same folder, flush it to disk, then rename over `path`:
+    a crash at any moment leaves either the old file or the new one, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(temporary, "wb") as handle:
+            torch.save({"format_version": FORMAT_VERSION, **state}, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+def prune_checkpoints(run_dir: Path, keep_last: int) -> None:
+    for old in list_checkpoints(run_dir)[: -max(1, keep_last)]:
+        old.unlink(missing_ok=True)
+
+
+def read_checkpoint(path: Path) -> dict[str, Any]:
+    """Load a checkpoint's plain data; any damage becomes a CheckpointError naming the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # truncated zip, bad pickle, forbidden global: all mean "unusable"
+        reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+        raise CheckpointError(f"checkpoint {path} is corrupt or unsafe to load ({reason})") from error
+    if not isinstance(state, dict) or "model" not in state or "config" not in state:
+        raise CheckpointError(f"checkpoint {path} is not an attnlab checkpoint")
+    if state.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"checkpoint {path} has format {state.get('format_version')}, expected {FORMAT_VERSION}"
+        )
+    return state
+
+
+def resolve_checkpoint(run_or_checkpoint: str | Path) -> Path:
+    """A checkpoint file, or the latest checkpoint of a run directory."""
+    path = Path(run_or_checkpoint)
+    if path.is_file():
+        return path
+    if path.is_dir():
+        checkpoints = list_checkpoints(path)
+        if not checkpoints:
+            raise CheckpointError(f"run directory {path} has no checkpoints in {path / CHECKPOINT_DIR}")
+        return checkpoints[-1]
+    raise CheckpointError(f"{path} is neither a run directory nor a checkpoint file")
+
+
+def describe_corruption(path: Path, error: CheckpointError) -> CheckpointError:
+    """Add the newest intact older checkpoint to the message, so the user knows what still works."""
+    run_dir = path.parent.parent
+    older = [candidate for candidate in list_checkpoints(run_dir) if candidate != path]
+    for candidate in reversed(older):
+        try:
+            read_checkpoint(candidate)
+        except CheckpointError:
+            continue
+        return CheckpointError(f"{error}; the previous checkpoint {candidate} is intact: resume from it")
+    return error
+
+
+def load_model(
+    run_or_checkpoint: str | Path, device: str | torch.device = "cpu", weights: str = "auto"
+) -> Transformer:
+    """A trained model in eval mode from a run directory (its latest checkpoint) or a checkpoint.
+
+    weights: "model", "ema" (the moving average, if the run kept one) or "auto" (ema when present).
+    """
+    path = resolve_checkpoint(run_or_checkpoint)
+    state = read_checkpoint(path)
+    config: RunConfig = config_from_dict(state["config"])
+    model = Transformer(config.model)
+    use_ema = weights == "ema" or (weights == "auto" and state.get("ema") is not None)
+    if use_ema and state.get("ema") is None:
+        raise CheckpointError(f"checkpoint {path} has no EMA weights")
+    model.load_state_dict(state["ema"] if use_ema else state["model"])
+    model.to(device).eval()
+    model.run_config = config  # where the model came from, for eval and sampling defaults
+    model.checkpoint_step = int(state.get("step", 0))
+    log.debug("loaded %s (step %s, %s weights)", path, model.checkpoint_step, "ema" if use_ema else "model")
+    return model
+

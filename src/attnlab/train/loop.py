@@ -1,0 +1,339 @@
+"""The training loop: one readable function, `train(config)`, calling small helpers.
+
+Each optimiser step: set the learning rate, run `grad_accum` micro-batches (forward under autocast,
+backward of loss / grad_accum), stop on a non-finite loss before touching the weights, clip, step,
+let modules with explicit per-step state update it (`after_optimizer_step`, e.g. routing centroids),
+update the EMA weights. Then, on their schedules: metrics, validation, a sample, a checkpoint.
+
+A checkpoint holds everything the next step depends on (weights, optimiser, scaler, EMA, step,
+RNG states, data sampler position), so a resumed run continues bit for bit (tests/test_train.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import platform
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from attnlab.config import RunConfig, config_to_dict, save_config
+from attnlab.data.bytes import ByteCorpus, decode_bytes, load_corpus
+from attnlab.data.sampler import RandomWindowSampler, eval_windows
+from attnlab.errors import AttnlabError, CheckpointError
+from attnlab.evaluate import evaluate
+from attnlab.generate.sampling import SamplingConfig, generate
+from attnlab.model.transformer import Transformer
+from attnlab.train.checkpoint import (
+    checkpoint_path,
+    describe_corruption,
+    list_checkpoints,
+    prune_checkpoints,
+    read_checkpoint,
+    save_checkpoint,
+)
+from attnlab.train.ema import WeightEMA
+from attnlab.train.metrics import open_metrics
+from attnlab.train.optim import build_optimizer, learning_rate
+
+log = logging.getLogger(__name__)
+
+
+class TrainingError(AttnlabError):
+    """Training cannot go on (a non-finite loss); the last good checkpoint is kept."""
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    step: int  # optimiser steps completed
+    interrupted: bool
+    last_eval: dict[str, float] | None
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise AttnlabError(f"train.device={name} but CUDA is not available")
+    return device
+
+
+def resolve_precision(precision: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype, or None for plain float32."""
+    if precision == "auto":
+        precision = "bf16" if device.type == "cuda" else "fp32"
+    return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+
+def rng_state() -> dict[str, Any]:
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "python": list(random.getstate()[1]),
+        "numpy": np.random.get_state()[1].tolist(),
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if torch.cuda.is_available() and state["cuda"]:
+        torch.cuda.set_rng_state_all(state["cuda"])
+    random.setstate((3, tuple(state["python"]), None))
+    np.random.set_state(("MT19937", np.array(state["numpy"], dtype=np.uint32), 624, 0, 0.0))
+
+
+def write_run_info(config: RunConfig, run_dir: Path, command_line: list[str] | None) -> None:
+    """The resolved config, command line, git revision and library versions, for reproduction."""
+    save_config(config, run_dir / "config.yaml")
+    try:
+        revision = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+            cwd=Path(__file__).parent,
+        ).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        revision = None
+    info = {
+        "command": command_line if command_line is not None else sys.argv,
+        "git_revision": revision,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "platform": platform.platform(),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    (run_dir / "run_info.json").write_text(json.dumps(info, indent=2) + "\n")
+
+
+def after_optimizer_step(model: torch.nn.Module) -> None:
+    """Explicit once-per-step updates of module state that is not a gradient parameter."""
+    for module in model.modules():
+        update = getattr(module, "after_optimizer_step", None)
+        if callable(update):
+            update()
+
+
+def find_resume_checkpoint(config: RunConfig, resume: str | bool | None) -> Path | None:
+    """resume: None/False (fresh run), True or "auto" (latest in the run directory), or a path."""
+    run_dir = config.run_dir
+    existing = list_checkpoints(run_dir)
+    if resume in (None, False):
+        if existing:
+            raise AttnlabError(
+                f"{run_dir} already has checkpoints (latest {existing[-1].name}); pass --resume to "
+                f"continue it, or choose another run name with name=..."
+            )
+        return None
+    if resume in (True, "auto"):
+        if not existing:
+            log.info("no checkpoint in %s: starting a new run", run_dir)
+            return None
+        return existing[-1]
+    return Path(str(resume))
+
+
+def sample_text(model: Transformer, corpus: ByteCorpus, config: RunConfig, step: int) -> tuple[str, str]:
+    """A prime from the validation data and the model's continuation of it, as text."""
+    train = config.train
+    prime = eval_windows(corpus.val, train.prime_length, 1, seed=step)[0, : train.prime_length]
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(step)
+    output = generate(
+        model, prime[None].to(device), train.sample_length, SamplingConfig(temperature=1.0, top_k=None),
+        generator=generator,
+    )
+    return decode_bytes(prime.tolist()), decode_bytes(output[0, train.prime_length :].tolist())
+
+
+def train(
+    config: RunConfig,
+    resume: str | bool | None = None,
+    command_line: list[str] | None = None,
+    until_step: int | None = None,
+) -> TrainResult:
+    """Train `config`; resume as in find_resume_checkpoint. `until_step` stops early (with a
+    checkpoint) while keeping the schedule of train.max_steps: for time-sliced jobs."""
+    tc = config.train
+    run_dir = config.run_dir
+    resume_from = find_resume_checkpoint(config, resume)
+    state = None
+    if resume_from is not None:
+        try:
+            state = read_checkpoint(resume_from)
+        except CheckpointError as error:
+            raise describe_corruption(resume_from, error) from error
+
+    device = resolve_device(tc.device)
+    autocast_dtype = resolve_precision(tc.precision, device)
+    torch.manual_seed(tc.seed)
+    random.seed(tc.seed)
+    np.random.seed(tc.seed)
+
+    corpus = load_corpus(config.data)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_run_info(config, run_dir, command_line)
+
+    model = Transformer(config.model).to(device)
+    optimizer = build_optimizer(model, tc)
+    scaler = torch.amp.GradScaler(device.type, enabled=autocast_dtype == torch.float16)
+    ema = WeightEMA(model, tc.ema_decay) if tc.ema else None
+    sampler = RandomWindowSampler(len(corpus.train), tc.seq_len, tc.batch_size, tc.seed)
+    step = 0
+    if state is not None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scaler.load_state_dict(state["scaler"])
+        if ema is not None:
+            if state.get("ema") is None:
+                raise CheckpointError(f"{resume_from} has no EMA weights but train.ema=true")
+            ema.load_state_dict(state["ema"])
+        sampler.load_state_dict(state["sampler"])
+        set_rng_state(state["rng"])
+        step = int(state["step"])
+        log.info("resumed from %s at step %d", resume_from, step)
+    forward = torch.compile(model) if tc.compile else model
+
+    metrics = open_metrics(config.log, run_dir, config.name, config_to_dict(config), step if state else None)
+    log.info(
+        "%s: %s, %.2fM parameters, %s on %s (%s)",
+        config.name, config.model.attention.kind, model.num_parameters() / 1e6,
+        corpus.description, device, "fp32" if autocast_dtype is None else str(autocast_dtype).split(".")[-1],
+    )
+
+    def checkpoint() -> Path:
+        path = checkpoint_path(run_dir, step)
+        save_checkpoint(path, {
+            "config": config_to_dict(config),
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scaler": scaler.state_dict(),
+            "ema": None if ema is None else ema.state_dict(),
+            "step": step,
+            "rng": rng_state(),
+            "sampler": sampler.state_dict(),
+        })
+        prune_checkpoints(run_dir, tc.keep_last)
+        return path
+
+    def validate() -> dict[str, float]:
+        result = evaluate(
+            ema.model if ema is not None else model, corpus.val, tc.seq_len,
+            tc.eval_batches * tc.batch_size, tc.batch_size, autocast_dtype=autocast_dtype,
+        )
+        record = {"val_loss": result.loss, "val_bpb": result.bits_per_token}
+        metrics.write(step, record)
+        log.info("step %d: validation loss %.4f, %.4f bits per byte", step, result.loss, result.bits_per_token)
+        return record
+
+    tokens_per_step = tc.batch_size * tc.grad_accum * tc.seq_len
+    autocast = (
+        torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None else nullcontext()
+    )
+    last_eval = None
+    interrupted = False
+    progress = tqdm(
+        total=tc.max_steps, initial=step, desc=config.name, disable=not config.log.progress, dynamic_ncols=True
+    )
+    if step == 0 and tc.eval_every > 0:
+        last_eval = validate()
+    model.train()
+    try:
+        with StopOnInterrupt() as stop:
+            last_step = tc.max_steps if until_step is None else min(until_step, tc.max_steps)
+            while step < last_step and not stop.requested:
+                started = time.perf_counter()
+                lr = learning_rate(step, tc)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                losses: dict[str, float] = {}
+                for _ in range(tc.grad_accum):
+                    batch = sampler.next_batch(corpus.train).to(device, non_blocking=True)
+                    with autocast:
+                        output = forward(batch[:, :-1], targets=batch[:, 1:])
+                    if not torch.isfinite(output.loss):
+                        kept = list_checkpoints(run_dir)
+                        raise TrainingError(
+                            f"loss became {output.loss.item()} at step {step + 1}; stopped before "
+                            f"updating the weights. Last good checkpoint: {kept[-1] if kept else 'none'}. "
+                            f"Try a lower train.lr or train.precision=fp32"
+                        )
+                    scaler.scale(output.loss / tc.grad_accum).backward()
+                    named = [("loss", output.loss), ("lm_loss", output.lm_loss), *output.aux_losses.items()]
+                    for name, value in named:
+                        losses[name] = losses.get(name, 0.0) + value.item() / tc.grad_accum
+                scaler.unscale_(optimizer)
+                grad_norm = torch.nn.utils.clip_grad_norm_(
+                    model.parameters(), tc.grad_clip if tc.grad_clip > 0 else math.inf
+                )
+                scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad(set_to_none=True)
+                after_optimizer_step(model)
+                if ema is not None:
+                    ema.update(model)
+                step += 1
+
+                elapsed = time.perf_counter() - started
+                progress.update(1)
+                progress.set_postfix(
+                    loss=f"{losses['loss']:.3f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_step / elapsed:.0f}"
+                )
+                if step % tc.log_every == 0 or step == tc.max_steps:
+                    metrics.write(step, {
+                        **losses, "lr": lr, "grad_norm": float(grad_norm),
+                        "tokens_per_s": tokens_per_step / elapsed, "tokens": step * tokens_per_step,
+                    })
+                if tc.eval_every > 0 and (step % tc.eval_every == 0 or step == tc.max_steps):
+                    last_eval = validate()
+                    model.train()
+                if tc.sample_every > 0 and step % tc.sample_every == 0:
+                    prime, text = sample_text(ema.model if ema is not None else model, corpus, config, step)
+                    log.info("step %d sample:\n--- prime ---\n%s\n--- continuation ---\n%s\n---", step, prime, text)
+                    model.train()
+                if step % tc.save_every == 0 or step in (tc.max_steps, until_step):
+                    checkpoint()
+            if stop.requested:
+                interrupted = True
+                log.info("interrupted: saved %s (step %d); continue with --resume", checkpoint(), step)
+    finally:
+        progress.close()
+        metrics.close()
+    return TrainResult(run_dir=run_dir, step=step, interrupted=interrupted, last_eval=last_eval)
+
+
+class StopOnInterrupt:
+    """Turn the first Ctrl-C (SIGINT) into a request to stop after the current step, so the
+    checkpoint written then is consistent; a second Ctrl-C aborts at once."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous = None
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        log.info("stopping after this step and saving a checkpoint (Ctrl-C again to abort)")
+
+    def __enter__(self) -> StopOnInterrupt:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)

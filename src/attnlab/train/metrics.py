@@ -1,0 +1,105 @@
+"""Where metrics go: `metrics.jsonl` in the run directory (the source of truth), and optionally
+TensorBoard and Weights & Biases. Each sink takes flat {name: number} records with a step."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+from attnlab.config import LogConfig
+from attnlab.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+class JsonlSink:
+    def __init__(self, path: Path, truncate_after_step: int | None = None) -> None:
+        self.path = path
+        if truncate_after_step is not None and path.exists():
+            # a resumed run rewrites the steps after its checkpoint, so the file has each step once
+            kept = [line for line in path.read_text().splitlines() if _step_of(line) <= truncate_after_step]
+            path.write_text("".join(line + "\n" for line in kept))
+        self.handle = open(path, "a")
+
+    def write(self, step: int, record: dict[str, Any]) -> None:
+        self.handle.write(json.dumps({"step": step, **record}) + "\n")
+        self.handle.flush()
+
+    def close(self) -> None:
+        self.handle.close()
+
+
+def _step_of(line: str) -> float:
+    try:
+        return json.loads(line).get("step", math.inf)
+    except json.JSONDecodeError:
+        return math.inf
+
+
+class TensorBoardSink:
+    def __init__(self, folder: Path) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as error:
+            raise ConfigError("log.tensorboard=true needs tensorboard: pip install tensorboard") from error
+        self.writer = SummaryWriter(str(folder))
+
+    def write(self, step: int, record: dict[str, Any]) -> None:
+        for name, value in record.items():
+            if isinstance(value, (int, float)):
+                self.writer.add_scalar(name, value, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbSink:
+    def __init__(self, config: LogConfig, run_name: str, run_dir: Path, resolved: dict[str, Any]) -> None:
+        try:
+            import wandb
+        except ImportError as error:
+            raise ConfigError("log.wandb=true needs wandb: pip install wandb") from error
+        self.run = wandb.init(
+            project=config.wandb_project, name=run_name, dir=str(run_dir), mode=config.wandb_mode,
+            config=resolved,
+        )
+
+    def write(self, step: int, record: dict[str, Any]) -> None:
+        self.run.log(record, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class Metrics:
+    """Fans each record out to every configured sink."""
+
+    def __init__(self, sinks: list) -> None:
+        self.sinks = sinks
+
+    def write(self, step: int, record: dict[str, Any]) -> None:
+        for sink in self.sinks:
+            sink.write(step, record)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+
+
+def open_metrics(
+    config: LogConfig, run_dir: Path, run_name: str, resolved: dict[str, Any], resumed_step: int | None
+) -> Metrics:
+    sinks: list = [JsonlSink(run_dir / "metrics.jsonl", truncate_after_step=resumed_step)]
+    if config.tensorboard:
+        sinks.append(TensorBoardSink(run_dir / "tensorboard"))
+    if config.wandb:
+        sinks.append(WandbSink(config, run_name, run_dir, resolved))
+    return Metrics(sinks)
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,75 @@
+"""Sampling filters and generation: cache = no cache, seeded, and exact distributions."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from variants import variant_config
+
+from attnlab.generate.sampling import SamplingConfig, filter_logits, generate, probabilities, sample_from, stream
+from attnlab.model import Transformer
+
+LOGITS = torch.log(torch.tensor([0.40, 0.25, 0.15, 0.10, 0.06, 0.04]))
+
+
+def kept(config: SamplingConfig) -> list[int]:
+    return torch.isfinite(filter_logits(LOGITS, config)).nonzero().flatten().tolist()
+
+
+def test_filters_keep_the_right_tokens():
+    assert kept(SamplingConfig()) == [0, 1, 2, 3, 4, 5]
+    assert kept(SamplingConfig(top_k=2)) == [0, 1]
+    assert kept(SamplingConfig(top_p=0.5)) == [0, 1]  # 0.40 < 0.5, 0.65 >= 0.5
+    assert kept(SamplingConfig(top_p=0.35)) == [0]
+    assert kept(SamplingConfig(top_p=0.66)) == [0, 1, 2]
+    assert kept(SamplingConfig(min_p=0.3)) == [0, 1, 2]  # >= 0.12
+    assert kept(SamplingConfig(top_k=3, min_p=0.5)) == [0, 1]
+
+
+def test_bad_sampling_values_rejected():
+    for bad in (dict(temperature=-1), dict(top_k=0), dict(top_p=0), dict(min_p=2)):
+        with pytest.raises(ValueError):
+            SamplingConfig(**bad)
+
+
+@pytest.mark.parametrize("config", [SamplingConfig(), SamplingConfig(temperature=0.7, top_k=4),
+                                    SamplingConfig(top_p=0.8), SamplingConfig(min_p=0.2, temperature=1.5)])
+def test_sampled_frequencies_match_the_distribution(config):
+    """Chi-square goodness of fit of 20000 draws against the filtered, tempered distribution."""
+    expected = probabilities(LOGITS, config)
+    generator = torch.Generator().manual_seed(0)
+    draws = sample_from(expected.expand(20000, -1), generator)
+    counts = torch.bincount(draws, minlength=len(LOGITS)).double()
+    support = expected > 0
+    assert counts[~support].sum() == 0, "a filtered-out token was sampled"
+    want = expected[support].double() * 20000
+    chi2 = ((counts[support] - want) ** 2 / want).sum().item()
+    dof = int(support.sum()) - 1
+    assert chi2 < dof + 5 * math.sqrt(2 * dof) + 10, (chi2, dof)  # far beyond the 0.999 quantile
+
+
+def test_greedy_is_argmax():
+    assert torch.equal(probabilities(LOGITS, SamplingConfig(temperature=0)), torch.eye(6)[0])
+
+
+@pytest.mark.parametrize("name", ["full", "local"])
+def test_cached_and_uncached_generation_agree(name):
+    torch.manual_seed(0)
+    model = Transformer(variant_config(name)).eval()
+    prompt = torch.randint(0, 61, (2, 11))
+    cached = list(stream(model, prompt, 30, SamplingConfig(temperature=0)))
+    uncached = list(stream(model, prompt, 30, SamplingConfig(temperature=0), use_cache=False))
+    for (token_a, logits_a), (token_b, logits_b) in zip(cached, uncached):
+        torch.testing.assert_close(logits_a, logits_b, atol=1e-5, rtol=1e-5)
+        assert torch.equal(token_a, token_b)
+
+
+def test_seeded_generation_reproducible():
+    torch.manual_seed(0)
+    model = Transformer(variant_config("full")).eval()
+    prompt = torch.randint(0, 61, (1, 5))
+    runs = [generate(model, prompt, 20, SamplingConfig(top_k=10), generator=torch.Generator().manual_seed(3))
+            for _ in range(2)]
+    assert torch.equal(runs[0], runs[1]) and runs[0].shape == (1, 25)

@@ -1,0 +1,185 @@
+"""The training loop: exact resume, checkpoints that are atomic, safe and checked, clear stops."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from attnlab.config import load_config
+from attnlab.errors import AttnlabError, CheckpointError
+from attnlab.train import loop
+from attnlab.train.checkpoint import list_checkpoints, load_model, read_checkpoint
+from attnlab.train.loop import TrainingError, train
+from attnlab.train.metrics import read_metrics
+from attnlab.train.optim import cosine_lr, minimind_lr, parameter_groups
+
+TEXT = (Path(__file__).parent.parent / "src" / "attnlab" / "model" / "transformer.py").read_bytes() * 4
+
+
+@pytest.fixture
+def text_file(tmp_path) -> Path:
+    path = tmp_path / "corpus.txt"
+    path.write_bytes(TEXT)
+    return path
+
+
+def tiny(tmp_path: Path, text_file: Path, name: str = "run", *extra: str):
+    return load_config("demo", [
+        f"name={name}", f"out_dir={tmp_path / 'runs'}",
+        "model.dim=32", "model.depth=2", "model.heads=2", "model.dim_head=16", "model.max_seq_len=64",
+        "data.source=file", f"data.path={text_file}",
+        "train.seq_len=32", "train.batch_size=4", "train.max_steps=10", "train.warmup_steps=2",
+        "train.eval_every=5", "train.eval_batches=1", "train.sample_every=0", "train.save_every=5",
+        "train.log_every=1", "log.progress=false", *extra,
+    ])
+
+
+def parameters(run_dir: Path, weights: str = "model") -> dict[str, torch.Tensor]:
+    return load_model(run_dir, weights=weights).state_dict()
+
+
+def losses(run_dir: Path) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in read_metrics(run_dir) if "loss" in r]
+
+
+@pytest.mark.parametrize("extra", [[], ["model.dropout=0.1", "train.ema=true", "train.grad_accum=2"]])
+def test_resume_is_bit_exact(tmp_path, text_file, extra):
+    whole = train(tiny(tmp_path, text_file, "whole", *extra))
+    first = train(tiny(tmp_path, text_file, "split", *extra), until_step=5)
+    assert first.step == 5 and [p.name for p in list_checkpoints(first.run_dir)] == ["step-0000005.pt"]
+    second = train(tiny(tmp_path, text_file, "split", *extra), resume=True)
+    assert second.step == 10
+    for key, value in parameters(whole.run_dir).items():
+        assert torch.equal(value, parameters(second.run_dir)[key]), key
+    if "train.ema=true" in extra:
+        for key, value in parameters(whole.run_dir, "ema").items():
+            assert torch.equal(value, parameters(second.run_dir, "ema")[key]), key
+    assert losses(whole.run_dir) == losses(second.run_dir)
+    assert len(losses(second.run_dir)) == 10  # resumed metrics do not repeat steps
+
+
+def test_run_directory_contents(tmp_path, text_file):
+    result = train(tiny(tmp_path, text_file))
+    for name in ("config.yaml", "run_info.json", "metrics.jsonl"):
+        assert (result.run_dir / name).is_file(), name
+    records = read_metrics(result.run_dir)
+    assert [r["step"] for r in records if "val_bpb" in r] == [0, 5, 10]
+    assert all({"lr", "tokens_per_s", "grad_norm"} <= r.keys() for r in records if "loss" in r)
+    assert load_config(str(result.run_dir / "config.yaml")) == tiny(tmp_path, text_file)
+
+
+def test_loss_falls(tmp_path, text_file):
+    config = tiny(tmp_path, text_file, "learn", "train.max_steps=60", "train.eval_every=60", "train.lr=3e-3")
+    records = read_metrics(train(config).run_dir)
+    val = [r["val_bpb"] for r in records if "val_bpb" in r]
+    assert val[-1] < val[0] - 1.0, val
+
+
+def test_keep_last_checkpoints(tmp_path, text_file):
+    result = train(tiny(tmp_path, text_file, "keep", "train.save_every=2", "train.keep_last=2"))
+    assert [p.name for p in list_checkpoints(result.run_dir)] == ["step-0000008.pt", "step-0000010.pt"]
+
+
+def test_existing_run_is_not_overwritten(tmp_path, text_file):
+    train(tiny(tmp_path, text_file), until_step=5)
+    with pytest.raises(AttnlabError, match="--resume"):
+        train(tiny(tmp_path, text_file))
+
+
+def test_corrupt_checkpoint_named_and_previous_kept(tmp_path, text_file):
+    result = train(tiny(tmp_path, text_file, "run", "train.keep_last=3"))
+    latest = list_checkpoints(result.run_dir)[-1]
+    latest.write_bytes(latest.read_bytes()[: latest.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match="step-0000010.pt.*corrupt.*step-0000005.pt is intact"):
+        train(tiny(tmp_path, text_file, "run", "train.max_steps=12"), resume=True)
+    resumed = train(tiny(tmp_path, text_file, "run", "train.max_steps=12"),
+                    resume=str(list_checkpoints(result.run_dir)[-2]))
+    assert resumed.step == 12
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (os.system, ("touch pwned-marker",))
+
+
+def test_crafted_checkpoint_cannot_run_code(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "step-0000001.pt"
+    torch.save({"format_version": 1, "model": {}, "config": {}, "payload": _RunsCode()}, path, pickle_module=pickle)
+    with pytest.raises(CheckpointError, match="corrupt or unsafe"):
+        read_checkpoint(path)
+    assert not (tmp_path / "pwned-marker").exists()
+
+
+def test_missing_checkpoint(tmp_path):
+    with pytest.raises(CheckpointError, match="neither a run directory nor a checkpoint"):
+        load_model(tmp_path / "nowhere")
+
+
+def test_nonfinite_loss_stops_before_update(tmp_path, text_file, monkeypatch):
+    calls = {"n": 0}
+    real_forward = loop.Transformer.forward
+
+    def poisoned(self, *args, **kwargs):
+        output = real_forward(self, *args, **kwargs)
+        if self.training and kwargs.get("targets") is not None:
+            calls["n"] += 1
+            if calls["n"] == 7:
+                output.loss = output.loss * float("nan")
+        return output
+
+    monkeypatch.setattr(loop.Transformer, "forward", poisoned)
+    with pytest.raises(TrainingError, match=r"loss became nan at step 7.*step-0000005.pt"):
+        train(tiny(tmp_path, text_file))
+    assert [p.name for p in list_checkpoints(tmp_path / "runs" / "run")] == ["step-0000005.pt"]
+
+
+def test_ctrl_c_saves_and_resumes(tmp_path, text_file):
+    config_args = [
+        "name=interrupted", f"out_dir={tmp_path / 'runs'}", "model.dim=32", "model.depth=2", "model.heads=2",
+        "model.dim_head=16", "model.max_seq_len=64", "data.source=file", f"data.path={text_file}",
+        "train.seq_len=32", "train.batch_size=4", "train.max_steps=100000", "train.eval_every=0",
+        "train.sample_every=0", "train.save_every=100000", "train.log_every=1", "log.progress=false",
+    ]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "attnlab.cli.main", "train", "-p", "demo", *config_args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    metrics = tmp_path / "runs" / "interrupted" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and (not metrics.exists() or metrics.read_text().count("\n") < 3):
+        time.sleep(0.2)
+    process.send_signal(signal.SIGINT)
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 130, output
+    (checkpoint,) = list_checkpoints(tmp_path / "runs" / "interrupted")
+    step = read_checkpoint(checkpoint)["step"]
+    assert step >= 3 and checkpoint.name == f"step-{step:07d}.pt"
+
+
+def test_schedules():
+    assert minimind_lr(0, 5e-4, 100) == pytest.approx(5e-5 + 5e-4)
+    assert minimind_lr(100, 5e-4, 100) == pytest.approx(5e-5)
+    assert cosine_lr(0, 1.0, 100, 10, 0.1) == pytest.approx(0.1)
+    assert cosine_lr(9, 1.0, 100, 10, 0.1) == pytest.approx(1.0)
+    assert cosine_lr(100, 1.0, 100, 10, 0.1) == pytest.approx(0.1)
+
+
+def test_weight_decay_only_on_matrices(tmp_path, text_file):
+    from attnlab.model import Transformer
+
+    model = Transformer(tiny(tmp_path, text_file).model)
+    decay, no_decay = parameter_groups(model, 0.1)
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.dim() == 2 for p in decay["params"])
+    assert any(p is model.token_embedding.embed.weight for p in no_decay["params"])
+    n_all = len({id(p) for p in model.parameters()})
+    assert len(decay["params"]) + len(no_decay["params"]) == n_all
