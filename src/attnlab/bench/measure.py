@@ -1,0 +1,157 @@
+"""Benchmark measurements, each meant to run in a fresh process (see bench/runner.py).
+
+Training: median time of an optimiser step (forward, backward, AdamW) after warm-up, tokens/s,
+and peak memory: on CUDA the allocator's peak, on CPU the growth of the process's resident-set
+high-water mark over its size before the measured steps (Linux /proc; the mark is reset first).
+
+Decoding: per-token latency with the KV cache after prefilling a context of length C, and the
+same without the cache (re-running the whole prefix for each token), median over tokens.
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from attnlab.config import ModelConfig, config_from_dict
+
+
+def model_config(values: dict[str, Any]) -> ModelConfig:
+    return config_from_dict(values, ModelConfig)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _rss_bytes(field: str) -> int | None:
+    status = Path("/proc/self/status")
+    if not status.exists():
+        return None
+    for line in status.read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
+def _reset_peak(device: torch.device) -> int | None:
+    """Reset the peak-memory mark; return the baseline it is measured from."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return torch.cuda.memory_allocated(device)
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+    except OSError:
+        return None
+    return _rss_bytes("VmRSS")
+
+
+def _peak_since(device: torch.device, baseline: int | None) -> int | None:
+    if baseline is None:
+        return None
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) - baseline
+    peak = _rss_bytes("VmHWM")
+    return None if peak is None else peak - baseline
+
+
+def environment(device: torch.device, dtype: str) -> dict[str, Any]:
+    info = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "threads": torch.get_num_threads(),
+        "dtype": dtype,
+        "device": device.type,
+        "machine": platform.processor() or platform.machine(),
+    }
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def measure_train(
+    model_values: dict[str, Any], seq_len: int, batch_size: int, steps: int, warmup: int,
+    device: str = "cpu", dtype: str = "fp32",
+) -> dict[str, Any]:
+    from attnlab.model import Transformer
+
+    torch_device = torch.device(device)
+    config = model_config({**model_values, "max_seq_len": max(seq_len, model_values.get("max_seq_len", 0))})
+    torch.manual_seed(0)
+    model = Transformer(config).to(torch_device).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    tokens = torch.randint(0, config.num_tokens, (batch_size, seq_len + 1), device=torch_device)
+    autocast_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+
+    def step() -> None:
+        with torch.autocast(torch_device.type, dtype=autocast_dtype or torch.float32,
+                            enabled=autocast_dtype is not None):
+            loss = model(tokens[:, :-1], targets=tokens[:, 1:]).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(warmup):
+        step()
+    _synchronize(torch_device)
+    baseline = _reset_peak(torch_device)
+    times = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        step()
+        _synchronize(torch_device)
+        times.append(time.perf_counter() - started)
+    median = statistics.median(times)
+    peak = _peak_since(torch_device, baseline)
+    return {
+        "kind": "train", "attention": config.attention.kind, "seq_len": seq_len, "batch_size": batch_size,
+        "step_ms": median * 1e3, "tokens_per_s": batch_size * seq_len / median,
+        "peak_memory_mb": None if peak is None else peak / 2**20,
+        "parameters": model.num_parameters(), "steps": steps, **environment(torch_device, dtype),
+    }
+
+
+@torch.no_grad()
+def measure_decode(
+    model_values: dict[str, Any], context: int, new_tokens: int, use_cache: bool,
+    device: str = "cpu", dtype: str = "fp32",
+) -> dict[str, Any]:
+    from attnlab.model import Transformer
+
+    torch_device = torch.device(device)
+    length = context + new_tokens
+    config = model_config({**model_values, "max_seq_len": max(length, model_values.get("max_seq_len", 0))})
+    torch.manual_seed(0)
+    model = Transformer(config).to(torch_device).eval()
+    if dtype != "fp32":
+        model = model.to({"bf16": torch.bfloat16, "fp16": torch.float16}[dtype])
+    sequence = torch.randint(0, config.num_tokens, (1, length), device=torch_device)
+    times = []
+    if use_cache:
+        cache = model.new_cache(1, length)
+        model(sequence[:, :context], cache=cache)
+        for position in range(context, length):
+            _synchronize(torch_device)
+            started = time.perf_counter()
+            model(sequence[:, position : position + 1], cache=cache)
+            _synchronize(torch_device)
+            times.append(time.perf_counter() - started)
+    else:
+        for position in range(context, length):
+            _synchronize(torch_device)
+            started = time.perf_counter()
+            model(sequence[:, : position + 1])
+            _synchronize(torch_device)
+            times.append(time.perf_counter() - started)
+    median = statistics.median(times[1:] if len(times) > 1 else times)
+    return {
+        "kind": "decode", "attention": config.attention.kind, "context": context, "cache": use_cache,
+        "ms_per_token": median * 1e3, "tokens_per_s": 1 / median, "new_tokens": new_tokens,
+        **environment(torch_device, dtype),
+    }

@@ -1,0 +1,72 @@
+"""Run each benchmark configuration in a fresh Python process and collect JSON lines.
+
+A fresh process per configuration keeps one measurement's allocator state, compiled kernels and
+memory high-water mark from leaking into the next.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from typing import Any
+
+from attnlab.config import parse_override
+from attnlab.errors import AttnlabError
+
+log = logging.getLogger(__name__)
+
+
+def model_values(dim: int, depth: int, heads: int, attention: str, overrides: list[str]) -> dict[str, Any]:
+    """Model config values for a benchmark: the given size and attention, then `key=value` overrides
+    relative to the model config (e.g. attention.local.window_size=64)."""
+    values: dict[str, Any] = {"dim": dim, "depth": depth, "heads": heads, "dim_head": dim // heads,
+                              "attention": {"kind": attention}}
+    for override in overrides:
+        _merge(values, parse_override(override))
+    return values
+
+
+def _merge(base: dict[str, Any], update: dict[str, Any]) -> None:
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            _merge(base[key], value)
+        else:
+            base[key] = value
+
+
+def run_isolated(task: str, arguments: dict[str, Any], threads: int, timeout: float = 1800) -> dict[str, Any]:
+    """Run attnlab.bench.measure.<task>(**arguments) in a new process; return its result."""
+    environment = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    command = [sys.executable, "-m", "attnlab.bench.worker", task, json.dumps(arguments)]
+    completed = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=timeout)
+    if completed.returncode != 0:
+        tail = completed.stderr.strip().splitlines()[-1:] or ["no output"]
+        raise AttnlabError(f"benchmark {task} {arguments} failed: {tail[0]}")
+    return json.loads(completed.stdout.strip().splitlines()[-1])
+
+
+def train_table(results: list[dict[str, Any]]) -> str:
+    lines = ["| attention | seq_len | batch | tokens/s | step (ms) | peak memory (MB) |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for r in results:
+        memory = "n/a" if r["peak_memory_mb"] is None else f"{r['peak_memory_mb']:.0f}"
+        lines.append(f"| {r['attention']} | {r['seq_len']} | {r['batch_size']} | {r['tokens_per_s']:.0f} | "
+                     f"{r['step_ms']:.1f} | {memory} |")
+    return "\n".join(lines)
+
+
+def decode_table(results: list[dict[str, Any]]) -> str:
+    cached = {(r["attention"], r["context"]): r for r in results if r["cache"]}
+    uncached = {(r["attention"], r["context"]): r for r in results if not r["cache"]}
+    lines = ["| attention | context | cached (ms/token) | no cache (ms/token) | cache speedup |",
+             "|---|---:|---:|---:|---:|"]
+    for key in sorted(cached.keys() | uncached.keys()):
+        with_cache, without = cached.get(key), uncached.get(key)
+        a = f"{with_cache['ms_per_token']:.2f}" if with_cache else "-"
+        b = f"{without['ms_per_token']:.2f}" if without else "-"
+        speedup = f"{without['ms_per_token'] / with_cache['ms_per_token']:.1f}x" if with_cache and without else "-"
+        lines.append(f"| {key[0]} | {key[1]} | {a} | {b} | {speedup} |")
+    return "\n".join(lines)

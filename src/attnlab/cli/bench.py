@@ -1,0 +1,65 @@
+"""`attnlab bench train|decode`: throughput, memory and decode latency, one fresh process per configuration."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from attnlab.bench.runner import decode_table, model_values, run_isolated, train_table
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("bench", help="training throughput/memory and decode latency benchmarks")
+    kinds = parser.add_subparsers(dest="bench_kind", metavar="KIND", required=True)
+    for name, helptext in [("train", "training tokens/s and peak memory per attention and length"),
+                           ("decode", "per-token decode latency with and without the cache, per context")]:
+        sub = kinds.add_parser(name, help=helptext)
+        sub.add_argument("--attention", nargs="+", default=["full", "local"], help="registered attention kinds")
+        sub.add_argument("--dim", type=int, default=256)
+        sub.add_argument("--depth", type=int, default=4)
+        sub.add_argument("--heads", type=int, default=4)
+        sub.add_argument("--set", dest="overrides", nargs="*", default=[], metavar="key=value",
+                         help="model config overrides, e.g. attention.local.window_size=64")
+        sub.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS of each worker")
+        sub.add_argument("--device", default="cpu")
+        sub.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
+        sub.add_argument("--out", type=Path, default=None, help="append JSON lines here")
+        sub.add_argument("--markdown", type=Path, default=None, help="write the markdown table here")
+        if name == "train":
+            sub.add_argument("--seq-len", type=int, nargs="+", default=[512, 1024, 2048])
+            sub.add_argument("--batch-size", type=int, default=1)
+            sub.add_argument("--steps", type=int, default=5, help="measured steps (median reported)")
+            sub.add_argument("--warmup", type=int, default=2)
+        else:
+            sub.add_argument("--context", type=int, nargs="+", default=[64, 256, 1024])
+            sub.add_argument("--new-tokens", type=int, default=16, help="tokens timed per context (median)")
+            sub.add_argument("--no-uncached", action="store_true", help="skip the no-cache baseline")
+        sub.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    results = []
+    for attention in args.attention:
+        values = model_values(args.dim, args.depth, args.heads, attention, args.overrides)
+        if args.bench_kind == "train":
+            jobs = [("train", dict(model_values=values, seq_len=n, batch_size=args.batch_size, steps=args.steps,
+                                   warmup=args.warmup, device=args.device, dtype=args.dtype))
+                    for n in args.seq_len]
+        else:
+            jobs = [("decode", dict(model_values=values, context=c, new_tokens=args.new_tokens, use_cache=cache,
+                                    device=args.device, dtype=args.dtype))
+                    for c in args.context for cache in ([True] if args.no_uncached else [True, False])]
+        for task, arguments in jobs:
+            result = run_isolated(task, arguments, args.threads)
+            result["model"] = values
+            results.append(result)
+            print(json.dumps(result), flush=True)
+            if args.out:
+                with open(args.out, "a") as handle:
+                    handle.write(json.dumps(result) + "\n")
+    table = train_table(results) if args.bench_kind == "train" else decode_table(results)
+    print(table)
+    if args.markdown:
+        args.markdown.write_text(table + "\n")
+    return 0

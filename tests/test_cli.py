@@ -1,0 +1,70 @@
+"""The commands, run in-process: train -> eval -> sample, and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from attnlab.cli.main import main
+
+TEXT = (Path(__file__).parent.parent / "src" / "attnlab" / "train" / "loop.py").read_bytes() * 3
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("cli")
+    corpus = root / "corpus.txt"
+    corpus.write_bytes(TEXT)
+    code = main([
+        "train", "-p", "demo", "name=cli", f"out_dir={root / 'runs'}", "model.dim=32", "model.depth=1",
+        "model.heads=2", "model.dim_head=16", "model.max_seq_len=64", "data.source=file", f"data.path={corpus}",
+        "train.seq_len=32", "train.batch_size=4", "train.max_steps=6", "train.eval_every=3", "train.eval_batches=1",
+        "train.sample_every=3", "train.sample_length=8", "train.prime_length=8", "log.progress=false",
+    ])
+    assert code == 0
+    return root / "runs" / "cli"
+
+
+def test_eval_json_is_deterministic(run_dir, capsys):
+    capsys.readouterr()
+    assert main(["eval", str(run_dir), "--json", "--windows", "4", "--batch-size", "2"]) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert main(["eval", str(run_dir), "--json", "--windows", "4", "--batch-size", "4"]) == 0
+    second = json.loads(capsys.readouterr().out)
+    assert first["step"] == 6 and first["n_windows"] == 4
+    assert first["bits_per_token"] == pytest.approx(second["bits_per_token"], rel=1e-5)
+    assert first["perplexity"] > 1
+
+
+def test_sample_cache_matches_no_cache(run_dir, capsys):
+    capsys.readouterr()
+    args = ["sample", str(run_dir), "--prompt", "def ", "--max-new-tokens", "20", "--temperature", "0"]
+    assert main(args) == 0
+    cached = capsys.readouterr().out
+    assert main([*args, "--no-cache"]) == 0
+    assert capsys.readouterr().out == cached and cached.startswith("def ")
+
+
+def test_seeded_sampling_repeats(run_dir, capsys):
+    capsys.readouterr()
+    args = ["sample", str(run_dir), "--max-new-tokens", "16", "--top-k", "20", "--seed", "5"]
+    main(args)
+    first = capsys.readouterr().out
+    main(args)
+    assert capsys.readouterr().out == first
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train", "-p", "nosuch"], "unknown preset 'nosuch'"),
+    (["train", "train.max_stepz=3"], "unknown config key 'train.max_stepz'; did you mean 'train.max_steps'"),
+    (["train", "data.source=file", "data.path=/no/such/file.txt"], "/no/such/file.txt"),
+    (["sample", "/no/such/run"], "neither a run directory nor a checkpoint"),
+    (["eval", "/no/such/run"], "neither a run directory nor a checkpoint"),
+])
+def test_bad_input_one_line_error(argv, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    error = capsys.readouterr().err.strip()
+    assert message in error and len(error.splitlines()) == 1, error
