@@ -2,7 +2,8 @@
 
 Training: median time of an optimiser step (forward, backward, AdamW) after warm-up, tokens/s,
 and peak memory: on CUDA the allocator's peak, on CPU the growth of the process's resident-set
-high-water mark over its size before the measured steps (Linux /proc; the mark is reset first).
+high-water mark over its size before the measured steps (Linux /proc; the mark is reset first;
+the runner makes glibc return freed blocks at once so that the mark follows live memory).
 
 Decoding: per-token latency with the KV cache after prefilling a context of length C, and the
 same without the cache (re-running the whole prefix for each token), median over tokens.

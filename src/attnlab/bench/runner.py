@@ -39,7 +39,12 @@ def _merge(base: dict[str, Any], update: dict[str, Any]) -> None:
 
 def run_isolated(task: str, arguments: dict[str, Any], threads: int, timeout: float = 1800) -> dict[str, Any]:
     """Run attnlab.bench.measure.<task>(**arguments) in a new process; return its result."""
-    environment = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    environment = {
+        **os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+        # glibc: serve every allocation over 64 KiB by mmap and return it on free, so the process's
+        # resident size follows live tensor memory and its high-water mark is the training peak
+        "MALLOC_MMAP_THRESHOLD_": "65536",
+    }
     command = [sys.executable, "-m", "attnlab.bench.worker", task, json.dumps(arguments)]
     completed = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=timeout)
     if completed.returncode != 0:

@@ -1,0 +1,69 @@
+"""Random windows of seq_len + 1 tokens, as the seeds sample them, with exactly resumable state.
+
+The sampler is counter-based: the window starts of global batch i are drawn from a generator
+seeded with (seed, i). Its whole state is the batch counter, so a resumed run draws exactly the
+batches an uninterrupted one would, and ranks of a distributed run take disjoint slices of the
+same global batch (their union is the single-process batch of batch_size * world_size windows).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from attnlab.errors import DataError
+
+
+def fetch_windows(data: np.ndarray, starts: np.ndarray, seq_len: int) -> torch.Tensor:
+    """[len(starts), seq_len + 1] int64 windows of `data` beginning at `starts`."""
+    offsets = starts[:, None] + np.arange(seq_len + 1)[None, :]
+    return torch.from_numpy(np.asarray(data[offsets.ravel()], dtype=np.int64).reshape(offsets.shape))
+
+
+def _check_length(n_tokens: int, seq_len: int) -> None:
+    if n_tokens < seq_len + 2:
+        raise DataError(f"data has {n_tokens} tokens; windows of seq_len + 1 = {seq_len + 1} need at least {seq_len + 2}")
+
+
+class RandomWindowSampler:
+    def __init__(
+        self, n_tokens: int, seq_len: int, batch_size: int, seed: int, rank: int = 0, world_size: int = 1
+    ) -> None:
+        _check_length(n_tokens, seq_len)
+        self.n_tokens, self.seq_len, self.batch_size, self.seed = n_tokens, seq_len, batch_size, seed
+        self.rank, self.world_size = rank, world_size
+        self.position = 0  # index of the next global batch
+
+    def starts(self, index: int) -> np.ndarray:
+        """This rank's window starts in global batch `index`."""
+        generator = np.random.default_rng([self.seed, index])
+        every = generator.integers(0, self.n_tokens - self.seq_len - 1, size=self.batch_size * self.world_size)
+        return every[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
+
+    def next_batch(self, data: np.ndarray) -> torch.Tensor:
+        """[batch_size, seq_len + 1] token windows; advances the position."""
+        batch = fetch_windows(data, self.starts(self.position), self.seq_len)
+        self.position += 1
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self.position, "seed": self.seed, "seq_len": self.seq_len,
+                "batch_size": self.batch_size, "world_size": self.world_size}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key in ("seed", "seq_len", "batch_size", "world_size"):
+            if key in state and state[key] != getattr(self, key):
+                raise DataError(
+                    f"checkpoint's data sampler has {key}={state[key]} but this run has {getattr(self, key)}; "
+                    f"resume with the same train.{key if key != 'world_size' else 'world size'}"
+                )
+        self.position = int(state["position"])
+
+
+def eval_windows(data: np.ndarray, seq_len: int, n_windows: int, seed: int = 1234) -> torch.Tensor:
+    """Deterministic evaluation windows [n_windows, seq_len + 1] at seeded random starts."""
+    _check_length(len(data), seq_len)
+    starts = np.random.default_rng(seed).integers(0, len(data) - seq_len - 1, size=n_windows)
+    return fetch_windows(data, starts, seq_len)

@@ -1,0 +1,166 @@
+"""Byte corpora and the window sampler."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import http.server
+import json
+import threading
+import zipfile
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from attnlab.cli.main import main
+from attnlab.config import DataConfig
+from attnlab.data.bytes import download_enwik8, load_corpus, prepare_builtin, stdlib_sources
+from attnlab.data.sampler import RandomWindowSampler, eval_windows
+from attnlab.errors import DataError
+
+CONTENT = bytes(range(256)) * 40 + "héllo wörld\n".encode() * 50
+
+
+@pytest.fixture(scope="module")
+def builtin(tmp_path_factory) -> Path:
+    return prepare_builtin(tmp_path_factory.mktemp("cache-a"))
+
+
+def test_builtin_corpus_is_deterministic_and_complete(builtin, tmp_path):
+    meta = json.loads((builtin / "meta.json").read_text())
+    train, val = (builtin / "train.bin").read_bytes(), (builtin / "val.bin").read_bytes()
+    assert hashlib.sha256(train + val).hexdigest() == meta["sha256"]
+    assert len(val) == int(meta["total_bytes"] * 0.05) and meta["n_files"] > 500
+    again = prepare_builtin(tmp_path)  # a second, independent build gives the same bytes
+    assert json.loads((again / "meta.json").read_text())["sha256"] == meta["sha256"]
+    files = stdlib_sources()
+    assert not any("site-packages" in path.parts or "dist-packages" in path.parts for path in files)
+    assert sum(path.stat().st_size for path in files) == meta["total_bytes"]
+
+
+def test_builtin_reused_not_rebuilt(builtin):
+    stamp = (builtin / "train.bin").stat().st_mtime_ns
+    prepare_builtin(builtin.parent)
+    assert (builtin / "train.bin").stat().st_mtime_ns == stamp
+
+
+def test_load_builtin(builtin):
+    corpus = load_corpus(DataConfig(source="builtin", cache_dir=str(builtin.parent)))
+    assert corpus.train.dtype == np.uint8 and len(corpus.val) > 100_000
+    assert b"def " in bytes(corpus.train[:100_000])
+
+
+@pytest.mark.parametrize("kind", ["txt", "gz", "zip", "raw"])
+def test_file_formats_give_the_same_bytes(tmp_path, kind):
+    path = tmp_path / {"txt": "a.txt", "gz": "a.txt.gz", "zip": "a.zip", "raw": "a.bin"}[kind]
+    if kind == "gz":
+        path.write_bytes(gzip.compress(CONTENT))
+    elif kind == "zip":
+        with zipfile.ZipFile(path, "w") as archive:
+            archive.writestr("part-b", CONTENT[5000:])
+            archive.writestr("part-a", CONTENT[:5000])
+    else:
+        path.write_bytes(CONTENT)
+    corpus = load_corpus(DataConfig(source="file", path=str(path), val_fraction=0.1))
+    assert bytes(corpus.train) + bytes(corpus.val) == CONTENT
+    assert len(corpus.val) == int(len(CONTENT) * 0.1)
+
+
+def test_missing_and_empty_files(tmp_path):
+    with pytest.raises(DataError, match="nothere.txt does not exist"):
+        load_corpus(DataConfig(source="file", path=str(tmp_path / "nothere.txt")))
+    (tmp_path / "empty.txt").write_bytes(b"")
+    with pytest.raises(DataError, match="empty.txt is empty"):
+        load_corpus(DataConfig(source="file", path=str(tmp_path / "empty.txt")))
+
+
+def make_enwik8_zip(path: Path, size: int = 3000) -> bytes:
+    content = (b"<page>wiki text</page>\n" * (size // 23 + 1))[:size]
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("enwik8", content)
+    return content
+
+
+def test_enwik8_split_exact(tmp_path):
+    content = make_enwik8_zip(tmp_path / "enwik8.zip")
+    config = DataConfig(source="enwik8", path=str(tmp_path / "enwik8.zip"), enwik8_train_bytes=2000,
+                        enwik8_val_bytes=500)
+    corpus = load_corpus(config)
+    assert bytes(corpus.train) == content[:2000] and bytes(corpus.val) == content[2000:2500]
+    with pytest.raises(DataError, match="has 3,000 bytes; the enwik8 split needs 95,000,000"):
+        load_corpus(DataConfig(source="enwik8", path=str(tmp_path / "enwik8.zip")))
+
+
+@pytest.fixture
+def served(tmp_path):
+    """A small enwik8.zip served over HTTP on 127.0.0.1 (an ephemeral port)."""
+    root = tmp_path / "site"
+    root.mkdir()
+    make_enwik8_zip(root / "enwik8.zip")
+    handler = partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
+    handler.log_message = lambda *args: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/enwik8.zip", root / "enwik8.zip"
+    server.shutdown()
+
+
+def test_download_verifies_checksum(served, tmp_path):
+    url, source = served
+    checksum = hashlib.sha256(source.read_bytes()).hexdigest()
+    path = download_enwik8(tmp_path / "dest", url=url, sha256=checksum)
+    assert path.read_bytes() == source.read_bytes()
+    with pytest.raises(DataError, match="checksum mismatch"):
+        download_enwik8(tmp_path / "bad", url=url, sha256="0" * 64)
+    assert list((tmp_path / "bad").iterdir()) == []  # nothing left behind
+
+
+def test_download_file_url_and_cli(served, tmp_path, capsys):
+    _, source = served
+    checksum = hashlib.sha256(source.read_bytes()).hexdigest()
+    dest = tmp_path / "dest"
+    assert main(["data", "download", "enwik8", "--dest", str(dest), "--url", source.as_uri(),
+                 "--sha256", checksum]) == 0
+    assert (dest / "enwik8.zip").read_bytes() == source.read_bytes()
+    assert main(["data", "download", "enwik8", "--dest", str(tmp_path / "x"), "--url",
+                 (tmp_path / "missing.zip").as_uri()]) == 2
+    assert "cannot download" in capsys.readouterr().err
+
+
+def test_cli_prepare_builtin(builtin, capsys):
+    assert main(["data", "prepare", "builtin", "--cache-dir", str(builtin.parent)]) == 0
+    assert "sha256" in capsys.readouterr().out
+
+
+def test_sampler_resume_and_ranks():
+    data = np.arange(10_000) % 256
+    whole = RandomWindowSampler(len(data), 16, 4, seed=3)
+    batches = [whole.next_batch(data) for _ in range(6)]
+    resumed = RandomWindowSampler(len(data), 16, 4, seed=3)
+    [resumed.next_batch(data) for _ in range(3)]
+    state = resumed.state_dict()
+    fresh = RandomWindowSampler(len(data), 16, 4, seed=3)
+    fresh.load_state_dict(state)
+    for expected in batches[3:]:
+        assert np.array_equal(fresh.next_batch(data).numpy(), expected.numpy())
+    ranks = [RandomWindowSampler(len(data), 16, 2, seed=3, rank=r, world_size=2) for r in range(2)]
+    assert np.array_equal(np.concatenate([r.starts(0) for r in ranks]), whole.starts(0))
+    assert batches[0].shape == (4, 17) and int(batches[0].max()) < 256
+    window = batches[0][0].numpy()
+    assert np.array_equal(np.diff(window) % 256, np.ones(16))  # contiguous windows
+
+
+def test_sampler_rejects_mismatched_state_and_short_data():
+    sampler = RandomWindowSampler(1000, 16, 4, seed=3)
+    with pytest.raises(DataError, match="batch_size=8"):
+        sampler.load_state_dict({**sampler.state_dict(), "batch_size": 8})
+    with pytest.raises(DataError, match="at least 18"):
+        RandomWindowSampler(10, 16, 4, seed=0)
+
+
+def test_eval_windows_deterministic():
+    data = np.arange(5000) % 256
+    assert np.array_equal(eval_windows(data, 32, 5).numpy(), eval_windows(data, 32, 5).numpy())
