@@ -149,6 +149,12 @@ class LogConfig:
 
 
 @dataclass(kw_only=True)
+class DistConfig:
+    strategy: Literal["single", "ddp", "fsdp", "deepspeed"] = "single"  # see train/distributed.py
+    deepspeed_config: str | None = None  # DeepSpeed JSON config (strategy=deepspeed)
+
+
+@dataclass(kw_only=True)
 class RunConfig:
     name: str = "run"  # run directory name under out_dir
     out_dir: str = "runs"  # parent of run directories
@@ -157,6 +163,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
 
     @property
     def run_dir(self) -> Path:

@@ -46,7 +46,8 @@ from attnlab.train.checkpoint import (
     save_checkpoint,
 )
 from attnlab.train.ema import WeightEMA
-from attnlab.train.metrics import open_metrics
+from attnlab.train.distributed import STRATEGY, local_device
+from attnlab.train.metrics import Metrics, open_metrics
 from attnlab.train.optim import build_optimizer, learning_rate
 
 log = logging.getLogger(__name__)
@@ -169,6 +170,8 @@ def train(
     checkpoint) while keeping the schedule of train.max_steps: for time-sliced jobs."""
     tc = config.train
     run_dir = config.run_dir
+    device = local_device(tc.device) if config.dist.strategy != "single" else resolve_device(tc.device)
+    strategy = STRATEGY.get(config.dist.strategy)(config, device)
     resume_from = find_resume_checkpoint(config, resume)
     state = None
     if resume_from is not None:
@@ -177,116 +180,138 @@ def train(
         except CheckpointError as error:
             raise describe_corruption(resume_from, error) from error
 
-    device = resolve_device(tc.device)
-    autocast_dtype = resolve_precision(tc.precision, device)
+    # precision of the DeepSpeed engine comes from its own config
+    autocast_dtype = None if strategy.owns_accumulation else resolve_precision(tc.precision, device)
     torch.manual_seed(tc.seed)
     random.seed(tc.seed)
     np.random.seed(tc.seed)
 
     corpus = load_corpus(config.data)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    write_run_info(config, run_dir, command_line)
+    if strategy.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_run_info(config, run_dir, command_line)
 
     model = Transformer(config.model).to(device)
-    optimizer = build_optimizer(model, tc)
-    scaler = torch.amp.GradScaler(device.type, enabled=autocast_dtype == torch.float16)
+    if tc.ema and (config.dist.strategy == "fsdp" or strategy.owns_accumulation):
+        raise AttnlabError(f"train.ema=true is supported with dist.strategy single and ddp, not {config.dist.strategy}")
     ema = WeightEMA(model, tc.ema_decay) if tc.ema else None
-    sampler = RandomWindowSampler(len(corpus.train), tc.seq_len, tc.batch_size, tc.seed)
+    forward, optimizer = strategy.wrap(model, build_optimizer(model, tc))
+    scaler = torch.amp.GradScaler(device.type, enabled=autocast_dtype == torch.float16)
+    sampler = RandomWindowSampler(
+        len(corpus.train), tc.seq_len, tc.batch_size, tc.seed, rank=strategy.rank, world_size=strategy.world_size
+    )
     step = 0
     if state is not None:
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        step = int(state["step"])
+        strategy.load_state(model, optimizer, state["model"], state["optimizer"])
+        strategy.load_engine_checkpoint(forward, run_dir, step)
         scaler.load_state_dict(state["scaler"])
         if ema is not None:
             if state.get("ema") is None:
                 raise CheckpointError(f"{resume_from} has no EMA weights but train.ema=true")
             ema.load_state_dict(state["ema"])
         sampler.load_state_dict(state["sampler"])
-        set_rng_state(state["rng"])
-        step = int(state["step"])
+        rng_states = state["rng"]
+        if len(rng_states) != strategy.world_size:
+            raise CheckpointError(f"{resume_from} was written by {len(rng_states)} processes; this run has "
+                                  f"{strategy.world_size}")
+        set_rng_state(rng_states[strategy.rank])
         log.info("resumed from %s at step %d", resume_from, step)
-    forward = torch.compile(model) if tc.compile else model
+    if tc.compile:
+        forward = torch.compile(forward)
 
-    metrics = open_metrics(config.log, run_dir, config.name, config_to_dict(config), step if state else None)
+    metrics = (
+        open_metrics(config.log, run_dir, config.name, config_to_dict(config), step if state else None)
+        if strategy.is_main else Metrics([])
+    )
     log.info(
-        "%s: %s, %.2fM parameters, %s on %s (%s)",
-        config.name, config.model.attention.kind, model.num_parameters() / 1e6,
-        corpus.description, device, "fp32" if autocast_dtype is None else str(autocast_dtype).split(".")[-1],
+        "%s: %s, %.2fM parameters, %s on %s (%s, %s x %d)",
+        config.name, config.model.attention.kind, model.num_parameters() / 1e6, corpus.description, device,
+        "fp32" if autocast_dtype is None else str(autocast_dtype).split(".")[-1], config.dist.strategy,
+        strategy.world_size,
     )
 
     def checkpoint() -> Path:
+        """Every rank takes part (gathering sharded state); rank 0 writes the file."""
         path = checkpoint_path(run_dir, step)
-        save_checkpoint(path, {
-            "config": config_to_dict(config),
-            "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "scaler": scaler.state_dict(),
-            "ema": None if ema is None else ema.state_dict(),
-            "step": step,
-            "rng": rng_state(),
-            "sampler": sampler.state_dict(),
-        })
-        prune_checkpoints(run_dir, tc.keep_last)
+        strategy.save_engine_checkpoint(forward, run_dir, step)
+        model_state, optimizer_state = strategy.model_state(model), strategy.optimizer_state(model, optimizer)
+        rng_states = strategy.gather_objects(rng_state())
+        strategy.barrier()
+        if strategy.is_main:
+            if strategy.owns_accumulation:  # single-file weights rebuilt from the engine's checkpoint
+                model_state = strategy.consolidated_model_state(run_dir, step)
+            save_checkpoint(path, {
+                "config": config_to_dict(config),
+                "model": model_state,
+                "optimizer": optimizer_state,
+                "scaler": scaler.state_dict(),
+                "ema": None if ema is None else ema.state_dict(),
+                "step": step,
+                "rng": rng_states,
+                "sampler": sampler.state_dict(),
+            })
+            prune_checkpoints(run_dir, tc.keep_last)
+        strategy.barrier()
         return path
 
     def validate() -> dict[str, float]:
+        """Every rank evaluates the same windows (sharded models need all ranks); rank 0 records."""
         result = evaluate(
-            ema.model if ema is not None else model, corpus.val, tc.seq_len,
+            ema.model if ema is not None else forward, corpus.val, tc.seq_len,
             tc.eval_batches * tc.batch_size, tc.batch_size, autocast_dtype=autocast_dtype,
         )
         record = {"val_loss": result.loss, "val_bpb": result.bits_per_token}
         metrics.write(step, record)
-        log.info("step %d: validation loss %.4f, %.4f bits per byte", step, result.loss, result.bits_per_token)
+        if strategy.is_main:
+            log.info("step %d: validation loss %.4f, %.4f bits per byte", step, result.loss, result.bits_per_token)
         return record
 
-    tokens_per_step = tc.batch_size * tc.grad_accum * tc.seq_len
+    tokens_per_step = tc.batch_size * tc.grad_accum * tc.seq_len * strategy.world_size
     autocast = (
         torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None else nullcontext()
     )
     last_eval = None
     interrupted = False
     progress = tqdm(
-        total=tc.max_steps, initial=step, desc=config.name, disable=not config.log.progress, dynamic_ncols=True
+        total=tc.max_steps, initial=step, desc=config.name, dynamic_ncols=True,
+        disable=not (config.log.progress and strategy.is_main),
     )
     if step == 0 and tc.eval_every > 0:
         last_eval = validate()
     model.train()
+    last_step = tc.max_steps if until_step is None else min(until_step, tc.max_steps)
     try:
         with StopOnInterrupt() as stop:
-            last_step = tc.max_steps if until_step is None else min(until_step, tc.max_steps)
-            while step < last_step and not stop.requested:
+            while step < last_step and not stop_agreed(stop, strategy):
                 started = time.perf_counter()
                 lr = learning_rate(step, tc)
                 for group in optimizer.param_groups:
                     group["lr"] = lr
                 losses: dict[str, float] = {}
-                for _ in range(tc.grad_accum):
+                for micro in range(tc.grad_accum):
                     batch = sampler.next_batch(corpus.train).to(device, non_blocking=True)
-                    with autocast:
-                        output = forward(batch[:, :-1], targets=batch[:, 1:])
-                    if not torch.isfinite(output.loss):
-                        kept = list_checkpoints(run_dir)
-                        raise TrainingError(
-                            f"loss became {output.loss.item()} at step {step + 1}; stopped before "
-                            f"updating the weights. Last good checkpoint: {kept[-1] if kept else 'none'}. "
-                            f"Try a lower train.lr or train.precision=fp32"
-                        )
-                    scaler.scale(output.loss / tc.grad_accum).backward()
+                    with strategy.micro_step_context(forward, is_last=micro == tc.grad_accum - 1):
+                        with autocast:
+                            output = forward(batch[:, :-1], targets=batch[:, 1:])
+                        if not torch.isfinite(output.loss):
+                            kept = list_checkpoints(run_dir)
+                            raise TrainingError(
+                                f"loss became {output.loss.item()} at step {step + 1}; stopped before "
+                                f"updating the weights. Last good checkpoint: {kept[-1] if kept else 'none'}. "
+                                f"Try a lower train.lr or train.precision=fp32"
+                            )
+                        strategy.backward(forward, output.loss, scaler)
                     named = [("loss", output.loss), ("lm_loss", output.lm_loss), *output.aux_losses.items()]
                     for name, value in named:
                         losses[name] = losses.get(name, 0.0) + value.item() / tc.grad_accum
-                scaler.unscale_(optimizer)
-                grad_norm = torch.nn.utils.clip_grad_norm_(
-                    model.parameters(), tc.grad_clip if tc.grad_clip > 0 else math.inf
-                )
-                scaler.step(optimizer)
-                scaler.update()
-                optimizer.zero_grad(set_to_none=True)
+                grad_norm = strategy.step(forward, optimizer, scaler, model)
                 after_optimizer_step(model)
                 if ema is not None:
                     ema.update(model)
                 step += 1
 
+                losses = {name: strategy.mean(value) for name, value in losses.items()}
                 elapsed = time.perf_counter() - started
                 progress.update(1)
                 progress.set_postfix(
@@ -294,25 +319,31 @@ def train(
                 )
                 if step % tc.log_every == 0 or step == tc.max_steps:
                     metrics.write(step, {
-                        **losses, "lr": lr, "grad_norm": float(grad_norm),
+                        **losses, "lr": lr, "grad_norm": grad_norm,
                         "tokens_per_s": tokens_per_step / elapsed, "tokens": step * tokens_per_step,
                     })
                 if tc.eval_every > 0 and (step % tc.eval_every == 0 or step == tc.max_steps):
                     last_eval = validate()
                     model.train()
-                if tc.sample_every > 0 and step % tc.sample_every == 0:
+                if tc.sample_every > 0 and step % tc.sample_every == 0 and strategy.world_size == 1:
                     prime, text = sample_text(ema.model if ema is not None else model, corpus, config, step)
                     log.info("step %d sample:\n--- prime ---\n%s\n--- continuation ---\n%s\n---", step, prime, text)
                     model.train()
                 if step % tc.save_every == 0 or step in (tc.max_steps, until_step):
                     checkpoint()
-            if stop.requested:
+            if step < last_step:
                 interrupted = True
                 log.info("interrupted: saved %s (step %d); continue with --resume", checkpoint(), step)
     finally:
         progress.close()
         metrics.close()
+    strategy.close()
     return TrainResult(run_dir=run_dir, step=step, interrupted=interrupted, last_eval=last_eval)
+
+
+def stop_agreed(stop: StopOnInterrupt, strategy) -> bool:
+    """All ranks stop at the same step if any was asked to (so no collective is left waiting)."""
+    return strategy.mean(float(stop.requested)) > 0 if strategy.world_size > 1 else stop.requested
 
 
 class StopOnInterrupt:

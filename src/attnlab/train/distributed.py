@@ -1,0 +1,307 @@
+"""How a training step is distributed: one small strategy class per engine.
+
+This is the only class hierarchy in training, because the engines differ in who owns backward,
+the optimiser step and the checkpoint (DeepSpeed owns all three).
+
+    single     one process (CPU or one GPU)
+    ddp        torch DistributedDataParallel, started by torchrun
+    fsdp       torch FSDP2 (`fully_shard` per block, then the root), started by torchrun
+    deepspeed  DeepSpeed ZeRO 0-3, started by the `deepspeed` launcher or torchrun, its JSON config
+               given by dist.deepspeed_config (or --deepspeed_config)
+
+Under every strategy, rank r trains on slice r of the same global batch (the sampler is
+counter-based), so a run on N processes with batch_size b follows the loss curve of one process
+with batch_size N*b (tests/test_distributed.py). Only rank 0 logs, samples and writes files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from attnlab.config import RunConfig
+from attnlab.errors import AttnlabError
+from attnlab.registry import Registry
+
+log = logging.getLogger(__name__)
+
+STRATEGY: Registry = Registry("distribution strategy")
+
+
+def launched_by_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def init_process_group(device: torch.device) -> None:
+    """Join the process group the launcher described in the environment (gloo on CPU, NCCL on CUDA)."""
+    if not launched_by_torchrun():
+        raise AttnlabError(
+            "this strategy needs a launcher: `torchrun --nproc_per_node N -m attnlab.cli.main train ...` "
+            "or `deepspeed --num_gpus N ...`"
+        )
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, timeout=timedelta(minutes=30))
+
+
+def local_device(name: str) -> torch.device:
+    """cuda:LOCAL_RANK under a launcher on a GPU machine, else the configured device."""
+    if name in ("auto", "cuda") and torch.cuda.is_available():
+        index = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    if name == "auto":
+        return torch.device("cpu")
+    return torch.device(name)
+
+
+@STRATEGY.register("single")
+class SingleProcess:
+    """The plain loop: backward, unscale, clip, step. The base of the other strategies."""
+
+    owns_accumulation = False  # True when the engine divides the loss and decides when to step
+
+    def __init__(self, config: RunConfig, device: torch.device) -> None:
+        self.config = config
+        self.device = device
+        self.rank, self.world_size = 0, 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """The module to call forward on and the optimiser to step."""
+        return model, optimizer
+
+    def micro_step_context(self, forward: nn.Module, is_last: bool):
+        """Context for one micro-batch's forward and backward (DDP skips the all-reduce until the last)."""
+        return contextlib.nullcontext()
+
+    def backward(self, forward: nn.Module, loss: torch.Tensor, scaler: torch.amp.GradScaler) -> None:
+        scaler.scale(loss / self.config.train.grad_accum).backward()
+
+    def step(self, forward: nn.Module, optimizer, scaler: torch.amp.GradScaler, model: nn.Module) -> float:
+        """Clip and step; return the gradient norm before clipping."""
+        clip = self.config.train.grad_clip
+        scaler.unscale_(optimizer)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else math.inf)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def mean(self, value: float) -> float:
+        """The mean of a number over ranks (for logging)."""
+        return value
+
+    def gather_objects(self, value: Any) -> list[Any]:
+        return [value]
+
+    def barrier(self) -> None:
+        pass
+
+    # ---- checkpoint state: full (unsharded) tensors, gathered to rank 0
+
+    def model_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        return model.state_dict()
+
+    def optimizer_state(self, model: nn.Module, optimizer) -> dict[str, Any]:
+        return optimizer.state_dict()
+
+    def load_state(self, model: nn.Module, optimizer, model_state: dict, optimizer_state: dict) -> None:
+        model.load_state_dict(model_state)
+        optimizer.load_state_dict(optimizer_state)
+
+    def save_engine_checkpoint(self, forward: nn.Module, run_dir: Path, step: int) -> None:
+        """Engines with their own checkpoint format write it here (all ranks call this)."""
+
+    def load_engine_checkpoint(self, forward: nn.Module, run_dir: Path, step: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class _ProcessGroupStrategy(SingleProcess):
+    def __init__(self, config: RunConfig, device: torch.device) -> None:
+        super().__init__(config, device)
+        init_process_group(device)
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+
+    def mean(self, value: float) -> float:
+        tensor = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(tensor)
+        return tensor.item() / self.world_size
+
+    def gather_objects(self, value: Any) -> list[Any]:
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, value)
+        return gathered
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+@STRATEGY.register("ddp")
+class DDP(_ProcessGroupStrategy):
+    def wrap(self, model, optimizer):
+        from torch.nn.parallel import DistributedDataParallel
+
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=device_ids), optimizer
+
+    def micro_step_context(self, forward, is_last):
+        return contextlib.nullcontext() if is_last else forward.no_sync()
+
+
+@STRATEGY.register("fsdp")
+class FSDP(_ProcessGroupStrategy):
+    """FSDP2: each block's parameters sharded over ranks, then the root's."""
+
+    def wrap(self, model, optimizer):
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        # the optimiser must hold the sharded parameters that fully_shard put in place
+        fresh = type(optimizer)(_regroup(model, optimizer), **optimizer.defaults)
+        return model, fresh
+
+    def step(self, forward, optimizer, scaler, model):
+        clip = self.config.train.grad_clip
+        scaler.unscale_(optimizer)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else math.inf)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def model_state(self, model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(model, options=options)
+
+    def optimizer_state(self, model, optimizer):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_optimizer_state_dict(model, optimizer, options=options)
+
+    def load_state(self, model, optimizer, model_state, optimizer_state):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        options = StateDictOptions(full_state_dict=True)
+        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state,
+                       options=options)
+
+
+def _regroup(model: nn.Module, optimizer) -> list[dict]:
+    """The optimiser's parameter groups rebuilt over the model's current parameter objects."""
+    names = {id(p): n for n, p in model.named_parameters()}  # before sharding: original objects
+    current = dict(model.named_parameters())
+    groups = []
+    for group in optimizer.param_groups:
+        options = {k: v for k, v in group.items() if k != "params"}
+        groups.append({**options, "params": [current[names[id(p)]] for p in group["params"] if id(p) in names]})
+    return groups
+
+
+@STRATEGY.register("deepspeed")
+class DeepSpeed(_ProcessGroupStrategy):
+    """DeepSpeed owns backward, the step, gradient accumulation, clipping and loss scaling.
+
+    The run's train.batch_size, grad_accum and grad_clip are written into the DeepSpeed config
+    (they must agree with it when it sets them), so they are applied exactly once.
+    """
+
+    owns_accumulation = True
+
+    def __init__(self, config: RunConfig, device: torch.device) -> None:
+        import deepspeed
+
+        if not dist.is_initialized():
+            deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
+        SingleProcess.__init__(self, config, device)
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.deepspeed = deepspeed
+        self.ds_config = self._resolve_config()
+
+    def _resolve_config(self) -> dict[str, Any]:
+        path = self.config.dist.deepspeed_config
+        if not path:
+            raise AttnlabError("dist.strategy=deepspeed needs dist.deepspeed_config=ds.json (or --deepspeed_config)")
+        if not Path(path).is_file():
+            raise AttnlabError(f"DeepSpeed config {path} does not exist")
+        ds = json.loads(Path(path).read_text())
+        train = self.config.train
+        wanted = {
+            "train_micro_batch_size_per_gpu": train.batch_size,
+            "gradient_accumulation_steps": train.grad_accum,
+            "gradient_clipping": train.grad_clip,
+        }
+        for key, value in wanted.items():
+            if key in ds and ds[key] != value:
+                raise AttnlabError(f"{path}: {key}={ds[key]} disagrees with the run config ({value})")
+            ds[key] = value
+        ds.pop("train_batch_size", None)  # derived by DeepSpeed from the two above and the world size
+        ds.setdefault("zero_allow_untested_optimizer", True)  # attnlab passes a plain torch AdamW
+        return ds
+
+    def wrap(self, model, optimizer):
+        engine, engine_optimizer, _, _ = self.deepspeed.initialize(
+            model=model, optimizer=optimizer, config=self.ds_config
+        )
+        return engine, engine_optimizer
+
+    def backward(self, forward, loss, scaler):
+        forward.backward(loss)  # the engine scales by 1/grad_accum itself
+        forward.step()  # called every micro-batch; the engine steps the optimiser at the boundary
+
+    def step(self, forward, optimizer, scaler, model):
+        norm = forward.get_global_grad_norm()
+        return float(norm) if norm is not None else float("nan")
+
+    def micro_step_context(self, forward, is_last):
+        return contextlib.nullcontext()
+
+    def model_state(self, model):
+        return {}  # the engine's own checkpoint holds the weights; see save_engine_checkpoint
+
+    def optimizer_state(self, model, optimizer):
+        return {}
+
+    def load_state(self, model, optimizer, model_state, optimizer_state):
+        pass
+
+    def save_engine_checkpoint(self, forward, run_dir, step):
+        forward.save_checkpoint(str(run_dir / "deepspeed"), tag=f"step-{step:07d}")
+
+    def load_engine_checkpoint(self, forward, run_dir, step):
+        path, _ = forward.load_checkpoint(str(run_dir / "deepspeed"), tag=f"step-{step:07d}")
+        if path is None:
+            raise AttnlabError(f"no DeepSpeed checkpoint step-{step:07d} under {run_dir / 'deepspeed'}")
+
+    def consolidated_model_state(self, run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+        """Full fp32 weights rebuilt from the (possibly ZeRO-partitioned) engine checkpoint."""
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        return get_fp32_state_dict_from_zero_checkpoint(str(run_dir / "deepspeed"), tag=f"step-{step:07d}")
