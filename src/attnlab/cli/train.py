@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from attnlab.config import known_presets, load_config
@@ -38,6 +39,8 @@ def run(args: argparse.Namespace) -> int:
     config = load_config(source, overrides)
     result = train(config, resume=args.resume, command_line=["attnlab", *sys.argv[1:]], until_step=args.until_step)
     where = result.run_dir
+    if os.environ.get("RANK", "0") != "0":
+        return 130 if result.interrupted else 0  # rank 0 speaks for a distributed run
     if result.interrupted:
         print(f"stopped at step {result.step}; continue with: attnlab train --resume ... (run {where})")
         return 130

@@ -80,9 +80,9 @@ class SingleProcess:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
-        """The module to call forward on and the optimiser to step."""
-        return model, optimizer
+    def wrap(self, model: nn.Module, build_optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """The module to call forward on, and the optimiser `build_optimizer(model)` makes for it."""
+        return model, build_optimizer(model)
 
     def micro_step_context(self, forward: nn.Module, is_last: bool):
         """Context for one micro-batch's forward and backward (DDP skips the all-reduce until the last)."""
@@ -160,11 +160,11 @@ class _ProcessGroupStrategy(SingleProcess):
 
 @STRATEGY.register("ddp")
 class DDP(_ProcessGroupStrategy):
-    def wrap(self, model, optimizer):
+    def wrap(self, model, build_optimizer):
         from torch.nn.parallel import DistributedDataParallel
 
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=device_ids), optimizer
+        return DistributedDataParallel(model, device_ids=device_ids), build_optimizer(model)
 
     def micro_step_context(self, forward, is_last):
         return contextlib.nullcontext() if is_last else forward.no_sync()
@@ -174,15 +174,13 @@ class DDP(_ProcessGroupStrategy):
 class FSDP(_ProcessGroupStrategy):
     """FSDP2: each block's parameters sharded over ranks, then the root's."""
 
-    def wrap(self, model, optimizer):
+    def wrap(self, model, build_optimizer):
         from torch.distributed.fsdp import fully_shard
 
         for block in model.blocks:
             fully_shard(block)
         fully_shard(model)
-        # the optimiser must hold the sharded parameters that fully_shard put in place
-        fresh = type(optimizer)(_regroup(model, optimizer), **optimizer.defaults)
-        return model, fresh
+        return model, build_optimizer(model)  # over the sharded parameters fully_shard put in place
 
     def step(self, forward, optimizer, scaler, model):
         clip = self.config.train.grad_clip
@@ -214,17 +212,6 @@ class FSDP(_ProcessGroupStrategy):
                        options=options)
 
 
-def _regroup(model: nn.Module, optimizer) -> list[dict]:
-    """The optimiser's parameter groups rebuilt over the model's current parameter objects."""
-    names = {id(p): n for n, p in model.named_parameters()}  # before sharding: original objects
-    current = dict(model.named_parameters())
-    groups = []
-    for group in optimizer.param_groups:
-        options = {k: v for k, v in group.items() if k != "params"}
-        groups.append({**options, "params": [current[names[id(p)]] for p in group["params"] if id(p) in names]})
-    return groups
-
-
 @STRATEGY.register("deepspeed")
 class DeepSpeed(_ProcessGroupStrategy):
     """DeepSpeed owns backward, the step, gradient accumulation, clipping and loss scaling.
@@ -236,8 +223,15 @@ class DeepSpeed(_ProcessGroupStrategy):
     owns_accumulation = True
 
     def __init__(self, config: RunConfig, device: torch.device) -> None:
+        import importlib
+
         import deepspeed
 
+        if device.type == "cpu":
+            # DeepSpeed's CPU back-end compiles a shared-memory C++ extension on first use (minutes,
+            # and a compiler); plain gloo collectives need nothing built. (`deepspeed.comm.torch` as
+            # an attribute is the torch package itself, hence the lookup by module name.)
+            importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
         if not dist.is_initialized():
             deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
         SingleProcess.__init__(self, config, device)
@@ -266,9 +260,9 @@ class DeepSpeed(_ProcessGroupStrategy):
         ds.setdefault("zero_allow_untested_optimizer", True)  # attnlab passes a plain torch AdamW
         return ds
 
-    def wrap(self, model, optimizer):
+    def wrap(self, model, build_optimizer):
         engine, engine_optimizer, _, _ = self.deepspeed.initialize(
-            model=model, optimizer=optimizer, config=self.ds_config
+            model=model, optimizer=build_optimizer(model), config=self.ds_config
         )
         return engine, engine_optimizer
 

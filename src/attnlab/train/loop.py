@@ -195,7 +195,7 @@ def train(
     if tc.ema and (config.dist.strategy == "fsdp" or strategy.owns_accumulation):
         raise AttnlabError(f"train.ema=true is supported with dist.strategy single and ddp, not {config.dist.strategy}")
     ema = WeightEMA(model, tc.ema_decay) if tc.ema else None
-    forward, optimizer = strategy.wrap(model, build_optimizer(model, tc))
+    forward, optimizer = strategy.wrap(model, lambda module: build_optimizer(module, tc))
     scaler = torch.amp.GradScaler(device.type, enabled=autocast_dtype == torch.float16)
     sampler = RandomWindowSampler(
         len(corpus.train), tc.seq_len, tc.batch_size, tc.seed, rank=strategy.rank, world_size=strategy.world_size
@@ -256,10 +256,11 @@ def train(
         return path
 
     def validate() -> dict[str, float]:
-        """Every rank evaluates the same windows (sharded models need all ranks); rank 0 records."""
+        """Every rank evaluates the same windows, as many as one global batch holds (a sharded model
+        needs all ranks in its forward); rank 0 records."""
         result = evaluate(
             ema.model if ema is not None else forward, corpus.val, tc.seq_len,
-            tc.eval_batches * tc.batch_size, tc.batch_size, autocast_dtype=autocast_dtype,
+            tc.eval_batches * tc.batch_size * strategy.world_size, tc.batch_size, autocast_dtype=autocast_dtype,
         )
         record = {"val_loss": result.loss, "val_bpb": result.bits_per_token}
         metrics.write(step, record)

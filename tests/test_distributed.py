@@ -1,0 +1,129 @@
+"""Two processes over gloo on CPU: DDP, FSDP2 and DeepSpeed ZeRO 1-3 follow the single-process loss
+curve with the same global batch (gradient accumulation included), resume exactly, and only
+rank 0 writes files."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from attnlab.config import load_config
+from attnlab.train.checkpoint import list_checkpoints, load_model
+from attnlab.train.loop import train
+from attnlab.train.metrics import read_metrics
+
+pytestmark = pytest.mark.slow
+
+
+def common(root: Path) -> list[str]:
+    corpus = root / "corpus.txt"
+    if not corpus.exists():
+        corpus.write_bytes((Path(__file__).parent.parent / "src" / "attnlab" / "config.py").read_bytes() * 3)
+    return [
+        f"out_dir={root / 'runs'}", "model.dim=32", "model.depth=2", "model.heads=2", "model.dim_head=16",
+        "model.max_seq_len=64", "data.source=file", f"data.path={corpus}", "train.seq_len=32",
+        "train.max_steps=6", "train.warmup_steps=2", "train.eval_every=3", "train.eval_batches=1",
+        "train.sample_every=0", "train.save_every=3", "train.log_every=1", "train.grad_accum=2",
+        "log.progress=false",
+    ]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def launch(root: Path, name: str, strategy: str, *extra: str) -> subprocess.CompletedProcess:
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+        "--master_port", str(free_port()), "-m", "attnlab.cli.main", "train", "-p", "demo",
+        *common(root), f"name={name}", "train.batch_size=2", f"dist.strategy={strategy}", *extra,
+    ]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("dist")
+
+
+@pytest.fixture(scope="module")
+def single(root) -> Path:
+    """The reference: one process, batch 4 = 2 ranks x 2."""
+    return train(load_config("demo", [*common(root), "name=single", "train.batch_size=4"])).run_dir
+
+
+def curve(run_dir: Path) -> list[tuple[int, str, float]]:
+    return [(r["step"], key, r[key]) for r in read_metrics(run_dir) for key in ("loss", "val_loss") if key in r]
+
+
+def assert_same_run(run_dir: Path, reference: Path) -> None:
+    got, want = curve(run_dir), curve(reference)
+    assert [(s, k) for s, k, _ in got] == [(s, k) for s, k, _ in want]  # each step logged once, by rank 0
+    for (_, _, a), (_, _, b) in zip(got, want):
+        assert a == pytest.approx(b, abs=1e-5)
+    final, expected = load_model(run_dir).state_dict(), load_model(reference).state_dict()
+    for key, value in expected.items():
+        torch.testing.assert_close(final[key], value, atol=1e-5, rtol=1e-4)
+
+
+def deepspeed_config(root: Path, stage: int) -> Path:
+    path = root / f"zero{stage}.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": stage}, "torch_adam": True}))
+    return path
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_torchrun_matches_single_and_resumes(root, single, strategy):
+    name = f"{strategy}-split"
+    launch(root, name, strategy, "--until-step", "3")
+    assert [p.name for p in list_checkpoints(root / "runs" / name)] == ["step-0000003.pt"]
+    launch(root, name, strategy, "--resume")
+    assert_same_run(root / "runs" / name, single)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_deepspeed_zero_matches_single(root, single, stage):
+    pytest.importorskip("deepspeed")
+    config = deepspeed_config(root, stage)
+    name = f"zero{stage}"
+    if stage == 3:  # and resumes through its own checkpoint
+        launch(root, name, "deepspeed", f"dist.deepspeed_config={config}", "--until-step", "3")
+        launch(root, name, "deepspeed", f"dist.deepspeed_config={config}", "--resume")
+    else:
+        launch(root, name, "deepspeed", f"dist.deepspeed_config={config}")
+    assert (root / "runs" / name / "deepspeed" / "step-0000006").is_dir()
+    assert_same_run(root / "runs" / name, single)
+
+
+def test_deepspeed_config_must_agree(root):
+    pytest.importorskip("deepspeed")
+    path = root / "disagree.json"
+    path.write_text(json.dumps({"gradient_accumulation_steps": 7}))
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", str(free_port()),
+        "-m", "attnlab.cli.main", "train", "-p", "demo", *common(root), "name=disagree",
+        "dist.strategy=deepspeed", f"dist.deepspeed_config={path}",
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode != 0
+    assert "gradient_accumulation_steps=7 disagrees with the run config (2)" in result.stderr
+
+
+def test_strategy_without_launcher_is_explained(root):
+    from attnlab.errors import AttnlabError
+
+    with pytest.raises(AttnlabError, match="needs a launcher"):
+        train(load_config("demo", [*common(root), "name=nolauncher", "dist.strategy=ddp"]))
