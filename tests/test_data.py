@@ -138,14 +138,14 @@ def test_cli_prepare_builtin(builtin, capsys):
 def test_sampler_resume_and_ranks():
     data = np.arange(10_000) % 256
     whole = RandomWindowSampler(len(data), 16, 4, seed=3)
-    batches = [whole.next_batch(data) for _ in range(6)]
+    batches = [whole.next_batch(data).tokens for _ in range(6)]
     resumed = RandomWindowSampler(len(data), 16, 4, seed=3)
     [resumed.next_batch(data) for _ in range(3)]
     state = resumed.state_dict()
     fresh = RandomWindowSampler(len(data), 16, 4, seed=3)
     fresh.load_state_dict(state)
     for expected in batches[3:]:
-        assert np.array_equal(fresh.next_batch(data).numpy(), expected.numpy())
+        assert np.array_equal(fresh.next_batch(data).tokens.numpy(), expected.numpy())
     ranks = [RandomWindowSampler(len(data), 16, 2, seed=3, rank=r, world_size=2) for r in range(2)]
     assert np.array_equal(np.concatenate([r.starts(0) for r in ranks]), whole.starts(0))
     assert batches[0].shape == (4, 17) and int(batches[0].max()) < 256

@@ -8,12 +8,20 @@ same global batch (their union is the single-process batch of batch_size * world
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from attnlab.config import TrainConfig
 from attnlab.errors import DataError
+
+
+@dataclass
+class Batch:
+    tokens: torch.Tensor  # [B, T + 1] int64: inputs are tokens[:, :-1], targets tokens[:, 1:]
+    loss_mask: torch.Tensor | None = None  # [B, T], 0 where a target must not count (padding)
 
 
 def fetch_windows(data: np.ndarray, starts: np.ndarray, seq_len: int) -> torch.Tensor:
@@ -42,11 +50,11 @@ class RandomWindowSampler:
         every = generator.integers(0, self.n_tokens - self.seq_len - 1, size=self.batch_size * self.world_size)
         return every[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
 
-    def next_batch(self, data: np.ndarray) -> torch.Tensor:
+    def next_batch(self, data: np.ndarray) -> Batch:
         """[batch_size, seq_len + 1] token windows; advances the position."""
         batch = fetch_windows(data, self.starts(self.position), self.seq_len)
         self.position += 1
-        return batch
+        return Batch(tokens=batch)
 
     def state_dict(self) -> dict[str, Any]:
         return {"position": self.position, "seed": self.seed, "seq_len": self.seq_len,
@@ -67,3 +75,8 @@ def eval_windows(data: np.ndarray, seq_len: int, n_windows: int, seed: int = 123
     _check_length(len(data), seq_len)
     starts = np.random.default_rng(seed).integers(0, len(data) - seq_len - 1, size=n_windows)
     return fetch_windows(data, starts, seq_len)
+
+
+def make_sampler(corpus: Any, config: TrainConfig, rank: int = 0, world_size: int = 1) -> RandomWindowSampler:
+    """The training sampler for a corpus: random windows over its token stream."""
+    return RandomWindowSampler(len(corpus.train), config.seq_len, config.batch_size, config.seed, rank, world_size)

@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 
 from attnlab.config import RunConfig, config_to_dict, save_config
 from attnlab.data.bytes import ByteCorpus, decode_bytes, load_corpus
-from attnlab.data.sampler import RandomWindowSampler, eval_windows
+from attnlab.data.sampler import eval_windows, make_sampler
 from attnlab.errors import AttnlabError, CheckpointError
 from attnlab.evaluate import evaluate
 from attnlab.generate.sampling import SamplingConfig, generate
@@ -197,9 +197,7 @@ def train(
     ema = WeightEMA(model, tc.ema_decay) if tc.ema else None
     forward, optimizer = strategy.wrap(model, lambda module: build_optimizer(module, tc))
     scaler = torch.amp.GradScaler(device.type, enabled=autocast_dtype == torch.float16)
-    sampler = RandomWindowSampler(
-        len(corpus.train), tc.seq_len, tc.batch_size, tc.seed, rank=strategy.rank, world_size=strategy.world_size
-    )
+    sampler = make_sampler(corpus, tc, rank=strategy.rank, world_size=strategy.world_size)
     step = 0
     if state is not None:
         step = int(state["step"])
@@ -291,10 +289,12 @@ def train(
                     group["lr"] = lr
                 losses: dict[str, float] = {}
                 for micro in range(tc.grad_accum):
-                    batch = sampler.next_batch(corpus.train).to(device, non_blocking=True)
+                    batch = sampler.next_batch(corpus.train)  # Batch: tokens [B, T+1], loss_mask [B, T] | None
+                    tokens = batch.tokens.to(device, non_blocking=True)
+                    loss_mask = None if batch.loss_mask is None else batch.loss_mask.to(device, non_blocking=True)
                     with strategy.micro_step_context(forward, is_last=micro == tc.grad_accum - 1):
                         with autocast:
-                            output = forward(batch[:, :-1], targets=batch[:, 1:])
+                            output = forward(tokens[:, :-1], targets=tokens[:, 1:], loss_mask=loss_mask)
                         if not torch.isfinite(output.loss):
                             kept = list_checkpoints(run_dir)
                             raise TrainingError(
