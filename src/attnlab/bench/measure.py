@@ -156,3 +156,49 @@ def measure_decode(
         "ms_per_token": median * 1e3, "tokens_per_s": 1 / median, "new_tokens": new_tokens,
         **environment(torch_device, dtype),
     }
+
+
+def measure_layer(
+    model_values: dict[str, Any], seq_len: int, batch_size: int, repeats: int, warmup: int,
+    device: str = "cpu", dtype: str = "fp32",
+) -> dict[str, Any]:
+    """Forward and forward+backward time of one attention layer alone (median of `repeats`)."""
+    from attnlab.model.transformer import Block
+
+    torch_device = torch.device(device)
+    config = model_config({**model_values, "max_seq_len": max(seq_len, model_values.get("max_seq_len", 0))})
+    torch.manual_seed(0)
+    from attnlab.attention.base import RotaryEmbedding
+
+    rotary = RotaryEmbedding(config.dim_head, config.rope_theta, seq_len) if config.position == "rotary" else None
+    attention = Block(config, 0, rotary).attention.to(torch_device).train()
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    attention = attention.to(torch_dtype)
+    if rotary is not None:
+        rotary.to(torch_device)
+    x = torch.randn(batch_size, seq_len, config.dim, device=torch_device, dtype=torch_dtype, requires_grad=True)
+
+    def timed(function) -> float:
+        for _ in range(warmup):
+            function()
+        times = []
+        for _ in range(repeats):
+            _synchronize(torch_device)
+            started = time.perf_counter()
+            function()
+            _synchronize(torch_device)
+            times.append(time.perf_counter() - started)
+        return statistics.median(times)
+
+    def forward() -> None:
+        with torch.no_grad():
+            attention(x)
+
+    def forward_backward() -> None:
+        attention(x).sum().backward()
+
+    return {
+        "kind": "layer", "attention": config.attention.kind, "seq_len": seq_len, "batch_size": batch_size,
+        "forward_ms": timed(forward) * 1e3, "forward_backward_ms": timed(forward_backward) * 1e3,
+        **environment(torch_device, dtype),
+    }

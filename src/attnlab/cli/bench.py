@@ -37,8 +37,18 @@ def register(subparsers) -> None:
             sub.add_argument("--no-uncached", action="store_true", help="skip the no-cache baseline")
         sub.set_defaults(func=run)
 
+    suite = kinds.add_parser("suite", help="every registered attention over a range of lengths: report and plots")
+    suite.add_argument("--device", default="cpu", help="cpu or cuda")
+    suite.add_argument("--quick", action="store_true", help="a few small sizes (CI-sized)")
+    suite.add_argument("--attention", nargs="+", default=None, help="variants (default: every registered one)")
+    suite.add_argument("--threads", type=int, default=2)
+    suite.add_argument("--out", type=Path, default=Path("bench-results"), help="folder for jsonl, report, plots")
+    suite.set_defaults(func=run)
+
 
 def run(args: argparse.Namespace) -> int:
+    if args.bench_kind == "suite":
+        return run_suite_command(args)
     results = []
     for attention in args.attention:
         values = model_values(args.dim, args.depth, args.heads, attention, args.overrides)
@@ -63,3 +73,17 @@ def run(args: argparse.Namespace) -> int:
     if args.markdown:
         args.markdown.write_text(table + "\n")
     return 0
+
+
+def run_suite_command(args: argparse.Namespace) -> int:
+    import sys
+
+    from attnlab.bench.suite import default_plan, run_suite
+
+    plan = default_plan(args.device, args.quick, args.attention)
+    plan.threads = args.threads
+    command = "attnlab " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("attnlab") else "attnlab bench suite"
+    results = run_suite(plan, args.out, command)
+    failed = sum("error" in r for r in results)
+    print(f"{len(results) - failed} measurements, {failed} failed -> {args.out / 'suite.md'}")
+    return 0 if failed == 0 else 1

@@ -199,8 +199,10 @@ def train(
     scaler = torch.amp.GradScaler(device.type, enabled=autocast_dtype == torch.float16)
     sampler = make_sampler(corpus, tc, rank=strategy.rank, world_size=strategy.world_size)
     step = 0
+    train_seconds = 0.0  # optimiser-step time so far, carried across resumes (for wall-time plots)
     if state is not None:
         step = int(state["step"])
+        train_seconds = float(state.get("train_seconds", 0.0))
         strategy.load_state(model, optimizer, state["model"], state["optimizer"])
         strategy.load_engine_checkpoint(forward, run_dir, step)
         scaler.load_state_dict(state["scaler"])
@@ -248,6 +250,7 @@ def train(
                 "step": step,
                 "rng": rng_states,
                 "sampler": sampler.state_dict(),
+                "train_seconds": train_seconds,
             })
             prune_checkpoints(run_dir, tc.keep_last)
         strategy.barrier()
@@ -314,6 +317,7 @@ def train(
 
                 losses = {name: strategy.mean(value) for name, value in losses.items()}
                 elapsed = time.perf_counter() - started
+                train_seconds += elapsed
                 progress.update(1)
                 progress.set_postfix(
                     loss=f"{losses['loss']:.3f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_step / elapsed:.0f}"
@@ -322,6 +326,7 @@ def train(
                     metrics.write(step, {
                         **losses, "lr": lr, "grad_norm": grad_norm,
                         "tokens_per_s": tokens_per_step / elapsed, "tokens": step * tokens_per_step,
+                        "elapsed_s": train_seconds,
                     })
                 if tc.eval_every > 0 and (step % tc.eval_every == 0 or step == tc.max_steps):
                     last_eval = validate()

@@ -1,0 +1,149 @@
+"""The benchmark suite: every registered attention variant over a range of lengths, each
+measurement in a fresh process, written as JSON lines, a markdown report and PNG plots.
+
+    attnlab bench suite --device cpu --quick --out docs/bench
+
+The report is generated, never typed by hand: docs/benchmarks.md links the generated pages.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import platform
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import attnlab.attention  # noqa: F401  (registers the variants)
+from attnlab.bench.runner import decode_table, model_values, run_isolated, train_table
+from attnlab.errors import AttnlabError
+from attnlab.registry import ATTENTION
+
+log = logging.getLogger(__name__)
+
+# Options a variant is benchmarked with (each variant reads only its own section).
+DEFAULT_OPTIONS = [
+    "attention.local.window_size=64",
+]
+
+
+@dataclass(kw_only=True)
+class SuitePlan:
+    attention: list[str]
+    lengths: list[int]
+    contexts: list[int]
+    dim: int = 256
+    depth: int = 4
+    heads: int = 4
+    batch_size: int = 1
+    steps: int = 3
+    warmup: int = 1
+    new_tokens: int = 16
+    device: str = "cpu"
+    dtype: str = "fp32"
+    threads: int = 2
+    overrides: list[str] = field(default_factory=lambda: list(DEFAULT_OPTIONS))
+
+
+def default_plan(device: str, quick: bool, attention: list[str] | None = None) -> SuitePlan:
+    names = attention or ATTENTION.names()
+    if device == "cpu":
+        lengths = [256, 512] if quick else [512, 1024, 2048, 4096, 8192]
+        contexts = [64, 256] if quick else [64, 256, 1024, 4096]
+        return SuitePlan(attention=names, lengths=lengths, contexts=contexts,
+                         dim=128 if quick else 256, depth=2 if quick else 4, heads=2 if quick else 4,
+                         steps=2 if quick else 3, new_tokens=8 if quick else 16)
+    lengths = [1024, 4096] if quick else [1024, 2048, 4096, 8192, 16384, 32768, 65536]
+    contexts = [1024, 8192] if quick else [1024, 8192, 16384, 32768, 65536]
+    return SuitePlan(attention=names, lengths=lengths, contexts=contexts, dim=768, depth=12, heads=12,
+                     batch_size=1, device=device, dtype="bf16", steps=5, warmup=2, new_tokens=32)
+
+
+def git_revision() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+                              cwd=Path(__file__).parent).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def run_suite(plan: SuitePlan, out_dir: Path, command: str) -> list[dict[str, Any]]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    jsonl = out_dir / "suite.jsonl"
+    jsonl.write_text("")
+    results: list[dict[str, Any]] = []
+    for attention in plan.attention:
+        values = model_values(plan.dim, plan.depth, plan.heads, attention, plan.overrides)
+        jobs: list[tuple[str, dict[str, Any]]] = []
+        for length in plan.lengths:
+            jobs.append(("train", dict(model_values=values, seq_len=length, batch_size=plan.batch_size,
+                                       steps=plan.steps, warmup=plan.warmup, device=plan.device, dtype=plan.dtype)))
+            jobs.append(("layer", dict(model_values=values, seq_len=length, batch_size=plan.batch_size,
+                                       repeats=plan.steps, warmup=plan.warmup, device=plan.device, dtype=plan.dtype)))
+        for context in plan.contexts:
+            jobs.append(("decode", dict(model_values=values, context=context, new_tokens=plan.new_tokens,
+                                        use_cache=True, device=plan.device, dtype=plan.dtype)))
+        for task, arguments in jobs:
+            try:
+                result = run_isolated(task, arguments, plan.threads)
+            except (AttnlabError, subprocess.TimeoutExpired) as error:
+                result = {"kind": task, "attention": attention, "error": str(error)[:300],
+                          **{k: arguments.get(k) for k in ("seq_len", "context")}}
+            results.append(result)
+            with open(jsonl, "a") as handle:
+                handle.write(json.dumps(result) + "\n")
+            log.info("%s", json.dumps(result))
+    write_report(plan, results, out_dir, command)
+    return results
+
+
+def layer_table(results: list[dict[str, Any]]) -> str:
+    lines = ["| attention | seq_len | forward (ms) | forward+backward (ms) |", "|---|---:|---:|---:|"]
+    for r in results:
+        lines.append(f"| {r['attention']} | {r['seq_len']} | {r['forward_ms']:.1f} | {r['forward_backward_ms']:.1f} |")
+    return "\n".join(lines)
+
+
+def write_report(plan: SuitePlan, results: list[dict[str, Any]], out_dir: Path, command: str) -> None:
+    ok = [r for r in results if "error" not in r]
+    by_kind = {kind: [r for r in ok if r["kind"] == kind] for kind in ("train", "layer", "decode")}
+    environment = next(iter(ok), {})
+    header = [
+        "# Benchmark suite",
+        "",
+        f"Generated by `{command}` on {datetime.date.today().isoformat()}, git revision {git_revision()}.",
+        f"Machine: {platform.machine()} ({environment.get('gpu') or platform.processor() or 'cpu'}), "
+        f"torch {environment.get('torch')}, {plan.threads} threads, dtype {plan.dtype}, device {plan.device}.",
+        f"Model: dim {plan.dim}, depth {plan.depth}, heads {plan.heads}, batch {plan.batch_size}; "
+        f"options {', '.join(plan.overrides) or 'defaults'}. Medians of {plan.steps} measured runs after "
+        f"{plan.warmup} warm-up, each configuration in a fresh process.",
+        "",
+        "## Training step (whole model)",
+        "",
+        train_table(by_kind["train"]),
+        "",
+        "![training throughput](train_throughput.png) ![peak memory](train_memory.png)",
+        "",
+        "## One attention layer",
+        "",
+        layer_table(by_kind["layer"]),
+        "",
+        "## Decoding with the cache",
+        "",
+        decode_table(by_kind["decode"]),
+        "",
+        "![decode latency](decode.png)",
+        "",
+    ]
+    failed = [r for r in results if "error" in r]
+    if failed:
+        header += ["## Failed configurations", ""] + [f"- {r['kind']} {r['attention']} "
+                                                       f"{r.get('seq_len') or r.get('context')}: {r['error']}"
+                                                       for r in failed] + [""]
+    (out_dir / "suite.md").write_text("\n".join(header))
+    from attnlab.bench.plots import plot_suite
+
+    plot_suite(by_kind, out_dir)
