@@ -7,11 +7,11 @@ import random
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from variants import SPARSE, VARIANTS, variant_config
 
 from attnlab.attention.base import AttentionSpec, naive_attention
 from attnlab.model import Transformer
 from attnlab.registry import ATTENTION
+from variants import SPARSE, VARIANTS, variant_config
 
 LENGTH = 45  # deliberately not a multiple of any window, block or bucket size
 

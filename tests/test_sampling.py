@@ -6,10 +6,10 @@ import math
 
 import pytest
 import torch
-from variants import variant_config
 
 from attnlab.generate.sampling import SamplingConfig, filter_logits, generate, probabilities, sample_from, stream
 from attnlab.model import Transformer
+from variants import variant_config
 
 LOGITS = torch.log(torch.tensor([0.40, 0.25, 0.15, 0.10, 0.06, 0.04]))
 

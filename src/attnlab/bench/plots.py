@@ -60,7 +60,7 @@ def plot_runs(runs: list[tuple[str, list[dict[str, Any]]]], out: Path) -> Path:
         tokens_per_step = train[-1]["tokens"] / train[-1]["step"] if train and train[-1]["step"] else 0
         elapsed = {r["step"]: r.get("elapsed_s") for r in train}
         for column, x in enumerate(["step", "tokens", "elapsed_s"]):
-            def position(record, x=x):
+            def position(record, x=x, tokens_per_step=tokens_per_step, elapsed=elapsed):
                 if x == "step":
                     return record["step"]
                 if x == "tokens":

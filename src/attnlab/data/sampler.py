@@ -32,7 +32,9 @@ def fetch_windows(data: np.ndarray, starts: np.ndarray, seq_len: int) -> torch.T
 
 def _check_length(n_tokens: int, seq_len: int) -> None:
     if n_tokens < seq_len + 2:
-        raise DataError(f"data has {n_tokens} tokens; windows of seq_len + 1 = {seq_len + 1} need at least {seq_len + 2}")
+        raise DataError(
+            f"data has {n_tokens} tokens; windows of seq_len + 1 = {seq_len + 1} need at least {seq_len + 2}"
+        )
 
 
 class RandomWindowSampler:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import platform
 import random
 import signal
@@ -45,8 +44,8 @@ from attnlab.train.checkpoint import (
     read_checkpoint,
     save_checkpoint,
 )
-from attnlab.train.ema import WeightEMA
 from attnlab.train.distributed import STRATEGY, local_device
+from attnlab.train.ema import WeightEMA
 from attnlab.train.metrics import Metrics, open_metrics
 from attnlab.train.optim import build_optimizer, learning_rate
 
