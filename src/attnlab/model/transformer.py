@@ -23,6 +23,7 @@ import attnlab.attention  # noqa: F401  (registers the attention variants)
 from attnlab.attention.base import AttentionSpec, KVCache, RotaryEmbedding
 from attnlab.config import ModelConfig
 from attnlab.model.layers import Chunked, TokenEmbedding
+from attnlab.model.reversible import reversible_blocks
 from attnlab.registry import ATTENTION, FEED_FORWARD, NORM
 
 IGNORE_INDEX = -100  # targets with this value contribute no loss (padding, masked positions)
@@ -103,6 +104,7 @@ class Transformer(nn.Module):
         self.head = nn.Linear(out_width, config.num_tokens, bias=False)
         if config.tie_embeddings:
             self.head.weight = self.token_embedding.embed.weight
+        self._aux_modules: list[nn.Module] | None = None  # modules reporting aux_losses, found on first use
         self.apply(self._init_weights)
         for name, parameter in self.named_parameters():
             if name.endswith(("to_out.weight", "down.weight")):  # GPT-2: scale residual projections
@@ -134,8 +136,11 @@ class Transformer(nn.Module):
                 )
             positions = torch.arange(offset, offset + n_tokens, device=tokens.device)
             x = x + self.position_embedding(positions)
-        for index, block in enumerate(self.blocks):
-            x = block(x, None if cache is None else cache.layers[index])
+        if self.config.reversible:  # two-stream reversible residuals (model/reversible.py)
+            x = reversible_blocks(self.blocks, x, None if cache is None else cache.layers)
+        else:
+            for index, block in enumerate(self.blocks):
+                x = block(x, None if cache is None else cache.layers[index])
         x = self.norm(x)
         if self.head_project is not None:
             x = self.head_project(x)
@@ -153,9 +158,11 @@ class Transformer(nn.Module):
 
     def collect_aux_losses(self) -> dict[str, Tensor]:
         """Named auxiliary losses of the last forward, summed over layers."""
+        if self._aux_modules is None:  # found once: walking every module per call slows decoding
+            self._aux_modules = [m for m in self.modules() if m is not self and hasattr(m, "aux_losses")]
         totals: dict[str, Tensor] = {}
-        for module in self.modules():
-            for name, value in getattr(module, "aux_losses", {}).items():
+        for module in self._aux_modules:
+            for name, value in module.aux_losses.items():
                 totals[name] = totals[name] + value if name in totals else value
         return totals
 

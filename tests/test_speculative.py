@@ -1,0 +1,363 @@
+"""Speculative decoding: greedy equals the target's greedy decoding, sampled continuations follow
+the target's exact distribution at batch 1, 4 and in large batches (chi-square against the
+enumerated distribution), deliberately broken variants fail that test, and an identical draft is
+always accepted."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import Tensor
+
+import attnlab.generate.speculative as speculative
+from attnlab.generate.sampling import SamplingConfig, generate, probabilities
+from attnlab.generate.speculative import EarlyExitDraft, accept_reject, speculative_generate
+from attnlab.model import ModelCache, Transformer
+from variants import variant_config
+
+GREEDY = SamplingConfig(temperature=0)
+
+
+def model(name: str = "full", seed: int = 0, logit_scale: float = 1.0, **overrides) -> Transformer:
+    torch.manual_seed(seed)
+    built = Transformer(variant_config(name, **overrides)).eval()
+    with torch.no_grad():
+        built.head.weight.mul_(logit_scale)  # sharper, more varied distributions than at init
+    return built
+
+
+# --------------------------------------------------------------------------------------------
+# Greedy: token for token the target's own greedy decoding
+
+
+PAIRS = {
+    "full-full": (dict(name="full", depth=3), dict(name="full", seed=1, depth=1)),
+    "local-local": (dict(name="local", depth=3), dict(name="local", seed=1, depth=1)),
+    # different sizes and attention types sharing a vocabulary
+    "full-local": (dict(name="full", depth=3, dim=48, heads=6), dict(name="local", seed=1, depth=1)),
+    "local-learned": (dict(name="local", depth=2), dict(name="full-learned-positions", seed=1, depth=1)),
+}
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("pair", list(PAIRS))
+def test_greedy_speculative_equals_greedy_target(pair, batch):
+    target_options, draft_options = PAIRS[pair]
+    target, draft = model(logit_scale=8, **target_options), model(logit_scale=8, **draft_options)
+    prompt = torch.randint(0, 61, (batch, 9), generator=torch.Generator().manual_seed(batch))
+    expected = generate(target, prompt, 32, GREEDY)
+    for gamma in (1, 5):
+        result = speculative_generate(target, draft, prompt, 32, gamma=gamma, sampling=GREEDY)
+        assert torch.equal(result.tokens, expected), (pair, batch, gamma)
+        assert result.lengths.tolist() == [32] * batch
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_self_speculative_greedy_equals_target(batch):
+    target = model(depth=3, logit_scale=8)
+    prompt = torch.randint(0, 61, (batch, 5), generator=torch.Generator().manual_seed(7))
+    result = speculative_generate(target, EarlyExitDraft(target, 1), prompt, 40, gamma=4, sampling=GREEDY)
+    assert torch.equal(result.tokens, generate(target, prompt, 40, GREEDY))
+
+
+def test_early_exit_draft_is_the_truncated_target():
+    target = model(depth=3)
+    tokens = torch.randint(0, 61, (2, 12))
+    full_depth = EarlyExitDraft(target, 3)
+    torch.testing.assert_close(full_depth(tokens).logits, target(tokens).logits)
+    shallow = EarlyExitDraft(target, 1)
+    cache = shallow.new_cache(2, 16)
+    chunked = torch.cat([shallow(tokens[:, :5], cache=cache).logits, shallow(tokens[:, 5:], cache=cache).logits], 1)
+    torch.testing.assert_close(chunked, shallow(tokens).logits, atol=1e-5, rtol=1e-5)
+    assert len(cache.layers) == 1
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=0.7, top_k=20, top_p=0.9)])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_identical_draft_accepts_every_token(sampling, batch):
+    target = model(logit_scale=4)
+    prompt = torch.randint(0, 61, (batch, 6))
+    generator = torch.Generator().manual_seed(0)
+    for draft in (target, EarlyExitDraft(target, len(target.blocks))):
+        result = speculative_generate(target, draft, prompt, 30, gamma=5, sampling=sampling, generator=generator)
+        assert result.n_accepted == result.n_drafted > 0
+        assert result.n_steps == 5  # 6 tokens per step: 5 accepted and a bonus
+
+
+def test_end_token_stops_each_row():
+    target, draft = model(depth=2, logit_scale=8), model(seed=1, depth=1, logit_scale=8)
+    prompt = torch.randint(0, 61, (4, 6), generator=torch.Generator().manual_seed(3))
+    expected = generate(target, prompt, 30, GREEDY)[:, 6:]
+    end = int(expected[0, 4])  # row 0 stops at its fifth new token
+    result = speculative_generate(target, draft, prompt, 30, gamma=3, sampling=GREEDY, end_token=end)
+    for row in range(4):
+        hits = (expected[row] == end).nonzero().flatten().tolist()
+        length = hits[0] + 1 if hits else 30
+        assert result.lengths[row] == length
+        assert torch.equal(result.tokens[row, 6 : 6 + length], expected[row, :length])
+        assert (result.tokens[row, 6 + length :] == end).all()
+
+
+# --------------------------------------------------------------------------------------------
+# Exactness of the sampled distribution
+
+
+VOCABULARY, HORIZON, GAMMA = 4, 3, 2
+PROMPT = torch.tensor([[1, 2, 0, 3]])
+
+
+def tiny(name: str, seed: int, depth: int) -> Transformer:
+    return model(name, seed=seed, logit_scale=4, num_tokens=VOCABULARY, dim=16, heads=2, dim_head=8, kv_heads=1,
+                 depth=depth)
+
+
+def exact_distribution(target: Transformer, sampling: SamplingConfig) -> tuple[Tensor, Tensor]:
+    """Every continuation of PROMPT [V^H, H] and its probability under the target [V^H]: the
+    product of the target's (filtered) conditionals."""
+    continuations = torch.tensor(list(itertools.product(range(VOCABULARY), repeat=HORIZON)))
+    sequences = torch.cat((PROMPT.expand(len(continuations), -1), continuations), dim=1)
+    with torch.no_grad():
+        logits = target(sequences[:, :-1]).logits[:, PROMPT.shape[1] - 1 :]  # [V^H, H, V]
+    conditionals = probabilities(logits, sampling).double()
+    return continuations, conditionals.gather(-1, continuations[..., None]).squeeze(-1).prod(dim=1)
+
+
+def chi_square_p_value(counts: Tensor, expected_probs: Tensor) -> float:
+    """Pearson's goodness of fit; cells expected fewer than 5 times pooled into one. Survival
+    function of chi-square(k) at x is the regularised upper incomplete gamma Q(k/2, x/2)."""
+    n_samples = counts.sum()
+    if (counts[expected_probs == 0] > 0).any():
+        return 0.0  # a continuation the target cannot produce
+    expected = expected_probs * n_samples
+    small = expected < 5
+    observed = torch.cat((counts[~small], counts[small].sum()[None]))
+    expected = torch.cat((expected[~small], expected[small].sum()[None]))
+    if expected[-1] == 0:
+        observed, expected = observed[:-1], expected[:-1]
+    statistic = ((observed - expected) ** 2 / expected).sum()
+    dof = torch.tensor((len(expected) - 1) / 2, dtype=torch.float64)
+    return float(torch.special.gammaincc(dof, statistic / 2))
+
+
+def sampled_counts(target, draft, batch: int, n_samples: int, sampling: SamplingConfig, seed: int) -> Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    place = VOCABULARY ** torch.arange(HORIZON - 1, -1, -1)  # continuation -> its index
+    counts = torch.zeros(VOCABULARY**HORIZON, dtype=torch.float64)
+    for _ in range(n_samples // batch):
+        result = speculative_generate(
+            target, draft, PROMPT.expand(batch, -1), HORIZON, gamma=GAMMA, sampling=sampling, generator=generator
+        )
+        new = result.tokens[:, PROMPT.shape[1] :]  # [batch, H]
+        counts += torch.bincount((new * place).sum(dim=1), minlength=len(counts)).double()
+    return counts
+
+
+@pytest.fixture(scope="module")
+def pair() -> tuple[Transformer, Transformer]:
+    return tiny("full", seed=0, depth=2), tiny("local", seed=1, depth=1)
+
+
+SAMPLINGS = {"plain": SamplingConfig(), "filtered": SamplingConfig(temperature=0.8, top_k=3, top_p=0.95)}
+
+
+@pytest.mark.parametrize(
+    "batch, n_samples, sampling",
+    [(1, 1000, "plain"), (4, 2000, "plain"), (4, 1200, "filtered"), (2000, 6000, "plain"), (2000, 6000, "filtered")],
+)
+def test_sampled_continuations_follow_the_target(pair, batch, n_samples, sampling):
+    target, draft = pair
+    _, expected = exact_distribution(target, SAMPLINGS[sampling])
+    counts = sampled_counts(target, draft, batch, n_samples, SAMPLINGS[sampling], seed=batch)
+    assert chi_square_p_value(counts, expected) > 0.01
+
+
+def test_accept_always_is_detected(pair, monkeypatch):
+    """Accepting every draft token samples the draft, not the target: the test must notice."""
+    target, draft = pair
+    monkeypatch.setattr(
+        speculative, "accept_reject",
+        lambda p, q, tokens, known, generator: accept_reject(p, q, tokens, torch.ones_like(known), generator),
+    )
+    _, expected = exact_distribution(target, SamplingConfig())
+    counts = sampled_counts(target, draft, 1, 300, SamplingConfig(), seed=1)
+    assert chi_square_p_value(counts, expected) < 1e-6
+
+
+def test_ragged_batch_bug_is_detected(pair, monkeypatch):
+    """A batch scheme that forgets which tokens a row ahead of the others has already committed
+    (and verifies them again as if drafted) is exact at batch 1 but biased at batch > 1."""
+    target, draft = pair
+    monkeypatch.setattr(
+        speculative, "accept_reject",
+        lambda p, q, tokens, known, generator: accept_reject(p, q, tokens, torch.zeros_like(known), generator),
+    )
+    _, expected = exact_distribution(target, SamplingConfig())
+    counts = sampled_counts(target, draft, 4, 2000, SamplingConfig(), seed=4)
+    assert chi_square_p_value(counts, expected) < 1e-6
+    counts = sampled_counts(target, draft, 2000, 6000, SamplingConfig(), seed=2000)
+    assert chi_square_p_value(counts, expected) < 1e-6
+
+
+class RecordingTarget(torch.nn.Module):
+    """The target, recording every cached forward: (position of its first token, tokens, logits)."""
+
+    def __init__(self, target: Transformer, stale_rollback: bool = False) -> None:
+        super().__init__()
+        self.target, self.stale_rollback = target, stale_rollback
+        self.records: list[tuple[int, Tensor, Tensor]] = []
+
+    def forward(self, tokens, cache=None):
+        offset = cache.length
+        output = self.target(tokens, cache=cache)
+        self.records.append((offset, tokens.clone(), output.logits.clone()))
+        return output
+
+    def new_cache(self, batch_size, max_len=None, device=None, dtype=None) -> ModelCache:
+        cache = self.target.new_cache(batch_size, (max_len or 0) + 64, device, dtype)
+        if self.stale_rollback:  # a broken rollback that keeps one token past the committed prefix
+            cache.truncate = lambda length: ModelCache.truncate(cache, min(length + 1, cache.length))
+        return cache
+
+
+def attended_only_committed_tokens(recording: RecordingTarget, tokens: Tensor) -> bool:
+    """Every cached forward's logits at a committed position equal the parallel forward of the
+    final sequence there: the cache held exactly the row's own committed tokens before it."""
+    with torch.no_grad():
+        reference = recording.target(tokens).logits  # [B, T + N, V]
+    for offset, fed, logits in recording.records:
+        for row in range(tokens.shape[0]):
+            # the fed tokens are committed up to the first one that differs from the final sequence
+            final = tokens[row, offset : offset + fed.shape[1]]  # windows may run past the last token
+            same = fed[row, : len(final)] == final
+            n_committed = int(same.long().cumprod(0).sum())
+            if not torch.allclose(
+                logits[row, :n_committed], reference[row, offset : offset + n_committed], atol=1e-5, rtol=1e-4
+            ):
+                return False
+    return True
+
+
+@pytest.mark.parametrize("name", ["full", "local"])
+def test_rows_attend_only_to_their_own_committed_tokens(name):
+    """Ragged acceptance at batch 6: no row's cache ever holds a rejected draft token."""
+    target, draft = model(name, depth=2, logit_scale=3), model(name, seed=1, depth=1, logit_scale=3)
+    prompt = torch.randint(0, 61, (6, 5), generator=torch.Generator().manual_seed(0))
+    generator = torch.Generator().manual_seed(0)
+    recording = RecordingTarget(target)
+    result = speculative_generate(recording, draft, prompt, 40, gamma=4, generator=generator)
+    assert 0 < result.n_accepted < result.n_drafted  # some accepted, some rejected: ragged rows
+    assert attended_only_committed_tokens(recording, result.tokens)
+    broken = RecordingTarget(target, stale_rollback=True)
+    result = speculative_generate(broken, draft, prompt, 40, gamma=4, generator=generator)
+    assert not attended_only_committed_tokens(broken, result.tokens)
+
+
+def test_accept_reject_single_slot_is_the_target_distribution():
+    """The rule alone, on a 5-token vocabulary: the committed token is distributed as p, however
+    different q is; a known slot is kept and the next slot is drawn from p."""
+    p = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05])
+    q = torch.tensor([0.05, 0.1, 0.15, 0.3, 0.4])
+    n_rows = 200_000
+    generator = torch.Generator().manual_seed(0)
+    drafted = torch.multinomial(q, n_rows, replacement=True, generator=generator)[:, None]  # [rows, 1]
+    target_probs = p.expand(n_rows, 2, -1)
+    draft_probs = q.expand(n_rows, 1, -1)
+    no_known = torch.zeros(n_rows, 1, dtype=torch.bool)
+    accepted, next_token = accept_reject(target_probs, draft_probs, drafted, no_known, generator)
+    committed = torch.where(accepted == 1, drafted[:, 0], next_token)
+    assert chi_square_p_value(torch.bincount(committed, minlength=5).double(), p.double()) > 0.01
+    expected_acceptance = torch.minimum(p, q).sum()  # 1 - total variation distance
+    assert abs(accepted.float().mean() - expected_acceptance) < 0.01
+    accepted, next_token = accept_reject(target_probs, draft_probs, drafted, ~no_known, generator)
+    assert (accepted == 1).all()
+    assert chi_square_p_value(torch.bincount(next_token, minlength=5).double(), p.double()) > 0.01
+
+
+# --------------------------------------------------------------------------------------------
+# The command: training a pair on the same batches, and decoding
+
+
+TINY = [
+    "model.dim=32", "model.heads=2", "model.dim_head=16", "model.max_seq_len=64", "data.source=file",
+    "train.seq_len=32", "train.batch_size=4", "train.max_steps=4", "train.eval_every=0", "train.eval_batches=1",
+    "train.save_every=4", "log.progress=false",
+]
+
+
+@pytest.fixture(scope="module")
+def trained_pair(tmp_path_factory):
+    """A 2-layer target and a 1-layer draft trained by `attnlab speculative train`, with the
+    batches each of them drew."""
+    from attnlab.cli.main import main
+    from attnlab.data.sampler import RandomWindowSampler
+
+    root = tmp_path_factory.mktemp("speculative")
+    corpus = root / "corpus.txt"
+    corpus.write_bytes((Path(speculative.__file__).read_bytes()) * 4)
+    seen: list[Tensor] = []
+    original = RandomWindowSampler.next_batch
+
+    def recording(self, data):
+        batch = original(self, data)
+        seen.append(getattr(batch, "tokens", batch).clone())  # a Batch (tokens, loss_mask) or a tensor
+        return batch
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(RandomWindowSampler, "next_batch", recording)
+        code = main([
+            "speculative", "train", "--target-preset", "spec-small-target", "--draft-preset", "spec-small-draft",
+            *TINY, f"data.path={corpus}", f"out_dir={root}", "target.name=target", "draft.name=draft",
+            "target.model.depth=2", "draft.train.lr=3e-3",
+        ])
+        assert code == 0
+        target_batches, draft_batches = seen[:4], seen[4:8]
+        assert len(seen) == 8
+        seen.clear()
+        # a draft for the existing target: the target's batches again, whatever the draft preset says
+        code = main([
+            "speculative", "train", "--target", str(root / "target"), "--draft-preset", "spec-small-draft",
+            *TINY, "train.seq_len=16", "train.batch_size=2", "train.seed=5", f"data.path={corpus}",
+            f"out_dir={root}", "draft.name=draft2",
+        ])
+        assert code == 0
+        later_batches = seen[:4]
+    return root, target_batches, draft_batches, later_batches
+
+
+def test_pair_trained_on_the_same_batches(trained_pair):
+    root, target_batches, draft_batches, later_batches = trained_pair
+    for target_batch, draft_batch, later_batch in zip(target_batches, draft_batches, later_batches, strict=True):
+        assert torch.equal(target_batch, draft_batch) and torch.equal(target_batch, later_batch)
+    assert len({tuple(batch.flatten().tolist()) for batch in target_batches}) == 4  # not one batch repeated
+    from attnlab.train.checkpoint import load_model
+
+    assert len(load_model(root / "target").blocks) == 2 and len(load_model(root / "draft").blocks) == 1
+    assert len(load_model(root / "draft2").blocks) == 1
+
+
+@pytest.mark.parametrize("draft_arguments", [["--draft", "draft"], ["--early-exit", "1"]])
+def test_speculative_command_reports_both_decodings(trained_pair, draft_arguments, capsys):
+    from attnlab.cli.main import main
+
+    root = trained_pair[0]
+    if draft_arguments[0] == "--draft":
+        draft_arguments = ["--draft", str(root / "draft")]
+    capsys.readouterr()
+    code = main([
+        "speculative", "--target", str(root / "target"), *draft_arguments, "--gamma", "3", "--prompt", "def ",
+        "--max-new-tokens", "12", "--batch-size", "2", "--temperature", "0", "--json",
+    ])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["base"]["text"] == report["speculative"]["text"]  # greedy: token for token
+    assert report["speedup"] > 0 and 0 <= report["speculative"]["mean_accepted"] <= 3
+    code = main([
+        "speculative", "--target", str(root / "target"), *draft_arguments, "--prime-from-val", "--prime-length", "8",
+        "--max-new-tokens", "8", "--top-k", "5",
+    ])
+    assert code == 0
+    assert "speedup" in capsys.readouterr().out
