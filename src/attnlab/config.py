@@ -41,12 +41,20 @@ class LocalAttentionConfig:
 @dataclass(kw_only=True)
 class RoutingAttentionConfig:
     window_size: int = 128  # most recent same-cluster keys a token attends to (and the local window)
+    n_clusters: int | None = None  # k-means centroids per routed head; None: max_seq_len // window_size
+    n_local_heads: int | tuple[int, ...] = 0  # heads using the local window, one int or one per layer
+    ema_decay: float = 0.999  # centroid moving-average decay, applied once per optimiser step
+    commitment_weight: float = 1e-4  # weight of the k-means commitment loss (seed 000's default)
 
 
 # ---- sinkhorn (owned by attention/sinkhorn.py)
 @dataclass(kw_only=True)
 class SinkhornAttentionConfig:
     bucket_size: int = 128  # tokens per bucket
+    n_sortcut: int = 1  # past buckets each bucket attends to, chosen by the sorting network
+    sinkhorn_iter: int = 5  # row/column normalisation rounds of the sorting matrix
+    temperature: float = 0.75  # divides the sorting logits (and Gumbel noise) before normalising
+    n_local_heads: int = 0  # heads using the local window of bucket_size instead of sorted buckets
 
 
 # ---- nsa (owned by attention/nsa.py)
@@ -83,6 +91,7 @@ class ModelConfig:
     ff_chunks: int = 1  # run the feed-forward over this many sequence chunks to save memory
     dropout: float = 0.0  # residual dropout
     tie_embeddings: bool = False  # share the input embedding with the output projection
+    reversible: bool = False  # two-stream reversible residuals: activation memory flat in depth
     attention: AttentionConfig = field(default_factory=AttentionConfig)
 
     @property

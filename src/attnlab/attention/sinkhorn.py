@@ -1,0 +1,242 @@
+"""Causal sorted-bucket Sinkhorn attention: each token attends to its own bucket (causally) and to
+the `n_sortcut` past buckets that a learned sorting matches to its bucket.
+
+"Sparse Sinkhorn Attention" (Tay, Bahri, Yang, Metzler, Juan, arXiv 2002.11296). The sequence is cut
+into buckets of `bucket_size`; a sorting matrix between buckets (section 3.2: bucket summaries,
+Sinkhorn balancing eq. 5-6, Gumbel noise and a temperature in training, SortCut section 3.4) picks,
+for every bucket, the past buckets its tokens attend to. Deliberate departures, each for exact
+causality and prefix consistency:
+
+- Row n of the sorting matrix (bucket n's choice) is built only from finished buckets: its query
+  summary is the mean query of bucket n - 1, its candidates are buckets 0..n-1 (mean keys). The
+  paper's causal variant uses cumulative sums that let a bucket's early tokens see its later ones.
+- Sinkhorn's column step runs over rows 0..n only (a log-cumulative-sum down the rows), so row n
+  never depends on later buckets, and it caps a bucket's cumulative mass at 1 rather than
+  setting it to 1 (which would always give a column's first claimant, bucket j + 1, weight 1).
+  Rows are normalised as in the paper.
+- The sorting network is the dot product of the layer's own (learned) query and key projections,
+  as in the public implementation; no extra parameters.
+- The chosen buckets enter the softmax with their log sorting weight added to the scores, which
+  keeps the sorting differentiable with a hard top-n_sortcut choice.
+- A sequence that is not a multiple of the bucket size is padded on the right only; padding is
+  never visible to a real token, so logits do not depend on the length.
+
+Memory: scores are T * (n_sortcut + 1) * bucket_size, the sorting matrix (T / bucket_size)^2 per
+head (the paper's cost; linear in T while bucket_size >= sqrt(T)).
+
+Legend: B batch, T tokens, H query heads, G key/value heads, D head width, N buckets, M buckets
+holding queries, b bucket size, S n_sortcut, L local heads.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import Tensor, nn
+
+from attnlab.attention.base import AttentionSpec, KVCache, expand_kv
+from attnlab.attention.local import local_attention
+from attnlab.config import SinkhornAttentionConfig
+from attnlab.registry import ATTENTION
+
+MASKED = -1e4  # finite "minus infinity" for the sorting matrix: keeps Sinkhorn's gradients finite
+
+# ----------------------------------------------------------------------------------------------
+# Pure functions
+
+
+def bucket_means(x: Tensor, bucket_size: int) -> Tensor:
+    """x [B, H, T, D] -> per-bucket mean [B, H, ceil(T/b), D]; a partial last bucket's mean is
+    never used (only finished buckets are sorted)."""
+    pad = -x.shape[2] % bucket_size
+    x = F.pad(x, (0, 0, 0, pad))
+    return rearrange(x, "b h (n s) d -> b h n s d", s=bucket_size).mean(dim=3)
+
+
+def causal_sinkhorn(log_p: Tensor, valid: Tensor, n_iter: int) -> Tensor:
+    """Log-domain Sinkhorn balancing (eq. 5-6) whose row n depends on rows 0..n only.
+    log_p [B, H, N, N], valid bool [N, N] -> balanced log_p (MASKED where not valid)."""
+    # re-masking after every step keeps rows with no candidate (bucket 0) at MASKED, so they add
+    # nothing to the column sums (and nothing that depends on how many buckets there are)
+    for _ in range(n_iter):
+        log_p = (log_p - torch.logsumexp(log_p, dim=-1, keepdim=True)).masked_fill(~valid, MASKED)  # rows
+        # columns: a bucket's mass claimed by rows 0..n is capped at 1 (the exact column
+        # normalisation over rows 0..n would always hand a column's first claimant weight 1)
+        column_mass = torch.logcumsumexp(log_p, dim=-2).clamp(min=0)
+        log_p = (log_p - column_mass).masked_fill(~valid, MASKED)
+    return log_p
+
+
+def sort_buckets(
+    query_means: Tensor, key_means: Tensor, n_sortcut: int, n_iter: int, temperature: float, gumbel: bool
+) -> tuple[Tensor, Tensor]:
+    """Choose, for every bucket n, up to S past buckets j < n.
+
+    query_means, key_means [B, H, N, D] (before rotary positions). Returns the chosen bucket
+    indices [B, H, N, S] and their log sorting weights [B, H, N, S] (-inf: no such bucket).
+    """
+    n_buckets, dim_head = key_means.shape[2], key_means.shape[3]
+    previous = F.pad(query_means[:, :, :-1], (0, 0, 1, 0))  # bucket n asks with bucket n-1's summary
+    logits = torch.einsum("bhnd,bhjd->bhnj", previous.float(), key_means.float()) / math.sqrt(dim_head)
+    if gumbel:  # section 3.2: Gumbel noise makes the sorting stochastic in training
+        logits = logits - torch.log(-torch.log(torch.rand_like(logits).clamp(1e-9, 1 - 1e-9)))
+    row = torch.arange(n_buckets, device=logits.device)
+    valid = row[None, :] < row[:, None]  # [N, N]: strictly past buckets only
+    log_p = causal_sinkhorn((logits / temperature).masked_fill(~valid, MASKED), valid, n_iter)
+    n_choices = min(n_sortcut, n_buckets)
+    weights, chosen = log_p.topk(n_choices, dim=-1)  # [B, H, N, S]
+    chosen_valid = chosen < row[:, None]  # bucket n has only n candidates
+    if n_choices < n_sortcut:  # fewer buckets than slots: pad with invalid choices
+        pad = n_sortcut - n_choices
+        chosen, weights = F.pad(chosen, (0, pad)), F.pad(weights, (0, pad))
+        chosen_valid = F.pad(chosen_valid, (0, pad), value=False)
+    return chosen, weights.masked_fill(~chosen_valid, float("-inf"))
+
+
+def bucket_attention(
+    q: Tensor, k_own: Tensor, v_own: Tensor, k_chosen: Tensor, v_chosen: Tensor, chosen_weights: Tensor,
+    dropout: float = 0.0,
+) -> Tensor:
+    """q, k_own, v_own [B, H, M, b, D]; k_chosen, v_chosen [B, H, M, S b, D]; chosen_weights
+    [B, H, M, S] -> [B, H, M, b, D]. Slot i of a bucket sees own slots <= i and the chosen buckets."""
+    bucket_size, dim_head = q.shape[3], q.shape[4]
+    own = torch.einsum("bhmid,bhmjd->bhmij", q, k_own).float() / math.sqrt(dim_head)  # [B, H, M, b, b]
+    causal = torch.ones(bucket_size, bucket_size, dtype=torch.bool, device=q.device).tril()
+    own = own.masked_fill(~causal, float("-inf"))
+    sorted_ = torch.einsum("bhmid,bhmjd->bhmij", q, k_chosen).float() / math.sqrt(dim_head)  # [.., b, S b]
+    bias = chosen_weights.repeat_interleave(bucket_size, dim=-1)[..., None, :]  # [B, H, M, 1, S b]
+    scores = torch.cat((sorted_ + bias, own), dim=-1)  # [B, H, M, b, (S+1) b]
+    probs = torch.softmax(scores, dim=-1).to(v_own.dtype)
+    probs = F.dropout(probs, dropout) if dropout > 0 else probs
+    values = torch.cat((v_chosen, v_own), dim=3)  # [B, H, M, (S+1) b, D]
+    return torch.einsum("bhmij,bhmjd->bhmid", probs, values)
+
+
+def gather_buckets(x: Tensor, chosen: Tensor) -> Tensor:
+    """x [B, H, N, b, D], chosen [B, H, M, S] -> [B, H, M, S b, D]."""
+    batch, heads, n_buckets, bucket_size, dim_head = x.shape
+    index = chosen.flatten(2)[..., None, None].expand(-1, -1, -1, bucket_size, dim_head)
+    picked = x.gather(2, index)  # [B, H, M S, b, D]
+    return picked.reshape(batch, heads, chosen.shape[2], chosen.shape[3] * bucket_size, dim_head)
+
+
+# ----------------------------------------------------------------------------------------------
+# Cache and module
+
+
+class SinkhornCache(KVCache):
+    """Per position: rotated keys and values, and the unrotated queries and keys that bucket
+    summaries are made of; plus the summaries of finished buckets, computed once each."""
+
+    def __init__(self, batch: int, n_heads: int, dim_head: int, max_len: int, bucket_size: int, device, dtype):
+        max_len = math.ceil(max_len / bucket_size) * bucket_size  # whole buckets, for bucket views
+        shape = (batch, n_heads, max_len, dim_head)
+        self.keys = torch.zeros(shape, device=device, dtype=dtype)  # rotated, for attention
+        self.values = torch.zeros_like(self.keys)
+        self.raw_queries = torch.zeros_like(self.keys)  # before rotary, for bucket summaries
+        self.raw_keys = torch.zeros_like(self.keys)
+        n_buckets = max_len // bucket_size
+        self.query_means = torch.zeros(batch, n_heads, n_buckets, dim_head, device=device, dtype=dtype)
+        self.key_means = torch.zeros_like(self.query_means)
+        self.bucket_size, self.n_summarised, self.length = bucket_size, 0, 0
+
+    def append(self, k: Tensor, v: Tensor, raw_q: Tensor, raw_k: Tensor) -> None:
+        start, end = self.length, self.length + k.shape[2]
+        if end > self.keys.shape[2]:
+            raise ValueError(f"cache holds {self.keys.shape[2]} tokens; {end} were fed")
+        for store, new in ((self.keys, k), (self.values, v), (self.raw_queries, raw_q), (self.raw_keys, raw_k)):
+            store[:, :, start:end] = new
+        self.length = end
+        finished = end // self.bucket_size
+        if finished > self.n_summarised:  # summarise newly finished buckets, once
+            span = slice(self.n_summarised * self.bucket_size, finished * self.bucket_size)
+            new_buckets = slice(self.n_summarised, finished)
+            self.query_means[:, :, new_buckets] = bucket_means(self.raw_queries[:, :, span], self.bucket_size)
+            self.key_means[:, :, new_buckets] = bucket_means(self.raw_keys[:, :, span], self.bucket_size)
+            self.n_summarised = finished
+
+    def truncate(self, length: int) -> None:
+        self._check_truncate(length)
+        self.length = length  # later slots are overwritten by the next append
+        self.n_summarised = min(self.n_summarised, length // self.bucket_size)
+
+
+@ATTENTION.register("sinkhorn")
+class SinkhornAttention(nn.Module):
+    """L local heads (window of bucket_size) then H - L sorted-bucket heads."""
+
+    config_class = SinkhornAttentionConfig
+
+    def __init__(self, spec: AttentionSpec, config: SinkhornAttentionConfig) -> None:
+        super().__init__()
+        self.spec, self.config = spec, config
+        if not 0 <= config.n_local_heads <= spec.n_heads:
+            raise ValueError(f"n_local_heads={config.n_local_heads} must be between 0 and heads={spec.n_heads}")
+        self.n_local = config.n_local_heads
+        inner_q, inner_kv = spec.n_heads * spec.dim_head, spec.n_kv_heads * spec.dim_head
+        self.to_q = nn.Linear(spec.dim, inner_q, bias=False)
+        self.to_k = nn.Linear(spec.dim, inner_kv, bias=False)
+        self.to_v = nn.Linear(spec.dim, inner_kv, bias=False)
+        self.to_out = nn.Linear(inner_q, spec.dim, bias=False)
+        self.aux_losses: dict[str, Tensor] = {}
+
+    def forward(self, x: Tensor, cache: SinkhornCache | None = None) -> Tensor:
+        spec, config, local = self.spec, self.config, self.n_local
+        size = config.bucket_size
+        dropout = spec.dropout if self.training else 0.0
+        offset = 0 if cache is None else cache.length
+        n_new = x.shape[1]
+        raw_q = rearrange(self.to_q(x), "b t (h d) -> b h t d", d=spec.dim_head)  # [B, H, T, D]
+        raw_k = expand_kv(rearrange(self.to_k(x), "b t (g d) -> b g t d", d=spec.dim_head), spec.n_heads)
+        v = expand_kv(rearrange(self.to_v(x), "b t (g d) -> b g t d", d=spec.dim_head), spec.n_heads)
+        q, k = raw_q, raw_k
+        if spec.rotary is not None:
+            q, k = spec.rotary(q, offset), spec.rotary(k, offset)
+        if cache is None:
+            query_means, key_means = bucket_means(raw_q, size), bucket_means(raw_k, size)  # [B, H, N, D]
+            first_bucket, keys, values = 0, k, v
+        else:
+            cache.append(k, v, raw_q, raw_k)
+            n_buckets = math.ceil(cache.length / size)
+            query_means, key_means = cache.query_means[:, :, :n_buckets], cache.key_means[:, :, :n_buckets]
+            first_bucket = offset // size
+            keys, values = cache.keys[:, :, : n_buckets * size], cache.values[:, :, : n_buckets * size]
+            keys, values = keys.to(q.dtype), values.to(q.dtype)
+        parts = []
+        if local:
+            seen = slice(0, offset + n_new)  # keys of the fed tokens (the cache is bucket-padded)
+            parts.append(local_attention(q[:, :local], keys[:, :local, seen], values[:, :local, seen], size, dropout))
+        if local < spec.n_heads:
+            parts.append(self._sorted(q[:, local:], keys[:, local:], values[:, local:], query_means[:, local:],
+                                      key_means[:, local:], first_bucket, offset, dropout))
+        y = torch.cat(parts, dim=1)  # [B, H, T, D]
+        return self.to_out(rearrange(y, "b h t d -> b t (h d)"))
+
+    def _sorted(self, q, keys, values, query_means, key_means, first_bucket, offset, dropout) -> Tensor:
+        """q [B, H', T, D] at positions offset..; keys, values [B, H', >= offset+T (bucket-padded), D]."""
+        config, size = self.config, self.config.bucket_size
+        n_new = q.shape[2]
+        chosen, weights = sort_buckets(
+            query_means, key_means, config.n_sortcut, config.sinkhorn_iter, config.temperature,
+            gumbel=self.training,
+        )
+        chosen, weights = chosen[:, :, first_bucket:], weights[:, :, first_bucket:]  # buckets with queries
+        n_buckets = key_means.shape[2]
+        pad = n_buckets * size - keys.shape[2]
+        keys = rearrange(F.pad(keys, (0, 0, 0, pad)), "b h (n s) d -> b h n s d", s=size)  # right padding only
+        values = rearrange(F.pad(values, (0, 0, 0, pad)), "b h (n s) d -> b h n s d", s=size)
+        start = offset - first_bucket * size  # queries start this far into their first bucket
+        q = F.pad(q, (0, 0, start, (n_buckets - first_bucket) * size - start - n_new))
+        q = rearrange(q, "b h (m s) d -> b h m s d", s=size)  # [B, H', M, b, D]
+        y = bucket_attention(
+            q, keys[:, :, first_bucket:], values[:, :, first_bucket:],
+            gather_buckets(keys, chosen), gather_buckets(values, chosen), weights, dropout,
+        )
+        return rearrange(y, "b h m s d -> b h (m s) d")[:, :, start : start + n_new]
+
+    def new_cache(self, batch: int, max_len: int, device=None, dtype=None) -> SinkhornCache:
+        spec = self.spec
+        return SinkhornCache(batch, spec.n_heads, spec.dim_head, max_len, self.config.bucket_size, device, dtype)

@@ -1,0 +1,149 @@
+"""Routing attention: equal to the masked oracle, options honoured, centroids updated explicitly."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attnlab.attention.base import naive_attention
+from attnlab.attention.routing import (
+    RoutingAttention,
+    routed_attention,
+    routed_attention_cached,
+    routing_stats,
+)
+from attnlab.model import Transformer
+from variants import variant_config
+
+
+def oracle_mask(clusters: torch.Tensor, window: int) -> torch.Tensor:
+    """[B, R, T] -> allowed [B, R, T, T]: same cluster, not later, at most `window` same-cluster
+    tokens back."""
+    same = clusters[..., :, None] == clusters[..., None, :]
+    one_hot = F.one_hot(clusters).float()
+    rank = (one_hot.cumsum(2) * one_hot).sum(-1)  # [B, R, T], 1-based rank within the cluster
+    length = clusters.shape[-1]
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    return same & causal & (rank[..., :, None] - rank[..., None, :] <= window)
+
+
+@pytest.mark.parametrize("window", [1, 3, 16])
+def test_routed_attention_equals_oracle(window):
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, 2, 2, 37, 8).unbind(0)
+    clusters = torch.randint(0, 4, (2, 2, 37))
+    expected = naive_attention(q, k, v, oracle_mask(clusters, window))
+    torch.testing.assert_close(routed_attention(q, k, v, clusters, window), expected, atol=1e-5, rtol=1e-5)
+    # the cached path: the last 9 tokens as queries against all keys, in blocks of 4
+    cached = routed_attention_cached(q[:, :, -9:], k, v, clusters, window, block=4)
+    torch.testing.assert_close(cached, expected[:, :, -9:], atol=1e-5, rtol=1e-5)
+
+
+def make(name: str = "routing", seed: int = 0, **routing) -> Transformer:
+    config = variant_config(name)
+    config.attention.routing = dataclasses.replace(config.attention.routing, **routing)
+    torch.manual_seed(seed)
+    return Transformer(config)
+
+
+def routing_layers(model: Transformer) -> list[RoutingAttention]:
+    return [m for m in model.modules() if isinstance(m, RoutingAttention)]
+
+
+def logits(model: Transformer, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model.eval()(x).logits
+
+
+X = torch.randint(0, 61, (2, 45), generator=torch.Generator().manual_seed(5))
+
+
+@pytest.mark.parametrize(
+    "option, value", [("window_size", 2), ("n_clusters", 2), ("n_local_heads", (0, 0))]
+)
+def test_options_change_outputs(option, value):
+    base = logits(make(), X)
+    assert not torch.allclose(logits(make(**{option: value}), X), base, atol=1e-5)
+
+
+def train_step(model: Transformer, x: torch.Tensor) -> torch.Tensor:
+    model.train()
+    output = model(x[:, :-1], targets=x[:, 1:])
+    output.loss.backward()
+    return output.aux_losses["commitment"]
+
+
+def test_commitment_weight_scales_the_loss():
+    small = train_step(make(commitment_weight=0.1), X)
+    large = train_step(make(commitment_weight=0.3), X)
+    torch.testing.assert_close(large, 3 * small)
+    assert small > 0
+
+
+def test_ema_decay_moves_centroids_once_per_step():
+    moved = {}
+    for decay in (0.5, 0.9):
+        model = make(ema_decay=decay)
+        layer = routing_layers(model)[0]
+        before = layer.centroids.clone()
+        train_step(model, X)
+        assert torch.equal(layer.centroids, before), "the forward must not move centroids"
+        assert layer.centroid_counts.sum() == 2 * 44 * layer.n_routed  # every token, every routed head
+        layer.update_centroids()
+        assert layer.centroid_counts.sum() == 0
+        assert torch.allclose(layer.centroids.norm(dim=-1), torch.ones(()))
+        moved[decay] = (layer.centroids - before).norm()
+        layer.after_optimizer_step()  # no new statistics: nothing moves
+        assert (layer.centroids - before).norm() == moved[decay]
+    assert moved[0.5] > moved[0.9] > 0
+
+
+def test_eval_accumulates_nothing():
+    model = make().eval()
+    with torch.no_grad():
+        model(X)
+    assert all(layer.centroid_counts.sum() == 0 for layer in routing_layers(model))
+    assert model(X).aux_losses == {}
+
+
+def test_reversible_recomputation_counts_once():
+    model = make("routing-reversible")
+    train_step(model, X)
+    for layer in routing_layers(model):
+        assert layer.centroid_counts.sum() == 2 * 44 * layer.n_routed
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_commitment_gradient_reaches_keys_through_reversible():
+    grads = []
+    for weight in (0.0, 10.0):
+        model = make("routing-reversible", commitment_weight=weight)
+        train_step(model, X)
+        grads.append(routing_layers(model)[0].to_k.weight.grad.clone())
+    assert not torch.allclose(grads[0], grads[1])
+
+
+def test_routing_stats():
+    model = make(n_clusters=4)
+    stats = routing_stats(model, X)
+    assert stats["no_routed_key_fraction"] == 0.0
+    assert 0 < stats["only_itself_fraction"] < 1
+    assert len(stats["cluster_occupancy"]) == 4
+    assert abs(sum(stats["cluster_occupancy"]) - 1) < 1e-5
+    assert 0 < stats["largest_cluster_share"] <= 1
+    assert all(layer.last_clusters is None for layer in routing_layers(model))
+
+
+def test_long_rollback_is_exact():
+    model = make().eval()
+    x = torch.randint(0, 61, (1, 60), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        cache = model.new_cache(1, 64)
+        model(x[:, :50], cache=cache)
+        cache.truncate(10)  # back 40 tokens, further than any window
+        resumed = model(x[:, 10:20], cache=cache).logits
+        expected = model(x[:, :20]).logits[:, 10:]
+    torch.testing.assert_close(resumed, expected, atol=1e-5, rtol=1e-5)

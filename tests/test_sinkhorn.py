@@ -1,0 +1,92 @@
+"""Sinkhorn attention: equal to a masked dense oracle, causal sorting, options honoured."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from attnlab.attention.base import AttentionSpec
+from attnlab.attention.sinkhorn import SinkhornAttention, bucket_means, causal_sinkhorn, sort_buckets
+from attnlab.config import SinkhornAttentionConfig
+from attnlab.model import Transformer
+from variants import variant_config
+
+
+def layer(**options) -> SinkhornAttention:
+    spec = AttentionSpec(dim=16, n_heads=2, dim_head=8, n_kv_heads=2, dropout=0.0, max_seq_len=64,
+                         layer_index=0, n_layers=1, rotary=None)
+    torch.manual_seed(0)
+    return SinkhornAttention(spec, SinkhornAttentionConfig(**{"bucket_size": 4, "n_sortcut": 2, **options})).eval()
+
+
+@pytest.mark.parametrize("length", [4, 13, 24])
+def test_equals_dense_oracle(length):
+    attention = layer()
+    x = torch.randn(2, length, 16)
+    q = attention.to_q(x).unflatten(-1, (2, 8)).transpose(1, 2)  # [B, H, T, D]
+    k = attention.to_k(x).unflatten(-1, (2, 8)).transpose(1, 2)
+    v = attention.to_v(x).unflatten(-1, (2, 8)).transpose(1, 2)
+    chosen, weights = sort_buckets(bucket_means(q, 4), bucket_means(k, 4), 2, 5, 0.75, gumbel=False)
+    bucket = torch.arange(length) // 4
+    bias = torch.full((2, 2, length, length), float("-inf"))
+    for slot in range(2):  # chosen past buckets, with their log sorting weight
+        picked = chosen[..., slot][..., bucket]  # [B, H, T]: the bucket each query picked in this slot
+        hit = picked[..., :, None] == bucket[None, None, None, :]
+        bias = torch.where(hit, weights[..., slot][..., bucket][..., None].expand_as(bias), bias)
+    own = (bucket[:, None] == bucket[None, :]) & torch.ones(length, length, dtype=torch.bool).tril()
+    bias = torch.where(own, torch.zeros(()), bias)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(8) + bias
+    expected = attention.to_out((torch.softmax(scores, -1) @ v).transpose(1, 2).flatten(2))
+    with torch.no_grad():
+        torch.testing.assert_close(attention(x), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_sorting_chooses_past_buckets_only():
+    torch.manual_seed(0)
+    means = torch.randn(2, 3, 10, 8)
+    chosen, weights = sort_buckets(means, torch.randn(2, 3, 10, 8), 3, 5, 0.5, gumbel=True)
+    row = torch.arange(10)[:, None]
+    assert torch.all((chosen < row) | weights.isinf())
+    assert torch.all(weights[:, :, 0].isinf()) and torch.all(weights[:, :, 3:].isfinite())
+
+
+def test_causal_sinkhorn_rows_ignore_later_rows():
+    logits = torch.randn(1, 1, 8, 8)
+    valid = torch.ones(8, 8, dtype=torch.bool).tril(-1)
+    changed = logits.clone()
+    changed[..., 5:, :] = torch.randn(1, 1, 3, 8)
+    before = causal_sinkhorn(logits.masked_fill(~valid, -1e4), valid, 4)
+    after = causal_sinkhorn(changed.masked_fill(~valid, -1e4), valid, 4)
+    assert torch.equal(before[..., :5, :], after[..., :5, :])
+    assert not torch.equal(before[..., 5:, :], after[..., 5:, :])
+
+
+def test_gumbel_noise_in_training_only():
+    attention = layer(n_sortcut=1)
+    x = torch.randn(1, 40, 16)
+    with torch.no_grad():
+        assert torch.equal(attention(x), attention(x))
+        attention.train()
+        assert not torch.equal(attention(x), attention(x))
+
+
+X = torch.randint(0, 61, (2, 45), generator=torch.Generator().manual_seed(5))
+
+
+def logits(**options) -> torch.Tensor:
+    config = variant_config("sinkhorn")
+    config.attention.sinkhorn = dataclasses.replace(config.attention.sinkhorn, **options)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        return Transformer(config).eval()(X).logits
+
+
+@pytest.mark.parametrize(
+    "option, value",
+    [("bucket_size", 4), ("n_sortcut", 1), ("sinkhorn_iter", 1), ("temperature", 0.1), ("n_local_heads", 3)],
+)
+def test_options_change_outputs(option, value):
+    assert not torch.allclose(logits(**{option: value}), logits(), atol=1e-5)
