@@ -68,3 +68,19 @@ def test_bad_input_one_line_error(argv, message, capsys, tmp_path, monkeypatch):
     assert main(argv) == 2
     error = capsys.readouterr().err.strip()
     assert message in error and len(error.splitlines()) == 1, error
+
+
+def test_eval_reports_routing_statistics(tmp_path, capsys):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(TEXT)
+    assert main([
+        "train", "-p", "routing-small", "name=r", f"out_dir={tmp_path}", "model.dim=32", "model.depth=1",
+        "model.heads=2", "model.dim_head=16", "model.max_seq_len=64", "model.reversible=false",
+        "model.attention.routing.window_size=8", "model.attention.routing.n_local_heads=1",
+        "data.source=file", f"data.path={corpus}", "train.seq_len=32", "train.batch_size=2",
+        "train.max_steps=2", "train.eval_every=0", "train.sample_every=0", "log.progress=false",
+    ]) == 0
+    capsys.readouterr()
+    assert main(["eval", str(tmp_path / "r"), "--json", "--windows", "2", "--batch-size", "2"]) == 0
+    routing = json.loads(capsys.readouterr().out)["routing"]
+    assert routing["no_routed_key_fraction"] == 0.0 and 0 < routing["largest_cluster_share"] <= 1

@@ -6,7 +6,9 @@ import argparse
 import dataclasses
 import json
 
+from attnlab.attention.routing import routing_stats
 from attnlab.data.bytes import load_corpus
+from attnlab.data.sampler import eval_windows
 from attnlab.evaluate import evaluate
 from attnlab.train.checkpoint import load_model
 
@@ -36,10 +38,18 @@ def run(args: argparse.Namespace) -> int:
     result = evaluate(model, corpus.val, seq_len, args.windows, args.batch_size, seed=args.seed)
     report = {"run": str(args.run), "step": model.checkpoint_step, "data": corpus.description,
               "seq_len": seq_len, **result.as_dict()}
+    windows = eval_windows(corpus.val, seq_len, min(args.windows, args.batch_size), args.seed)
+    routing = routing_stats(model, windows[:, :-1].to(args.device))  # empty unless the model routes
+    if routing:
+        report["routing"] = routing
     if args.json:
         print(json.dumps(report))
     else:
         print(f"{report['run']} (step {report['step']}) on {report['data']}, {args.windows} windows of {seq_len}:")
         print(f"  loss {result.loss:.4f} nats/token, {result.bits_per_token:.4f} bits per byte, "
               f"perplexity {result.perplexity:.3f}")
+        if routing:
+            print(f"  routing: {routing['no_routed_key_fraction']:.3f} of tokens without a routed key, "
+                  f"{routing['only_itself_fraction']:.3f} seeing only themselves, largest cluster "
+                  f"{routing['largest_cluster_share']:.3f} of tokens")
     return 0
