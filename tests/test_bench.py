@@ -1,0 +1,56 @@
+"""Benchmarks and plots run end to end (figures themselves are never asserted: machines are noisy)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_train import text_file, tiny  # noqa: F401  (the fixture is shared)
+
+from attnlab.cli.main import main
+from attnlab.train.loop import train
+
+
+def test_bench_decode_and_train_tables(tmp_path, capsys):
+    out = tmp_path / "decode.jsonl"
+    assert main(["bench", "decode", "--attention", "full", "local", "--dim", "32", "--depth", "1", "--heads", "2",
+                 "--context", "8", "16", "--new-tokens", "3", "--out", str(out),
+                 "--markdown", str(tmp_path / "decode.md")]) == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert {(r["attention"], r["context"], r["cache"]) for r in records} == {
+        (a, c, cache) for a in ("full", "local") for c in (8, 16) for cache in (True, False)}
+    assert "cache speedup" in (tmp_path / "decode.md").read_text()
+    assert main(["bench", "train", "--attention", "local", "--dim", "32", "--depth", "1", "--heads", "2",
+                 "--seq-len", "32", "--steps", "1", "--warmup", "1"]) == 0
+    assert "| local | 32 | 1 |" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_suite_writes_report_and_plots(tmp_path, monkeypatch):
+    from attnlab.bench import suite
+
+    def tiny_plan(device, quick, attention):
+        return suite.SuitePlan(attention=["full", "local"], lengths=[32, 64], contexts=[8], dim=32, depth=1,
+                               heads=2, steps=1, warmup=0, new_tokens=2)
+
+    monkeypatch.setattr(suite, "default_plan", tiny_plan)
+    assert main(["bench", "suite", "--quick", "--out", str(tmp_path)]) == 0
+    report = (tmp_path / "suite.md").read_text()
+    assert "## Training step" in report and "| local | 64 |" in report and "Failed" not in report
+    for name in ("train_throughput.png", "train_memory.png", "decode.png"):
+        assert (tmp_path / name).stat().st_size > 1000
+
+
+def test_plot_runs(tmp_path, text_file):  # noqa: F811
+    runs = [train(tiny(tmp_path, text_file, name, "train.max_steps=4", "train.eval_every=2")).run_dir
+            for name in ("a", "b")]
+    out = tmp_path / "runs.png"
+    assert main(["plot", *map(str, runs), "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["plot", str(tmp_path / "nothing")]) == 2
+
+
+def test_tensorboard_sink(tmp_path, text_file):  # noqa: F811
+    pytest.importorskip("tensorboard")
+    run_dir = train(tiny(tmp_path, text_file, "tb", "train.max_steps=2", "log.tensorboard=true")).run_dir
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
