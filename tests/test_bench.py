@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_train import text_file, tiny  # noqa: F401  (the fixture is shared)
 
 from attnlab.cli.main import main
 from attnlab.train.loop import train
+from test_train import text_file, tiny  # noqa: F401  (the fixture is shared)
 
 
 def test_bench_decode_and_train_tables(tmp_path, capsys):
