@@ -64,6 +64,14 @@ def single(root) -> Path:
     return train(load_config("demo", [*common(root), "name=single", "train.batch_size=4"])).run_dir
 
 
+@pytest.fixture(scope="module")
+def single_ema(root) -> Path:
+    """The same with EMA weights (validation then uses them)."""
+    config = load_config("demo", [*common(root), "name=single-ema", "train.batch_size=4", "train.ema=true",
+                                  "train.ema_decay=0.5"])
+    return train(config).run_dir
+
+
 def curve(run_dir: Path) -> list[tuple[int, str, float]]:
     return [(r["step"], key, r[key]) for r in read_metrics(run_dir) for key in ("loss", "val_loss") if key in r]
 
@@ -73,9 +81,16 @@ def assert_same_run(run_dir: Path, reference: Path) -> None:
     assert [(s, k) for s, k, _ in got] == [(s, k) for s, k, _ in want]  # each step logged once, by rank 0
     for (_, _, a), (_, _, b) in zip(got, want):
         assert a == pytest.approx(b, abs=1e-5)
-    final, expected = load_model(run_dir).state_dict(), load_model(reference).state_dict()
-    for key, value in expected.items():
-        torch.testing.assert_close(final[key], value, atol=1e-5, rtol=1e-4)
+    for weights in ("model", "ema") if (reference / "checkpoints").exists() and _has_ema(reference) else ("model",):
+        final = load_model(run_dir, weights=weights).state_dict()
+        for key, value in load_model(reference, weights=weights).state_dict().items():
+            torch.testing.assert_close(final[key], value, atol=1e-5, rtol=1e-4)
+
+
+def _has_ema(run_dir: Path) -> bool:
+    from attnlab.train.checkpoint import read_checkpoint
+
+    return read_checkpoint(list_checkpoints(run_dir)[-1]).get("ema") is not None
 
 
 def deepspeed_config(root: Path, stage: int) -> Path:
@@ -85,12 +100,14 @@ def deepspeed_config(root: Path, stage: int) -> Path:
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_torchrun_matches_single_and_resumes(root, single, strategy):
+def test_torchrun_matches_single_and_resumes(root, single_ema, strategy):
+    """With EMA weights too: they are laid out (sharded) like the model and saved gathered."""
     name = f"{strategy}-split"
-    launch(root, name, strategy, "--until-step", "3")
+    ema = ["train.ema=true", "train.ema_decay=0.5"]
+    launch(root, name, strategy, *ema, "--until-step", "3")
     assert [p.name for p in list_checkpoints(root / "runs" / name)] == ["step-0000003.pt"]
-    launch(root, name, strategy, "--resume")
-    assert_same_run(root / "runs" / name, single)
+    launch(root, name, strategy, *ema, "--resume")
+    assert_same_run(root / "runs" / name, single_ema)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

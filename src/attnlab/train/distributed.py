@@ -84,6 +84,10 @@ class SingleProcess:
         """The module to call forward on, and the optimiser `build_optimizer(model)` makes for it."""
         return model, build_optimizer(model)
 
+    def prepare_copy(self, module: nn.Module) -> nn.Module:
+        """Lay out a copy of the model (the EMA weights) the way `wrap` laid out the model."""
+        return module
+
     def micro_step_context(self, forward: nn.Module, is_last: bool):
         """Context for one micro-batch's forward and backward (DDP skips the all-reduce until the last)."""
         return contextlib.nullcontext()
@@ -122,6 +126,9 @@ class SingleProcess:
     def load_state(self, model: nn.Module, optimizer, model_state: dict, optimizer_state: dict) -> None:
         model.load_state_dict(model_state)
         optimizer.load_state_dict(optimizer_state)
+
+    def load_model_state(self, model: nn.Module, model_state: dict) -> None:
+        model.load_state_dict(model_state)
 
     def save_engine_checkpoint(self, forward: nn.Module, run_dir: Path, step: int) -> None:
         """Engines with their own checkpoint format write it here (all ranks call this)."""
@@ -175,12 +182,15 @@ class FSDP(_ProcessGroupStrategy):
     """FSDP2: each block's parameters sharded over ranks, then the root's."""
 
     def wrap(self, model, build_optimizer):
+        return self.prepare_copy(model), build_optimizer(model)  # over the sharded parameters
+
+    def prepare_copy(self, module):
         from torch.distributed.fsdp import fully_shard
 
-        for block in model.blocks:
+        for block in module.blocks:
             fully_shard(block)
-        fully_shard(model)
-        return model, build_optimizer(model)  # over the sharded parameters fully_shard put in place
+        fully_shard(module)
+        return module
 
     def step(self, forward, optimizer, scaler, model):
         clip = self.config.train.grad_clip
@@ -210,6 +220,11 @@ class FSDP(_ProcessGroupStrategy):
         options = StateDictOptions(full_state_dict=True)
         set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state,
                        options=options)
+
+    def load_model_state(self, model, model_state):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(model, model_state, options=StateDictOptions(full_state_dict=True))
 
 
 @STRATEGY.register("deepspeed")

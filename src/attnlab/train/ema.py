@@ -19,13 +19,12 @@ class WeightEMA:
     @torch.no_grad()
     def update(self, model: nn.Module) -> None:
         """average <- decay * average + (1 - decay) * current; buffers copied as they are."""
+        for module in (self.model, model):
+            reshard = getattr(module, "reshard", None)  # FSDP2 roots stay gathered after a forward:
+            if callable(reshard):  # put both back in their sharded layout so the shards line up
+                reshard()
         for average, current in zip(self.model.parameters(), model.parameters()):
             average.lerp_(current.detach(), 1 - self.decay)
         for average, current in zip(self.model.buffers(), model.buffers()):
             average.copy_(current)
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return self.model.state_dict()
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.model.load_state_dict(state)

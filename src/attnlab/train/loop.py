@@ -191,10 +191,12 @@ def train(
         write_run_info(config, run_dir, command_line)
 
     model = Transformer(config.model).to(device)
-    if tc.ema and (config.dist.strategy == "fsdp" or strategy.owns_accumulation):
-        raise AttnlabError(f"train.ema=true is supported with dist.strategy single and ddp, not {config.dist.strategy}")
-    ema = WeightEMA(model, tc.ema_decay) if tc.ema else None
+    if tc.ema and strategy.owns_accumulation:
+        raise AttnlabError("train.ema=true is supported with dist.strategy single, ddp and fsdp, not deepspeed")
+    ema = WeightEMA(model, tc.ema_decay) if tc.ema else None  # copied before wrapping, laid out like it after
     forward, optimizer = strategy.wrap(model, lambda module: build_optimizer(module, tc))
+    if ema is not None:
+        strategy.prepare_copy(ema.model)
     scaler = torch.amp.GradScaler(device.type, enabled=autocast_dtype == torch.float16)
     sampler = make_sampler(corpus, tc, rank=strategy.rank, world_size=strategy.world_size)
     step = 0
@@ -208,7 +210,7 @@ def train(
         if ema is not None:
             if state.get("ema") is None:
                 raise CheckpointError(f"{resume_from} has no EMA weights but train.ema=true")
-            ema.load_state_dict(state["ema"])
+            strategy.load_model_state(ema.model, state["ema"])
         sampler.load_state_dict(state["sampler"])
         rng_states = state["rng"]
         if len(rng_states) != strategy.world_size:
@@ -235,6 +237,7 @@ def train(
         path = checkpoint_path(run_dir, step)
         strategy.save_engine_checkpoint(forward, run_dir, step)
         model_state, optimizer_state = strategy.model_state(model), strategy.optimizer_state(model, optimizer)
+        ema_state = None if ema is None else strategy.model_state(ema.model)
         rng_states = strategy.gather_objects(rng_state())
         strategy.barrier()
         if strategy.is_main:
@@ -245,7 +248,7 @@ def train(
                 "model": model_state,
                 "optimizer": optimizer_state,
                 "scaler": scaler.state_dict(),
-                "ema": None if ema is None else ema.state_dict(),
+                "ema": ema_state,
                 "step": step,
                 "rng": rng_states,
                 "sampler": sampler.state_dict(),
