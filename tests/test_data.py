@@ -13,11 +13,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from attnlab.cli.main import main
 from attnlab.config import DataConfig
 from attnlab.data.bytes import download_enwik8, load_corpus, prepare_builtin, stdlib_sources
-from attnlab.data.sampler import RandomWindowSampler, eval_windows
+from attnlab.data.sampler import Batch, RandomWindowSampler, eval_windows, randomly_truncate
 from attnlab.errors import DataError
 
 CONTENT = bytes(range(256)) * 40 + "héllo wörld\n".encode() * 50
@@ -164,3 +165,13 @@ def test_sampler_rejects_mismatched_state_and_short_data():
 def test_eval_windows_deterministic():
     data = np.arange(5000) % 256
     assert np.array_equal(eval_windows(data, 32, 5).numpy(), eval_windows(data, 32, 5).numpy())
+
+
+def test_random_truncation_is_seeded_and_occasional():
+    batch = Batch(tokens=torch.arange(2 * 33).reshape(2, 33))
+    lengths = [randomly_truncate(batch, seed=0, index=i).tokens.shape[1] for i in range(400)]
+    assert lengths == [randomly_truncate(batch, seed=0, index=i).tokens.shape[1] for i in range(400)]
+    truncated = [n for n in lengths if n < 33]
+    assert 15 <= len(truncated) <= 70 and min(truncated) >= 2  # about 10% of batches, never empty
+    cut = next(randomly_truncate(batch, 0, i) for i in range(400) if lengths[i] < 33)
+    assert torch.equal(cut.tokens, batch.tokens[:, : cut.tokens.shape[1]])  # a prefix of every row

@@ -50,7 +50,8 @@ def losses(run_dir: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in read_metrics(run_dir) if "loss" in r]
 
 
-@pytest.mark.parametrize("extra", [[], ["model.dropout=0.1", "train.ema=true", "train.grad_accum=2"]])
+@pytest.mark.parametrize("extra", [[], ["model.dropout=0.1", "train.ema=true", "train.grad_accum=2",
+                                          "train.randomly_truncate_sequence=true"]])
 def test_resume_is_bit_exact(tmp_path, text_file, extra):
     whole = train(tiny(tmp_path, text_file, "whole", *extra))
     first = train(tiny(tmp_path, text_file, "split", *extra), until_step=5)

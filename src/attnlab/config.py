@@ -146,6 +146,7 @@ class TrainConfig:
     keep_last: int = 2  # checkpoints kept in the run directory
     log_every: int = 10  # metrics line every N steps
     compile: bool = False  # torch.compile the model
+    randomly_truncate_sequence: bool = False  # seed 000: now and then train on a shorter prefix (p 0.1)
 
 
 @dataclass(kw_only=True)

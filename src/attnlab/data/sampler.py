@@ -82,3 +82,15 @@ def eval_windows(data: np.ndarray, seq_len: int, n_windows: int, seed: int = 123
 def make_sampler(corpus: Any, config: TrainConfig, rank: int = 0, world_size: int = 1) -> RandomWindowSampler:
     """The training sampler for a corpus: random windows over its token stream."""
     return RandomWindowSampler(len(corpus.train), config.seq_len, config.batch_size, config.seed, rank, world_size)
+
+
+def randomly_truncate(batch: Batch, seed: int, index: int, probability: float = 0.1) -> Batch:
+    """Seed 000's `randomly_truncate_sequence`: with `probability`, cut the whole micro-batch to a
+    random length of 2..T+1 tokens, so the model also trains on short contexts. The draw depends only
+    on (seed, index), like the windows, so resumed runs truncate the same batches the same way."""
+    generator = np.random.default_rng([seed, index, 7])  # 7: a stream apart from the window starts
+    if generator.random() >= probability:
+        return batch
+    length = int(generator.integers(2, batch.tokens.shape[1] + 1))
+    mask = None if batch.loss_mask is None else batch.loss_mask[:, : length - 1]
+    return Batch(tokens=batch.tokens[:, :length], loss_mask=mask)

@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 
 from attnlab.config import RunConfig, config_to_dict, save_config
 from attnlab.data.bytes import ByteCorpus, decode_bytes, load_corpus
-from attnlab.data.sampler import eval_windows, make_sampler
+from attnlab.data.sampler import eval_windows, make_sampler, randomly_truncate
 from attnlab.errors import AttnlabError, CheckpointError
 from attnlab.evaluate import evaluate
 from attnlab.generate.sampling import SamplingConfig, generate
@@ -295,6 +295,8 @@ def train(
                 losses: dict[str, float] = {}
                 for micro in range(tc.grad_accum):
                     batch = sampler.next_batch(corpus.train)  # Batch: tokens [B, T+1], loss_mask [B, T] | None
+                    if tc.randomly_truncate_sequence:
+                        batch = randomly_truncate(batch, tc.seed, step * tc.grad_accum + micro)
                     tokens = batch.tokens.to(device, non_blocking=True)
                     loss_mask = None if batch.loss_mask is None else batch.loss_mask.to(device, non_blocking=True)
                     with strategy.micro_step_context(forward, is_last=micro == tc.grad_accum - 1):
