@@ -73,6 +73,17 @@ class AttentionConfig:
     nsa: NSAAttentionConfig = field(default_factory=NSAAttentionConfig)
 
 
+# ---- mixture of experts (owned by model/moe.py)
+@dataclass(kw_only=True)
+class MoEConfig:
+    n_experts: int = 4  # routed SwiGLU experts (MiniMind's n_routed_experts)
+    top_k: int = 2  # experts each token is sent to (MiniMind's num_experts_per_tok)
+    n_shared_experts: int = 1  # experts every token goes through, unrouted (DeepSeekMoE / MiniMind)
+    normalize_top_k: bool = True  # renormalise the top-k router probabilities to sum to 1 (MiniMind's norm_topk_prob)
+    balance_loss_weight: float = 0.1  # Switch load-balance loss weight (MiniMind's aux_loss_alpha)
+    z_loss_weight: float = 0.0  # router z-loss weight (ST-MoE, arXiv 2202.08906); 0 disables
+
+
 @dataclass(kw_only=True)
 class ModelConfig:
     num_tokens: int = 256  # vocabulary size (256 for bytes)
@@ -86,13 +97,14 @@ class ModelConfig:
     position: Literal["rotary", "learned", "none"] = "rotary"  # how positions enter the model
     rope_theta: float = 10000.0  # rotary base
     norm: str = "layernorm"  # registry name: layernorm | rmsnorm
-    feed_forward: str = "gelu"  # registry name: gelu | swiglu
+    feed_forward: str = "gelu"  # registry name: gelu | swiglu | moe
     ff_mult: float = 4.0  # hidden width of the feed-forward as a multiple of dim
     ff_chunks: int = 1  # run the feed-forward over this many sequence chunks to save memory
     dropout: float = 0.0  # residual dropout
     tie_embeddings: bool = False  # share the input embedding with the output projection
     reversible: bool = False  # two-stream reversible residuals: activation memory flat in depth
     attention: AttentionConfig = field(default_factory=AttentionConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)  # read when feed_forward=moe
 
     @property
     def n_kv_heads(self) -> int:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import attnlab.attention  # noqa: F401  (registers the attention variants)
+import attnlab.model.moe  # noqa: F401  (registers the mixture-of-experts feed-forward)
 from attnlab.attention.base import AttentionSpec, KVCache, RotaryEmbedding
 from attnlab.config import ModelConfig
 from attnlab.model.layers import Chunked, TokenEmbedding
@@ -165,6 +166,14 @@ class Transformer(nn.Module):
             for name, value in module.aux_losses.items():
                 totals[name] = totals[name] + value if name in totals else value
         return totals
+
+    def collect_stats(self) -> dict[str, float]:
+        """Logging-only statistics of the last forward (e.g. MoE expert load), averaged over layers."""
+        totals: dict[str, list[float]] = {}
+        for module in self.modules():
+            for name, value in getattr(module, "stats", {}).items():
+                totals.setdefault(name, []).append(float(value))
+        return {name: sum(values) / len(values) for name, values in totals.items()}
 
     def new_cache(self, batch_size: int, max_len: int | None = None, device=None, dtype=None) -> ModelCache:
         """An empty cache for incremental decoding of up to `max_len` tokens (default max_seq_len)."""

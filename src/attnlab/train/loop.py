@@ -328,7 +328,7 @@ def train(
                 )
                 if step % tc.log_every == 0 or step == tc.max_steps:
                     metrics.write(step, {
-                        **losses, "lr": lr, "grad_norm": grad_norm,
+                        **losses, **model.collect_stats(), "lr": lr, "grad_norm": grad_norm,
                         "tokens_per_s": tokens_per_step / elapsed, "tokens": step * tokens_per_step,
                         "elapsed_s": train_seconds,
                     })
