@@ -13,7 +13,7 @@ import sys
 
 from attnlab.errors import AttnlabError
 
-COMMAND_MODULES = ["train", "sample", "eval", "data", "bench", "plot", "speculative"]
+COMMAND_MODULES = ["train", "sample", "eval", "data", "tokenizer", "bench", "plot", "speculative"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,47 @@
+"""`attnlab tokenizer train --input FILES --vocab-size N --out DIR | encode | decode`"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from attnlab.data.tokenizer import Tokenizer, train_tokenizer
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("tokenizer", help="train a byte-level BPE tokenizer, encode and decode")
+    actions = parser.add_subparsers(dest="tokenizer_action", metavar="ACTION", required=True)
+
+    train = actions.add_parser("train", help="train byte-level BPE on jsonl ({'text': ...} lines) or text files")
+    train.add_argument("--input", type=Path, nargs="+", required=True, metavar="FILE")
+    train.add_argument("--vocab-size", type=int, default=6400, help="MiniMind: 6400")
+    train.add_argument("--out", type=Path, required=True, metavar="DIR")
+    train.set_defaults(func=run_train)
+
+    encode = actions.add_parser("encode", help="print the token ids of TEXT (or of standard input)")
+    encode.add_argument("--tokenizer", type=Path, required=True, metavar="DIR")
+    encode.add_argument("text", nargs="?", default=None)
+    encode.set_defaults(func=run_encode)
+
+    decode = actions.add_parser("decode", help="print the text of token IDS")
+    decode.add_argument("--tokenizer", type=Path, required=True, metavar="DIR")
+    decode.add_argument("ids", nargs="+", type=int)
+    decode.set_defaults(func=run_decode)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    folder = train_tokenizer(args.input, args.vocab_size, args.out)
+    print(f"{folder} ({Tokenizer(folder).vocab_size} tokens)")
+    return 0
+
+
+def run_encode(args: argparse.Namespace) -> int:
+    text = sys.stdin.read() if args.text is None else args.text
+    print(" ".join(str(i) for i in Tokenizer(args.tokenizer).encode(text)))
+    return 0
+
+
+def run_decode(args: argparse.Namespace) -> int:
+    sys.stdout.write(Tokenizer(args.tokenizer).decode(args.ids) + "\n")
+    return 0

@@ -1,0 +1,64 @@
+"""Reading pretraining documents from jsonl files: one JSON object a line with a "text" string
+(MiniMind's `pretrain_hq.jsonl` layout). A malformed line is an error naming the file and the
+line, unless the caller asks to skip such lines, in which case they are counted."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from attnlab.errors import DataError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SkipCounter:
+    """Lines skipped by `read_texts(..., skip_bad=True)`, with the first few reasons kept for the log."""
+
+    count: int = 0
+    examples: list[str] = field(default_factory=list)
+
+    def add(self, reason: str) -> None:
+        self.count += 1
+        if len(self.examples) < 5:
+            self.examples.append(reason)
+
+
+def parse_line(line: str, path: Path, line_number: int) -> str:
+    """The "text" of one jsonl line, or DataError naming `path:line_number`."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise DataError(f"{path}:{line_number}: not valid JSON ({error.msg} at column {error.colno})") from error
+    if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+        raise DataError(f'{path}:{line_number}: expected an object with a "text" string, got {line.strip()[:80]!r}')
+    return record["text"]
+
+
+def read_texts(path: Path, skip_bad: bool = False, skipped: SkipCounter | None = None) -> Iterator[str]:
+    """Yield the "text" of every line of a jsonl file, streaming (blank lines are ignored).
+
+    skip_bad: skip malformed lines (and lines that are not UTF-8), counting them in `skipped`,
+    instead of raising DataError at the first one."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"input file {path} does not exist")
+    skipped = skipped if skipped is not None else SkipCounter()
+    with open(path, "rb") as handle:
+        for line_number, raw in enumerate(handle, start=1):
+            if not raw.strip():
+                continue
+            try:
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as error:
+                    raise DataError(f"{path}:{line_number}: not UTF-8 ({error.reason})") from error
+                yield parse_line(line, path, line_number)
+            except DataError as error:
+                if not skip_bad:
+                    raise
+                skipped.add(str(error))

@@ -1,0 +1,89 @@
+"""Byte-level BPE tokenizer: training, exact round trips (property tests), CLI, transformers loading."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from attnlab.cli.main import main
+from attnlab.data.tokenizer import SPECIAL_TOKENS, Tokenizer, train_tokenizer
+from attnlab.errors import DataError
+
+DOCUMENTS = [
+    "def add(a, b):\n    return a + b\n",
+    "The quick brown fox jumps over the lazy dog.",
+    "héllo wörld, ünïcödé and 中文字符 and emoji 🙂",
+    "import os\nprint(os.path.join('a', 'b'))\n",
+] * 20
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("tok")
+    corpus = folder / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": text}) + "\n" for text in DOCUMENTS))
+    return train_tokenizer([corpus], vocab_size=300, out_dir=folder / "tokenizer")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tokenizer_dir) -> Tokenizer:
+    return Tokenizer(tokenizer_dir)
+
+
+def test_special_tokens_and_merges(tokenizer):
+    assert [tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id] == [0, 1, 2]
+    assert tokenizer.vocab_size == 300
+    text = "def add(a, b):"
+    assert len(tokenizer.encode(text)) < len(text.encode())  # merges learnt from the corpus
+    assert tokenizer.decode([tokenizer.bos_id]) == SPECIAL_TOKENS[1]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text())
+def test_any_text_round_trips(tokenizer, text):
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary())
+def test_any_bytes_round_trip(tokenizer, data):
+    assert tokenizer.decode_bytes(tokenizer.encode_bytes(data)) == data
+
+
+def test_batch_encoding_equals_single(tokenizer):
+    assert tokenizer.encode_batch(DOCUMENTS[:4]) == [tokenizer.encode(text) for text in DOCUMENTS[:4]]
+
+
+def test_cli_encode_decode(tokenizer_dir, capsys):
+    assert main(["tokenizer", "encode", "--tokenizer", str(tokenizer_dir), "héllo wörld"]) == 0
+    ids = capsys.readouterr().out.split()
+    assert main(["tokenizer", "decode", "--tokenizer", str(tokenizer_dir), *ids]) == 0
+    assert capsys.readouterr().out == "héllo wörld\n"
+
+
+def test_cli_train(tmp_path, capsys):
+    corpus = tmp_path / "a.txt"
+    corpus.write_text("\n".join(DOCUMENTS))
+    assert (
+        main(["tokenizer", "train", "--input", str(corpus), "--vocab-size", "280", "--out", str(tmp_path / "t")]) == 0
+    )
+    assert "280 tokens" in capsys.readouterr().out
+    assert {p.name for p in (tmp_path / "t").iterdir()} >= {"tokenizer.json", "tokenizer_config.json"}
+
+
+def test_missing_tokenizer_is_a_clear_error(tmp_path):
+    with pytest.raises(DataError, match="attnlab tokenizer train"):
+        Tokenizer(tmp_path)
+
+
+def test_transformers_loads_it(tokenizer_dir, tokenizer):
+    transformers = pytest.importorskip("transformers")
+    loaded = transformers.AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    text = DOCUMENTS[2]
+    assert loaded(text)["input_ids"] == tokenizer.encode(text)
+    assert (loaded.bos_token_id, loaded.eos_token_id, loaded.pad_token_id) == (1, 2, 0)
+    assert loaded.decode(tokenizer.encode(text)) == text
