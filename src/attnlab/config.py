@@ -60,7 +60,17 @@ class SinkhornAttentionConfig:
 # ---- nsa (owned by attention/nsa.py)
 @dataclass(kw_only=True)
 class NSAAttentionConfig:
-    sliding_window_size: int = 64  # sliding-window branch width
+    sliding_window_size: int = 64  # sliding branch: keys visible to a query, itself included
+    compress_block_size: int = 16  # compressed branch: tokens summarised by one compressed key (paper's l)
+    compress_stride: int = 8  # compressed branch: distance between block starts (paper's d); divides both block sizes
+    compressor: Literal["mlp", "mean", "conv", "attention"] = "mlp"  # network turning a block into one key/value
+    compress_mlp_mult: float = 1.0  # mlp compressor hidden width, as a multiple of block * dim_head
+    selection_block_size: int = 16  # selected branch: tokens per selectable block (paper's l')
+    num_selected: int = 4  # selected blocks per query, the initial and the current block included (n)
+    use_diff_topk: bool = False  # straight-through gates so the selection scores get gradients (seed 002)
+    separate_branch_kv: bool = False  # own key/value projections for each of the three branches
+    backend: Literal["torch", "flex"] = "torch"  # torch: the memory-lean reference; flex: FlexAttention
+    query_chunk_size: int = 256  # queries processed together; bounds the selected and compressed scores
 
 
 @dataclass(kw_only=True)

@@ -1,3 +1,3 @@
 """Attention variants. Importing this package registers every variant in `ATTENTION`."""
 
-from attnlab.attention import full, local, routing, sinkhorn  # noqa: F401  # noqa: F401
+from attnlab.attention import full, local, nsa, routing, sinkhorn  # noqa: F401

@@ -1,0 +1,488 @@
+"""Native sparse attention (NSA): compressed, selected and sliding branches under per-head gates.
+
+"Native Sparse Attention: Hardware-Aligned and Natively Trainable Sparse Attention" (Yuan et al.,
+DeepSeek, arXiv 2502.11089). For every query (eq. 5):
+
+    o = g_cmp * Attn(q, compressed K/V) + g_slc * Attn(q, selected K/V) + g_win * Attn(q, last w K/V)
+
+- Compressed (eq. 7): blocks of `compress_block_size` (l) keys starting every `compress_stride` (d)
+  tokens, each turned into one key and one value by a learned network that sees intra-block
+  positions (MLP by default; mean-pool, a strided convolution and attention-pool as options).
+  A query sees a compressed block once the block is complete (its last token is at or before the
+  query), plus one learned memory key/value that every query sees, so the softmax is never empty.
+- Selected (eq. 8-11): the compressed attention probabilities, summed over the query heads of a
+  key/value group (eq. 10) and spread over the blocks of `selection_block_size` (l') they overlap
+  (eq. 9), score the selection blocks; each query attends, causally, to the tokens of its top
+  `num_selected` blocks. The initial block and the query's own block are always among them (as in
+  the paper's "1 initial block and local blocks").
+- Sliding: the last `sliding_window_size` tokens (attention/local.py).
+- Gates: a sigmoid of a linear map of the input, one per head and branch.
+
+Deliberate departures, each for exact causality or for memory:
+- The compressed branch's query and compressed keys carry no rotary positions (positions enter the
+  compression network as learned intra-block embeddings); the selected and sliding branches use
+  rotated queries and keys, like every other attention in attnlab.
+- Eq. 9's overlap sum is computed per stride unit: a compressed block's probability counts for
+  every stride-long unit it covers, a selection block sums its units. This needs `compress_stride`
+  to divide both block sizes (checked).
+- `use_diff_topk` multiplies each selected block's values by 1 + s - stop_gradient(s), s its
+  selection score: exactly 1 in the forward pass, while s receives a gradient (straight-through).
+
+Memory (the torch path): queries run in chunks of `query_chunk_size`. The selected branch gathers the
+chunk's chosen blocks from a block view of the keys (index_select) and its custom backward
+recomputes them and scatters gradients with index_add, saving only q, k, v, the indices, the output
+and the log-sum-exp: O(T * n * l' * D) transient, O(T * D) saved. The compressed branch's
+T x (T / d) probabilities live one chunk at a time (recomputed in backward by checkpointing).
+No T x T tensor, no T x blocks x block x D tensor.
+
+Legend: B batch, T queries, S keys (cached + new), H query heads, G key/value heads, R = H / G query
+heads per group, D head width, C chunk of queries, N compressed blocks, M selection blocks,
+n selected blocks per query, l compress block, d stride, l' selection block (`block`), U stride units.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from attnlab.attention.base import AttentionSpec, KVCache
+from attnlab.attention.local import local_attention
+from attnlab.config import NSAAttentionConfig
+from attnlab.errors import ConfigError
+from attnlab.registry import ATTENTION
+
+# ----------------------------------------------------------------------------------------------
+# Pure functions
+
+
+def n_complete_blocks(n_tokens: int, block: int, stride: int) -> int:
+    """How many compressed blocks (starts 0, d, 2d, ...; length l) lie within the first n tokens."""
+    return 0 if n_tokens < block else (n_tokens - block) // stride + 1
+
+
+def compressed_attention_chunk(
+    q: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    positions: Tensor,
+    config: NSAAttentionConfig,
+    n_selection_blocks: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Compressed branch and block selection for a chunk of queries.
+
+    q [B, H, C, D] (no rotary) at absolute `positions` [C]; keys, values [B, G, 1 + N, D], the
+    memory slot first, then compressed blocks 0..N-1. Returns the branch output [B, H, C, D], the
+    selected block indices [B, G, C, n] (ascending, valid ones first), their validity [B, G, C, n] and
+    their selection scores [B, G, C, n] (differentiable; used by the straight-through gates).
+    """
+    batch, n_heads, n_queries, dim_head = q.shape
+    n_groups, n_blocks = keys.shape[1], keys.shape[2] - 1
+    block, stride = config.compress_block_size, config.compress_stride
+    q = rearrange(q, "b (g r) c d -> b g r c d", g=n_groups)
+    scores = torch.einsum("bgrcd,bgnd->bgrcn", q, keys) / math.sqrt(dim_head)  # [B, G, R, C, 1+N]
+    block_end = torch.arange(n_blocks, device=q.device) * stride + block - 1  # last token of each block
+    visible = block_end[None, :] <= positions[:, None]  # [C, N]
+    visible = F.pad(visible, (1, 0), value=True)  # the memory slot is always visible
+    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)  # eq. 7-8
+    output = torch.einsum("bgrcn,bgnd->bgrcd", probs, values)
+
+    # eq. 9-10: importance of selection blocks, summed over the group's query heads
+    importance = probs[..., 1:].sum(dim=2)  # [B, G, C, N]
+    units_per_compress, units_per_select = block // stride, config.selection_block_size // stride
+    n_units = n_selection_blocks * units_per_select
+    importance = F.pad(importance, (0, max(0, n_units - n_blocks)))[..., :n_units]  # [B, G, C, U]
+    per_unit = importance
+    for shift in range(1, units_per_compress):  # block i covers units i .. i + l/d - 1
+        per_unit = per_unit + F.pad(importance, (shift, 0))[..., :n_units]
+    importance = per_unit.reshape(batch, n_groups, n_queries, n_selection_blocks, units_per_select).sum(-1)
+
+    selection_block = torch.arange(n_selection_blocks, device=q.device)
+    current = positions // config.selection_block_size
+    causal = selection_block[None, :] * config.selection_block_size <= positions[:, None]  # [C, M]
+    forced = (selection_block[None, :] == 0) | (selection_block[None, :] == current[:, None])
+    ranking = importance.detach().masked_fill(~causal, float("-inf")).masked_fill(forced, float("inf"))
+    n_take = min(config.num_selected, n_selection_blocks)
+    top_scores, indices = ranking.topk(n_take, dim=-1)  # [B, G, C, n]
+    valid = top_scores > float("-inf")
+    if n_take < config.num_selected:  # fewer blocks than n exist: pad with invalid slots
+        pad = config.num_selected - n_take
+        indices, valid = F.pad(indices, (0, pad)), F.pad(valid, (0, pad), value=False)
+    # canonical order: valid blocks ascending, then the invalid ones
+    order = torch.where(valid, indices, indices + n_selection_blocks).argsort(dim=-1)
+    indices, valid = indices.gather(-1, order), valid.gather(-1, order)
+    selected_scores = importance.gather(-1, indices)  # [B, G, C, n]
+    return rearrange(output, "b g r c d -> b (g r) c d"), indices, valid, selected_scores
+
+
+def _gather_blocks(blocked: Tensor, indices: Tensor) -> Tensor:
+    """blocked [B, G, M, l', D], indices [B, G, C, n] -> [B, G, C, n * l', D] (index_select)."""
+    batch, n_groups, n_blocks, block, dim_head = blocked.shape
+    base = (torch.arange(batch * n_groups, device=indices.device) * n_blocks).view(batch, n_groups, 1, 1)
+    flat = (indices + base).reshape(-1)
+    rows = blocked.reshape(batch * n_groups * n_blocks, block * dim_head).index_select(0, flat)
+    return rows.view(batch, n_groups, indices.shape[2], indices.shape[3] * block, dim_head)
+
+
+def _scatter_blocks(grad_blocked: Tensor, indices: Tensor, grad_rows: Tensor) -> None:
+    """Add grad_rows [B, G, C, n * l', D] into grad_blocked [B, G, M, l', D] at indices (index_add)."""
+    batch, n_groups, n_blocks, block, dim_head = grad_blocked.shape
+    base = (torch.arange(batch * n_groups, device=indices.device) * n_blocks).view(batch, n_groups, 1, 1)
+    flat = (indices + base).reshape(-1)
+    grad_blocked.view(batch * n_groups * n_blocks, block * dim_head).index_add_(
+        0, flat, grad_rows.reshape(-1, block * dim_head)
+    )
+
+
+def _selected_chunk(q, k_blocked, v_blocked, indices, valid, gates, positions, block):
+    """Scores, probabilities' log-sum-exp and output of one chunk. q [B, G, R, C, D]."""
+    keys = _gather_blocks(k_blocked, indices)  # [B, G, C, n l', D]
+    values = _gather_blocks(v_blocked, indices)
+    key_position = (indices[..., None] * block + torch.arange(block, device=q.device)).flatten(-2)  # [B,G,C,nl']
+    allowed = valid.repeat_interleave(block, dim=-1) & (key_position <= positions[:, None])
+    scores = torch.einsum("bgrcd,bgckd->bgrck", q, keys) / math.sqrt(q.shape[-1])
+    scores = scores.masked_fill(~allowed[:, :, None], float("-inf"))
+    log_sum = torch.logsumexp(scores, dim=-1, keepdim=True)  # [B, G, R, C, 1]; never empty (own block)
+    probs = torch.exp(scores - log_sum)
+    gate = None if gates is None else gates.repeat_interleave(block, dim=-1)[:, :, None]  # [B, G, 1, C, nl']
+    weighted = probs if gate is None else probs * gate
+    output = torch.einsum("bgrck,bgckd->bgrcd", weighted, values)
+    return keys, values, probs, gate, log_sum, output
+
+
+class SelectedBlockAttention(torch.autograd.Function):
+    """Attention of each query to the tokens (at or before it) of its selected blocks.
+
+    q [B, H, T, D] at absolute `positions` [T]; k, v [B, G, S, D]; indices, valid [B, G, T, n];
+    gates [B, G, T, n] or None (multiply each block's values). Forward and backward run over query
+    chunks; the backward recomputes the gathered keys/values and scatters their gradients.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, indices, valid, gates, positions, block: int, chunk: int):  # noqa: D102
+        n_groups = k.shape[1]
+        n_keys = k.shape[2]
+        pad = -n_keys % block
+        k_blocked = rearrange(F.pad(k, (0, 0, 0, pad)), "b g (m s) d -> b g m s d", s=block)
+        v_blocked = rearrange(F.pad(v, (0, 0, 0, pad)), "b g (m s) d -> b g m s d", s=block)
+        q_grouped = rearrange(q, "b (g r) t d -> b g r t d", g=n_groups)
+        outputs, log_sums = [], []
+        for start in range(0, q.shape[2], chunk):
+            part = slice(start, start + chunk)
+            *_, log_sum, output = _selected_chunk(
+                q_grouped[:, :, :, part], k_blocked, v_blocked, indices[:, :, part], valid[:, :, part],
+                None if gates is None else gates[:, :, part], positions[part], block,
+            )
+            outputs.append(output)
+            log_sums.append(log_sum)
+        output, log_sum = torch.cat(outputs, dim=3), torch.cat(log_sums, dim=3)  # [B, G, R, T, D], [.., 1]
+        ctx.save_for_backward(q, k, v, indices, valid, gates, positions, output, log_sum)
+        ctx.block, ctx.chunk = block, chunk
+        return rearrange(output, "b g r t d -> b (g r) t d")
+
+    @staticmethod
+    def backward(ctx, grad_output):  # noqa: D102
+        q, k, v, indices, valid, gates, positions, output, log_sum = ctx.saved_tensors
+        block, chunk = ctx.block, ctx.chunk
+        n_groups, n_keys, dim_head = k.shape[1], k.shape[2], k.shape[3]
+        pad = -n_keys % block
+        k_blocked = rearrange(F.pad(k, (0, 0, 0, pad)), "b g (m s) d -> b g m s d", s=block)
+        v_blocked = rearrange(F.pad(v, (0, 0, 0, pad)), "b g (m s) d -> b g m s d", s=block)
+        q_grouped = rearrange(q, "b (g r) t d -> b g r t d", g=n_groups)
+        grad_grouped = rearrange(grad_output, "b (g r) t d -> b g r t d", g=n_groups)
+        grad_q = torch.empty_like(q_grouped)
+        grad_k_blocked, grad_v_blocked = torch.zeros_like(k_blocked), torch.zeros_like(v_blocked)
+        grad_gates = None if gates is None else torch.empty_like(gates)
+        scale = 1 / math.sqrt(dim_head)
+        for start in range(0, q.shape[2], chunk):
+            part = slice(start, start + chunk)
+            q_part, grad_part = q_grouped[:, :, :, part], grad_grouped[:, :, :, part]
+            keys, values, probs, gate, _, _ = _selected_chunk(
+                q_part, k_blocked, v_blocked, indices[:, :, part], valid[:, :, part],
+                None if gates is None else gates[:, :, part], positions[part], block,
+            )
+            # flash-attention backward with the saved log-sum-exp (probs recomputed exactly)
+            weighted = probs if gate is None else probs * gate
+            grad_values = torch.einsum("bgrck,bgrcd->bgckd", weighted, grad_part)
+            _scatter_blocks(grad_v_blocked, indices[:, :, part], grad_values)
+            grad_weighted = torch.einsum("bgrcd,bgckd->bgrck", grad_part, values)  # dL/d(probs * gate)
+            grad_probs = grad_weighted if gate is None else grad_weighted * gate
+            if grad_gates is not None:
+                per_key = (grad_weighted * probs).sum(dim=2)  # [B, G, C, n l']
+                grad_gates[:, :, part] = per_key.unflatten(-1, (-1, block)).sum(-1)
+            delta = (grad_part * output[:, :, :, part]).sum(dim=-1, keepdim=True)  # [B, G, R, C, 1]
+            grad_scores = probs * (grad_probs - delta) * scale
+            grad_q[:, :, :, part] = torch.einsum("bgrck,bgckd->bgrcd", grad_scores, keys)
+            grad_keys = torch.einsum("bgrck,bgrcd->bgckd", grad_scores, q_part)
+            _scatter_blocks(grad_k_blocked, indices[:, :, part], grad_keys)
+        grad_k = rearrange(grad_k_blocked, "b g m s d -> b g (m s) d")[:, :, :n_keys]
+        grad_v = rearrange(grad_v_blocked, "b g m s d -> b g (m s) d")[:, :, :n_keys]
+        grad_q = rearrange(grad_q, "b g r t d -> b (g r) t d")
+        return grad_q, grad_k, grad_v, None, None, grad_gates, None, None, None
+
+
+def selected_attention(q, k, v, indices, valid, gates, positions, block: int, chunk: int) -> Tensor:
+    """See SelectedBlockAttention. -> [B, H, T, D]. Runs in q's dtype (autocast off inside)."""
+    k, v = k.to(q.dtype), v.to(q.dtype)
+    gates = None if gates is None else gates.to(q.dtype)
+    with torch.autocast(q.device.type, enabled=False):
+        return SelectedBlockAttention.apply(q, k, v, indices, valid, gates, positions, block, chunk)
+
+
+# ----------------------------------------------------------------------------------------------
+# Compression networks: a block of l keys (or values) [.., l, D] -> one [.., D]
+
+
+class BlockCompressor(nn.Module):
+    """One compressor per kind, weights per key/value head. blocks [B, G, N, l, D] -> [B, G, N, D]."""
+
+    def __init__(self, kind: str, n_groups: int, block: int, dim_head: int, mlp_mult: float) -> None:
+        super().__init__()
+        self.kind = kind
+        flat = block * dim_head
+
+        def weight(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.randn(*shape) * shape[-2] ** -0.5)
+
+        if kind != "mean":  # intra-block positions (section 3.3.1)
+            self.positions = nn.Parameter(torch.zeros(n_groups, block, dim_head))
+        if kind == "mlp":
+            hidden = max(1, int(flat * mlp_mult))
+            self.w1, self.b1 = weight(n_groups, flat, hidden), nn.Parameter(torch.zeros(n_groups, hidden))
+            self.w2, self.b2 = weight(n_groups, hidden, dim_head), nn.Parameter(torch.zeros(n_groups, dim_head))
+        elif kind == "conv":  # a convolution with kernel l and stride d is one linear map per block
+            self.w1, self.b1 = weight(n_groups, flat, dim_head), nn.Parameter(torch.zeros(n_groups, dim_head))
+        elif kind == "attention":  # attention pooling: a learned score per token, softmax over the block
+            self.score = nn.Parameter(torch.randn(n_groups, dim_head) * dim_head**-0.5)
+
+    def forward(self, blocks: Tensor) -> Tensor:
+        if self.kind == "mean":
+            return blocks.mean(dim=-2)
+        blocks = blocks + self.positions[:, None]  # [B, G, N, l, D]
+        if self.kind == "attention":
+            weights = torch.softmax(torch.einsum("bgnld,gd->bgnl", blocks, self.score), dim=-1)
+            return torch.einsum("bgnl,bgnld->bgnd", weights, blocks)
+        flat = blocks.flatten(-2)  # [B, G, N, l D]
+        hidden = torch.einsum("bgnx,gxh->bgnh", flat, self.w1) + self.b1[:, None]
+        if self.kind == "conv":
+            return hidden
+        hidden = F.relu(hidden)
+        return torch.einsum("bgnh,ghd->bgnd", hidden, self.w2) + self.b2[:, None]
+
+
+def compress(keys: Tensor, first: int, count: int, block: int, stride: int, network: BlockCompressor) -> Tensor:
+    """Compressed blocks first..first+count-1 of keys [B, G, S, D] -> [B, G, count, D]."""
+    start = first * stride
+    span = keys[:, :, start : start + (count - 1) * stride + block]
+    blocks = span.unfold(2, block, stride).transpose(-1, -2)  # [B, G, count, l, D]
+    return network(blocks)
+
+
+# ----------------------------------------------------------------------------------------------
+# State and module
+
+
+BRANCHES = ("compressed", "selected", "sliding")
+
+
+class NSACache(KVCache):
+    """Keys and values of every fed token (selection may pick any block), unrotated keys for the
+    compression network, and the compressed keys/values of the blocks completed so far."""
+
+    def __init__(self, names: list[str], shape: tuple[int, int, int, int], max_blocks: int, config, device, dtype):
+        batch, n_groups, max_len, dim_head = shape
+        self.tensors = {name: torch.zeros(shape, device=device, dtype=dtype) for name in names}
+        self.compressed_keys = torch.zeros(batch, n_groups, max(1, max_blocks), dim_head, device=device, dtype=dtype)
+        self.compressed_values = torch.zeros_like(self.compressed_keys)
+        self.config = config
+        self.length = 0
+        self.n_compressed = 0
+        self.kv_tokens_loaded: int | None = None  # keys/values one query read in the last single-token step
+
+    def append(self, new: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Store new [B, G, T, D] per name; return everything so far, [B, G, L + T, D] per name."""
+        start = self.length
+        end = start + next(iter(new.values())).shape[2]
+        max_len = next(iter(self.tensors.values())).shape[2]
+        if end > max_len:
+            raise ValueError(f"cache holds {max_len} tokens; {end} were fed")
+        for name, value in new.items():
+            self.tensors[name][:, :, start:end] = value
+        self.length = end
+        return {name: tensor[:, :, :end] for name, tensor in self.tensors.items()}
+
+    def truncate(self, length: int) -> None:
+        self._check_truncate(length)
+        self.length = length
+        self.n_compressed = min(
+            self.n_compressed,
+            n_complete_blocks(length, self.config.compress_block_size, self.config.compress_stride),
+        )
+
+
+@ATTENTION.register("nsa")
+class NativeSparseAttention(nn.Module):
+    config_class = NSAAttentionConfig
+
+    def __init__(self, spec: AttentionSpec, config: NSAAttentionConfig) -> None:
+        super().__init__()
+        check_config(config, spec)
+        self.spec, self.config = spec, config
+        heads, groups, dim_head = spec.n_heads, spec.n_kv_heads, spec.dim_head
+        n_kv_sets = 3 if config.separate_branch_kv else 1
+        self.to_q = nn.Linear(spec.dim, heads * dim_head, bias=False)
+        self.to_kv = nn.Linear(spec.dim, 2 * n_kv_sets * groups * dim_head, bias=False)
+        self.to_gates = nn.Linear(spec.dim, 3 * heads)  # eq. 5: g_c in [0, 1] per head and branch
+        self.to_out = nn.Linear(heads * dim_head, spec.dim, bias=False)
+        args = (config.compressor, groups, config.compress_block_size, dim_head, config.compress_mlp_mult)
+        self.compress_keys, self.compress_values = BlockCompressor(*args), BlockCompressor(*args)
+        self.memory = nn.Parameter(torch.randn(2, groups, dim_head) * 0.02)  # always-visible compressed key, value
+        self.aux_losses: dict[str, Tensor] = {}
+
+    # -- projections
+
+    def _project(self, x: Tensor, offset: int) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        """x [B, T, dim] -> query without and with rotary [B, H, T, D], per-branch keys/values [B, G, T, D]."""
+        dim_head = self.spec.dim_head
+        q = rearrange(self.to_q(x), "b t (h d) -> b h t d", d=dim_head)
+        kv = rearrange(self.to_kv(x), "b t (n g d) -> n b g t d", d=dim_head, g=self.spec.n_kv_heads)
+        rotary = self.spec.rotary
+        rotate = (lambda tensor: rotary(tensor, offset)) if rotary is not None else (lambda tensor: tensor)
+        if self.config.separate_branch_kv:
+            k_cmp, v_cmp, k_slc, v_slc, k_win, v_win = kv
+            new = {"k_cmp": k_cmp, "v_cmp": v_cmp, "k_slc": rotate(k_slc), "v_slc": v_slc,
+                   "k_win": rotate(k_win), "v_win": v_win}
+        else:
+            k, v = kv
+            new = {"k_cmp": k, "v": v, "k": rotate(k)}
+        return q, rotate(q), new
+
+    @staticmethod
+    def _branch(tensors: dict[str, Tensor], branch: str) -> tuple[Tensor, Tensor]:
+        if "k" in tensors:  # shared keys/values
+            return (tensors["k_cmp"] if branch == "cmp" else tensors["k"]), tensors["v"]
+        return tensors[f"k_{branch}"], tensors[f"v_{branch}"]
+
+    # -- forward
+
+    def forward(self, x: Tensor, cache: NSACache | None = None) -> Tensor:
+        config = self.config
+        offset = 0 if cache is None else cache.length
+        n_queries = x.shape[1]
+        q_plain, q, new = self._project(x, offset)
+        tensors = new if cache is None else cache.append(new)  # [B, G, S, D] each
+        n_keys = offset + n_queries
+        positions = torch.arange(offset, n_keys, device=x.device)
+
+        # compressed keys/values of all blocks complete by the last query
+        block, stride = config.compress_block_size, config.compress_stride
+        k_cmp, v_cmp = self._branch(tensors, "cmp")
+        n_blocks = n_complete_blocks(n_keys, block, stride)
+        if cache is None:
+            compressed_k = compress(k_cmp, 0, n_blocks, block, stride, self.compress_keys) if n_blocks else None
+            compressed_v = compress(v_cmp, 0, n_blocks, block, stride, self.compress_values) if n_blocks else None
+        else:
+            if n_blocks > cache.n_compressed:
+                first, count = cache.n_compressed, n_blocks - cache.n_compressed
+                new_k = compress(k_cmp, first, count, block, stride, self.compress_keys)
+                new_v = compress(v_cmp, first, count, block, stride, self.compress_values)
+                cache.compressed_keys[:, :, first:n_blocks] = new_k
+                cache.compressed_values[:, :, first:n_blocks] = new_v
+                cache.n_compressed = n_blocks
+            compressed_k = cache.compressed_keys[:, :, :n_blocks]
+            compressed_v = cache.compressed_values[:, :, :n_blocks]
+        batch = x.shape[0]
+        memory_k = self.memory[0].to(q.dtype).expand(batch, -1, -1)[:, :, None]  # [B, G, 1, D]
+        memory_v = self.memory[1].to(q.dtype).expand(batch, -1, -1)[:, :, None]
+        if n_blocks:
+            all_k = torch.cat((memory_k, compressed_k.to(q.dtype)), dim=2)  # [B, G, 1 + N, D]
+            all_v = torch.cat((memory_v, compressed_v.to(q.dtype)), dim=2)
+        else:
+            all_k, all_v = memory_k, memory_v
+
+        # compressed branch and selection, chunk by chunk (recomputed in backward: memory per chunk)
+        outputs, indices, valid, scores = [], [], [], []
+        chunk = config.query_chunk_size
+        for start in range(0, n_queries, chunk):
+            part = slice(start, start + chunk)
+            chunk_positions = positions[part]
+            last = int(offset + min(n_queries, start + chunk)) - 1
+            n_visible = n_complete_blocks(last + 1, block, stride)  # causal skipping of later blocks
+            n_selection = last // config.selection_block_size + 1
+            args = (q_plain[:, :, part], all_k[:, :, : 1 + n_visible], all_v[:, :, : 1 + n_visible],
+                    chunk_positions, config, n_selection)
+            if torch.is_grad_enabled() and q_plain.requires_grad:
+                result = checkpoint(compressed_attention_chunk, *args, use_reentrant=False)
+            else:
+                result = compressed_attention_chunk(*args)
+            for collected, value in zip((outputs, indices, valid, scores), result, strict=True):
+                collected.append(value)
+        out_cmp = torch.cat(outputs, dim=2)  # [B, H, T, D]
+        indices, valid = torch.cat(indices, dim=2), torch.cat(valid, dim=2)  # [B, G, T, n]
+        gates = None
+        if config.use_diff_topk:
+            score = torch.cat(scores, dim=2)
+            gates = (1 + score - score.detach()).to(q.dtype)  # straight-through: exactly 1 forward
+
+        # selected branch
+        k_slc, v_slc = self._branch(tensors, "slc")
+        out_slc = self._selected(q, k_slc, v_slc, indices, valid, gates, positions)
+
+        # sliding branch: keys of the last window - 1 + T tokens
+        k_win, v_win = self._branch(tensors, "win")
+        window = config.sliding_window_size
+        first = max(0, n_keys - n_queries - (window - 1))
+        out_win = local_attention(q, k_win[:, :, first:], v_win[:, :, first:], window)
+
+        if cache is not None and n_queries == 1:
+            cache.kv_tokens_loaded = kv_tokens_loaded(config, offset, n_blocks, indices[0, 0, 0], valid[0, 0, 0])
+
+        gate = rearrange(torch.sigmoid(self.to_gates(x)), "b t (h c) -> c b h t 1", c=3)  # [3, B, H, T, 1]
+        y = gate[0] * out_cmp + gate[1] * out_slc + gate[2] * out_win
+        return self.to_out(rearrange(y, "b h t d -> b t (h d)"))
+
+    def _selected(self, q, k, v, indices, valid, gates, positions) -> Tensor:
+        return selected_attention(
+            q, k, v, indices, valid, gates, positions, self.config.selection_block_size, self.config.query_chunk_size
+        )
+
+    def new_cache(self, batch: int, max_len: int, device=None, dtype=None) -> NSACache:
+        names = (["k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win"] if self.config.separate_branch_kv
+                 else ["k_cmp", "k", "v"])
+        if dtype is None:
+            dtype = self.to_q.weight.dtype
+        shape = (batch, self.spec.n_kv_heads, max_len, self.spec.dim_head)
+        max_blocks = n_complete_blocks(max_len, self.config.compress_block_size, self.config.compress_stride)
+        return NSACache(names, shape, max_blocks, self.config, device, dtype)
+
+
+def kv_tokens_loaded(config: NSAAttentionConfig, position: int, n_blocks: int, indices: Tensor, valid: Tensor) -> int:
+    """Keys/values one query at `position` reads (the paper's Table 4 quantity): the compressed
+    blocks and memory slot, the tokens at or before it in its selected blocks, and its window.
+    Tokens read by two branches are counted twice, as a kernel would load them twice."""
+    block = config.selection_block_size
+    starts = indices[valid] * block
+    selected = int(torch.clamp(position + 1 - starts, min=0, max=block).sum())
+    return 1 + n_blocks + selected + min(config.sliding_window_size, position + 1)
+
+
+def check_config(config: NSAAttentionConfig, spec: AttentionSpec) -> None:
+    """Reject option combinations the layer cannot honour, with the reason."""
+    stride = config.compress_stride
+    if min(config.compress_block_size, stride, config.selection_block_size, config.sliding_window_size) < 1:
+        raise ConfigError("nsa: block sizes, stride and window must be >= 1")
+    if config.compress_block_size % stride or config.selection_block_size % stride:
+        raise ConfigError(
+            f"nsa: compress_stride ({stride}) must divide compress_block_size ({config.compress_block_size}) "
+            f"and selection_block_size ({config.selection_block_size})"
+        )
+    if config.num_selected < 2:
+        raise ConfigError("nsa: num_selected must be >= 2 (the initial and the current block are always selected)")
+    if config.query_chunk_size < 1:
+        raise ConfigError("nsa: query_chunk_size must be >= 1")
+    if spec.dropout:
+        raise ConfigError("nsa: attention dropout is not supported; use model.dropout (residual dropout)")
