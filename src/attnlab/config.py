@@ -107,8 +107,10 @@ class ModelConfig:
     position: Literal["rotary", "learned", "none"] = "rotary"  # how positions enter the model
     rope_theta: float = 10000.0  # rotary base
     norm: str = "layernorm"  # registry name: layernorm | rmsnorm
+    norm_eps: float | None = None  # norm epsilon; None: the norm's default (LayerNorm 1e-5, RMSNorm machine eps)
     feed_forward: str = "gelu"  # registry name: gelu | swiglu | moe
     ff_mult: float = 4.0  # hidden width of the feed-forward as a multiple of dim
+    ff_hidden: int | None = None  # exact feed-forward hidden width (HF intermediate_size); None: from ff_mult
     ff_chunks: int = 1  # run the feed-forward over this many sequence chunks to save memory
     dropout: float = 0.0  # residual dropout
     tie_embeddings: bool = False  # share the input embedding with the output projection

@@ -17,7 +17,10 @@ NORM.register("rmsnorm")(nn.RMSNorm)
 
 
 def hidden_width(config: ModelConfig, gated: bool) -> int:
-    """Feed-forward hidden width; gated units use 2/3 of it so the parameter count matches."""
+    """Feed-forward hidden width; gated units use 2/3 of it so the parameter count matches.
+    ff_hidden, when set, is taken as is (an imported checkpoint's intermediate_size)."""
+    if config.ff_hidden is not None:
+        return config.ff_hidden
     width = config.ff_mult * config.dim * (2 / 3 if gated else 1)
     return int(width)
 

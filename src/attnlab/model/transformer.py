@@ -54,6 +54,14 @@ class ModelCache:
             layer.truncate(length)
 
 
+def make_norm(config: ModelConfig) -> nn.Module:
+    """The configured norm over dim; norm_eps None keeps the norm's own default epsilon."""
+    norm_class = NORM.get(config.norm)
+    if config.norm_eps is None:
+        return norm_class(config.dim)
+    return norm_class(config.dim, eps=config.norm_eps)
+
+
 class Block(nn.Module):
     """x + attention(norm(x)), then x + feed_forward(norm(x))."""
 
@@ -73,10 +81,9 @@ class Block(nn.Module):
         attention_class = ATTENTION.get(config.attention.kind)
         # a variant named X reads its options from `attention.X`
         variant_config = getattr(config.attention, config.attention.kind, None)
-        norm_class = NORM.get(config.norm)
-        self.attention_norm = norm_class(config.dim)
+        self.attention_norm = make_norm(config)
         self.attention = attention_class(spec, variant_config)
-        self.feed_forward_norm = norm_class(config.dim)
+        self.feed_forward_norm = make_norm(config)
         self.feed_forward = Chunked(FEED_FORWARD.get(config.feed_forward)(config), config.ff_chunks)
         self.dropout = nn.Dropout(config.dropout)
 
@@ -98,7 +105,7 @@ class Transformer(nn.Module):
             nn.Embedding(config.max_seq_len, config.dim) if config.position == "learned" else None
         )
         self.blocks = nn.ModuleList(Block(config, index, rotary) for index in range(config.depth))
-        self.norm = NORM.get(config.norm)(config.dim)
+        self.norm = make_norm(config)
         out_width = config.emb_dim or config.dim
         # factorised embeddings project back to E before the (possibly tied) vocabulary matrix
         self.head_project = nn.Linear(config.dim, out_width, bias=False) if config.emb_dim else None
