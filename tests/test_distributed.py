@@ -111,17 +111,49 @@ def test_torchrun_matches_single_and_resumes(root, single_ema, strategy):
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_deepspeed_zero_matches_single(root, single, stage):
+def test_deepspeed_zero_matches_single(root, single, single_ema, stage):
     pytest.importorskip("deepspeed")
     config = deepspeed_config(root, stage)
     name = f"zero{stage}"
-    if stage == 3:  # and resumes through its own checkpoint
-        launch(root, name, "deepspeed", f"dist.deepspeed_config={config}", "--until-step", "3")
-        launch(root, name, "deepspeed", f"dist.deepspeed_config={config}", "--resume")
+    if stage == 3:  # resumes through its own checkpoint, with EMA weights of the partitioned model
+        ema = ["train.ema=true", "train.ema_decay=0.5"]
+        launch(root, name, "deepspeed", f"dist.deepspeed_config={config}", *ema, "--until-step", "3")
+        launch(root, name, "deepspeed", f"dist.deepspeed_config={config}", *ema, "--resume")
     else:
         launch(root, name, "deepspeed", f"dist.deepspeed_config={config}")
     assert (root / "runs" / name / "deepspeed" / "step-0000006").is_dir()
-    assert_same_run(root / "runs" / name, single)
+    assert_same_run(root / "runs" / name, single_ema if stage == 3 else single)
+
+
+# routed attention (centroid statistics accumulated over micro-batches, all-reduced once a step)
+# and a mixture-of-experts feed-forward (load balance over the whole batch) in one model
+AUX_MODEL = [
+    "model.attention.kind=routing", "model.attention.routing.window_size=8", "model.attention.routing.n_clusters=3",
+    "model.attention.routing.n_local_heads=1", "model.attention.routing.commitment_weight=0.1",
+    "model.attention.routing.ema_decay=0.5", "model.feed_forward=moe", "model.moe.n_experts=3",
+    "model.moe.top_k=1", "model.moe.balance_loss_weight=0.5",
+]
+
+
+@pytest.fixture(scope="module")
+def single_aux(root) -> Path:
+    return train(load_config("demo", [*common(root), *AUX_MODEL, "name=single-aux", "train.batch_size=4"])).run_dir
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "deepspeed"])
+def test_auxiliary_losses_match_single(root, single_aux, strategy):
+    """Commitment and balance losses, routing centroids and MoE experts follow the single process."""
+    extra = [f"dist.deepspeed_config={deepspeed_config(root, 2)}"] if strategy == "deepspeed" else []
+    if strategy == "deepspeed":
+        pytest.importorskip("deepspeed")
+    launch(root, f"{strategy}-aux", strategy, *AUX_MODEL, *extra)
+    run_dir = root / "runs" / f"{strategy}-aux"
+    assert_same_run(run_dir, single_aux)
+    logged = [r for r in read_metrics(run_dir) if "commitment" in r]
+    assert logged and all(r["moe_balance"] > 0 for r in logged)
+    for name, value in load_model(single_aux).state_dict().items():
+        if name.endswith("centroids"):  # buffers, not compared by assert_same_run's parameters alone
+            torch.testing.assert_close(load_model(run_dir).state_dict()[name], value, atol=1e-5, rtol=1e-4)
 
 
 def test_deepspeed_config_must_agree(root):

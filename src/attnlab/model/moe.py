@@ -22,7 +22,6 @@ Legend: B batch, T tokens, N = B * T tokens flattened, dim model width, E expert
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab.config import ModelConfig
@@ -42,14 +41,28 @@ def route(logits: Tensor, top_k: int, normalize: bool) -> tuple[Tensor, Tensor, 
     return probabilities, weights, experts
 
 
-def balance_loss(probabilities: Tensor, experts: Tensor, n_experts: int) -> Tensor:
+def balance_loss(probabilities: Tensor, assignment_counts: Tensor) -> Tensor:
     """Switch Transformer load-balance loss (arXiv 2101.03961, eq. 4): n_experts * sum_e f_e * P_e,
-    with f_e the share of the N * k assignments sent to expert e and P_e the mean router probability
-    of expert e. Equal to 1 when the router is uniform (P_e = 1/E for any f) and when both are
-    balanced; MiniMind's non-sequence `aux_loss` is the same quantity."""
-    assignments = F.one_hot(experts.flatten(), n_experts).float().mean(dim=0)  # [E], f_e, sums to 1
+    with f_e the share of the assignments sent to expert e (from `assignment_counts` [E]) and P_e
+    the mean router probability of expert e. Equal to 1 when the router is uniform (P_e = 1/E for
+    any f) and when both are balanced; MiniMind's non-sequence `aux_loss` is the same quantity."""
+    n_experts = assignment_counts.shape[0]
+    assignments = assignment_counts.float() / assignment_counts.sum().clamp(min=1)  # [E], f_e, sums to 1
     mean_probability = probabilities.mean(dim=0)  # [E], P_e
     return n_experts * (assignments * mean_probability).sum()
+
+
+def global_counts(counts: Tensor) -> Tensor:
+    """Assignment counts summed over the data-parallel ranks (no gradient flows through f_e).
+
+    Deliberate departure from MiniMind, which balances each rank's micro-batch alone: with f_e
+    taken over all ranks, the ranks' gradients of n * sum_e f_e * P_e(local) average to exactly
+    the gradient of the single-process loss on the whole batch, so DDP, FSDP and DeepSpeed follow
+    the single-process run (tests/test_distributed.py)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        counts = counts.clone()
+        torch.distributed.all_reduce(counts)
+    return counts
 
 
 def z_loss(logits: Tensor) -> Tensor:
@@ -88,20 +101,24 @@ class MoEFeedForward(nn.Module):
         # group the N * k (token, expert) assignments by expert; every assignment is computed
         order = experts.flatten().argsort(stable=True)  # [N * k]
         token_of = order // self.top_k  # [N * k] row of `flat` for each sorted assignment
-        counts = torch.bincount(experts.flatten(), minlength=self.n_experts).tolist()  # [E]
+        assignment_counts = torch.bincount(experts.flatten(), minlength=self.n_experts)  # [E]
+        counts = assignment_counts.tolist()
         output = torch.zeros_like(flat)  # [N, dim]
         start = 0
         for expert, count in zip(self.experts, counts):
-            if count:
-                rows = token_of[start : start + count]  # [count]
-                weight = weights.flatten()[order[start : start + count]]  # [count]
-                contribution = expert(flat[rows]) * weight[:, None].to(flat.dtype)  # [count, dim]
-                output.index_add_(0, rows, contribution.to(output.dtype))
+            # an expert with no rows still runs (on zero rows): its parameters then get zero
+            # gradients rather than none, which DDP needs to finish every step's reduction
+            rows = token_of[start : start + count]  # [count]
+            weight = weights.flatten()[order[start : start + count]]  # [count]
+            contribution = expert(flat[rows]) * weight[:, None].to(flat.dtype)  # [count, dim]
+            output.index_add_(0, rows, contribution.to(output.dtype))
             start += count
         for shared in self.shared_experts:
             output = output + shared(flat)
 
-        self.aux_losses = {"moe_balance": self.balance_weight * balance_loss(probabilities, experts, self.n_experts)}
+        if self.training:
+            assignment_counts = global_counts(assignment_counts)
+        self.aux_losses = {"moe_balance": self.balance_weight * balance_loss(probabilities, assignment_counts)}
         if self.z_weight > 0:
             self.aux_losses["moe_z"] = self.z_weight * z_loss(logits)
         load = torch.tensor(counts, dtype=torch.float32) / max(1, sum(counts))  # [E]

@@ -130,6 +130,18 @@ class SingleProcess:
     def load_model_state(self, model: nn.Module, model_state: dict) -> None:
         model.load_state_dict(model_state)
 
+    # ---- the EMA copy: laid out by prepare_copy, saved and loaded through these
+
+    def copy_state(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        return self.model_state(module)
+
+    def load_copy_state(self, module: nn.Module, state: dict) -> None:
+        self.load_model_state(module, state)
+
+    def full_parameters(self, model: nn.Module):
+        """Context in which `model.parameters()` hold their full values (ZeRO-3 gathers them)."""
+        return contextlib.nullcontext()
+
     def save_engine_checkpoint(self, forward: nn.Module, run_dir: Path, step: int) -> None:
         """Engines with their own checkpoint format write it here (all ranks call this)."""
 
@@ -171,7 +183,10 @@ class DDP(_ProcessGroupStrategy):
         from torch.nn.parallel import DistributedDataParallel
 
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=device_ids), build_optimizer(model)
+        # broadcast_buffers=False: the buffers that must agree across ranks (routing centroids) are
+        # all-reduced by their owner once a step, and per-rank statistics must never be overwritten
+        wrapped = DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False)
+        return wrapped, build_optimizer(model)
 
     def micro_step_context(self, forward, is_last):
         return contextlib.nullcontext() if is_last else forward.no_sync()
@@ -300,6 +315,20 @@ class DeepSpeed(_ProcessGroupStrategy):
 
     def load_state(self, model, optimizer, model_state, optimizer_state):
         pass
+
+    # The EMA copy stays an ordinary full module on every rank (made before deepspeed.initialize), so
+    # it is saved and loaded as it is; under ZeRO-3 the live weights are gathered for its update.
+
+    def copy_state(self, module):
+        return module.state_dict()
+
+    def load_copy_state(self, module, state):
+        module.load_state_dict(state)
+
+    def full_parameters(self, model):
+        if self.ds_config.get("zero_optimization", {}).get("stage", 0) == 3:
+            return self.deepspeed.zero.GatheredParameters(list(model.parameters()))
+        return contextlib.nullcontext()
 
     def save_engine_checkpoint(self, forward, run_dir, step):
         forward.save_checkpoint(str(run_dir / "deepspeed"), tag=f"step-{step:07d}")
