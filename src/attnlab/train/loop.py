@@ -191,8 +191,6 @@ def train(
         write_run_info(config, run_dir, command_line)
 
     model = Transformer(config.model).to(device)
-    if tc.ema and strategy.owns_accumulation:
-        raise AttnlabError("train.ema=true is supported with dist.strategy single, ddp and fsdp, not deepspeed")
     ema = WeightEMA(model, tc.ema_decay) if tc.ema else None  # copied before wrapping, laid out like it after
     forward, optimizer = strategy.wrap(model, lambda module: build_optimizer(module, tc))
     if ema is not None:
@@ -210,7 +208,7 @@ def train(
         if ema is not None:
             if state.get("ema") is None:
                 raise CheckpointError(f"{resume_from} has no EMA weights but train.ema=true")
-            strategy.load_model_state(ema.model, state["ema"])
+            strategy.load_copy_state(ema.model, state["ema"])
         sampler.load_state_dict(state["sampler"])
         rng_states = state["rng"]
         if len(rng_states) != strategy.world_size:
@@ -237,7 +235,7 @@ def train(
         path = checkpoint_path(run_dir, step)
         strategy.save_engine_checkpoint(forward, run_dir, step)
         model_state, optimizer_state = strategy.model_state(model), strategy.optimizer_state(model, optimizer)
-        ema_state = None if ema is None else strategy.model_state(ema.model)
+        ema_state = None if ema is None else strategy.copy_state(ema.model)
         rng_states = strategy.gather_objects(rng_state())
         strategy.barrier()
         if strategy.is_main:
@@ -316,7 +314,8 @@ def train(
                 grad_norm = strategy.step(forward, optimizer, scaler, model)
                 after_optimizer_step(model)
                 if ema is not None:
-                    ema.update(model)
+                    with strategy.full_parameters(model):
+                        ema.update(model)
                 step += 1
 
                 losses = {name: strategy.mean(value) for name, value in losses.items()}
