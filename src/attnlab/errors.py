@@ -15,3 +15,7 @@ class DataError(AttnlabError):
 
 class CheckpointError(AttnlabError):
     """A missing, truncated or corrupt checkpoint."""
+
+
+class ConversionError(AttnlabError):
+    """A model or checkpoint with no equivalent in the other format (Hugging Face export and import)."""

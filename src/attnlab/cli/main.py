@@ -13,7 +13,9 @@ import sys
 
 from attnlab.errors import AttnlabError
 
-COMMAND_MODULES = ["train", "sample", "eval", "data", "tokenizer", "bench", "plot", "speculative"]
+COMMAND_MODULES = [
+    "train", "sample", "eval", "data", "tokenizer", "bench", "plot", "speculative", "export", "import_hf",
+]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,227 @@
+"""Hugging Face Llama export and import (attnlab.hf): transformers computes the logits attnlab
+computes, in both directions; architectures Llama lacks are refused with one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from attnlab import Transformer, load_model
+from attnlab.cli.main import main
+from attnlab.config import ModelConfig, RunConfig, config_to_dict, load_config
+from attnlab.errors import ConversionError
+from attnlab.hf import check_exportable, export_model, export_run, import_hf
+from attnlab.train.checkpoint import checkpoint_path, save_checkpoint
+
+transformers = pytest.importorskip("transformers")
+
+TOLERANCE = 1e-4
+
+
+def minimind_config(**changes) -> ModelConfig:
+    """A tiny MiniMind-shaped model: RMSNorm, rotary, GQA, SwiGLU, no biases."""
+    values = dict(num_tokens=300, dim=64, depth=2, heads=4, kv_heads=2, dim_head=16, max_seq_len=64,
+                  norm="rmsnorm", feed_forward="swiglu", rope_theta=5000.0, tie_embeddings=True)
+    return ModelConfig(**{**values, **changes})
+
+
+def random_model(config: ModelConfig, seed: int = 0) -> Transformer:
+    """Weights large enough that logits are O(10) and norms are not all ones, so a wrong
+    convention (rotary pairing, epsilon, gate/up order) shows far above the tolerance."""
+    torch.manual_seed(seed)
+    model = Transformer(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.weight"):
+                parameter.uniform_(0.5, 1.5)
+            else:
+                parameter.normal_(0.0, 0.15)
+    return model
+
+
+def hf_logits(folder: Path, tokens: torch.Tensor) -> torch.Tensor:
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    assert type(model).__name__ == "LlamaForCausalLM"
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+def our_logits(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+def write_run(run_dir: Path, model: Transformer) -> Path:
+    """A run directory as training leaves it (config.yaml aside): one checkpoint."""
+    config = RunConfig(name=run_dir.name, out_dir=str(run_dir.parent), model=model.config)
+    save_checkpoint(checkpoint_path(run_dir, 7), {"config": config_to_dict(config), "model": model.state_dict(),
+                                                  "step": 7})
+    return run_dir
+
+
+@pytest.mark.parametrize("changes", [
+    {},  # tied embeddings, GQA, rotary theta 5000, RMSNorm at the machine epsilon
+    {"tie_embeddings": False, "kv_heads": 1, "norm_eps": 1e-5, "dim_head": 8, "ff_mult": 3.0},
+    {"kv_heads": None, "ff_hidden": 96, "rope_theta": 10000.0},
+], ids=["tied-gqa", "untied-mqa-eps", "mha-ff_hidden"])
+def test_transformers_logits_equal(tmp_path, changes):
+    model = random_model(minimind_config(**changes))
+    export_model(model, tmp_path / "hf")
+    tokens = torch.randint(0, 300, (2, 48), generator=torch.Generator().manual_seed(1))
+    ours, theirs = our_logits(model, tokens), hf_logits(tmp_path / "hf", tokens)
+    assert ours.abs().max() > 1.0  # the comparison is not between near-zero numbers
+    assert (ours - theirs).abs().max() < TOLERANCE
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert written["tie_word_embeddings"] == model.config.tie_embeddings
+    assert written["intermediate_size"] == model.blocks[0].feed_forward.inner.gate.weight.shape[0]
+
+
+def test_a_changed_convention_is_detected(tmp_path):
+    """The test above can fail: the same weights with another rotary base or epsilon differ."""
+    model = random_model(minimind_config())
+    export_model(model, tmp_path / "hf")
+    config_file = tmp_path / "hf" / "config.json"
+    tokens = torch.randint(0, 300, (1, 48), generator=torch.Generator().manual_seed(2))
+    for key, value in (("rope_parameters", {"rope_type": "default", "rope_theta": 10000.0}), ("rms_norm_eps", 0.1)):
+        original = json.loads(config_file.read_text())
+        config_file.write_text(json.dumps({**original, key: value}))
+        assert (our_logits(model, tokens) - hf_logits(tmp_path / "hf", tokens)).abs().max() > 1e-2
+        config_file.write_text(json.dumps(original))
+
+
+def test_cli_export_with_tokenizer(tmp_path, capsys):
+    from attnlab.data.tokenizer import train_tokenizer
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("def add(a, b):\n    return a + b\n" * 50 + "Hello, world! héllo wörld\n" * 50)
+    run_dir = write_run(tmp_path / "run", random_model(minimind_config()))
+    train_tokenizer([corpus], vocab_size=300, out_dir=run_dir / "tokenizer")
+    assert main(["export", str(run_dir), "--format", "hf", "--out", str(tmp_path / "hf")]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "hf")
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (written["pad_token_id"], written["bos_token_id"], written["eos_token_id"]) == (0, 1, 2)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    tokens = tokenizer("def add(a, b):\n    return a + b", return_tensors="pt")["input_ids"]
+    model = load_model(run_dir)
+    assert (our_logits(model, tokens) - hf_logits(tmp_path / "hf", tokens)).abs().max() < TOLERANCE
+    # a second export into the same folder is refused unless forced
+    assert main(["export", str(run_dir), "--out", str(tmp_path / "hf")]) == 2
+    assert "not empty" in capsys.readouterr().err
+    assert main(["export", str(run_dir), "--out", str(tmp_path / "hf"), "--force", "--dtype", "bfloat16"]) == 0
+
+
+def test_byte_level_export_maps_bytes_to_ids(tmp_path):
+    model = random_model(minimind_config(num_tokens=256))
+    export_model(model, tmp_path / "hf")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    text = "héllo, wörld\n\t{}"
+    assert tokenizer(text)["input_ids"] == list(text.encode("utf-8"))
+    assert tokenizer.decode(list(text.encode("utf-8"))) == text
+
+
+@pytest.mark.parametrize("override, named", [
+    ("model.attention.kind=local", "attention.kind=local"),
+    ("model.norm=layernorm", "norm=layernorm"),
+    ("model.feed_forward=gelu", "feed_forward=gelu"),
+    ("model.feed_forward=moe", "feed_forward=moe"),
+    ("model.position=learned", "position=learned"),
+    ("model.position=none", "position=none"),
+    ("model.emb_dim=32", "emb_dim=32"),
+    ("model.reversible=true", "reversible=true"),
+])
+def test_architectures_without_llama_equivalent_are_refused(override, named):
+    base = ["model.norm=rmsnorm", "model.feed_forward=swiglu"]
+    config = load_config("demo", [*base, override]).model
+    with pytest.raises(ConversionError, match=named) as caught:
+        check_exportable(config)
+    assert "\n" not in str(caught.value)
+
+
+def test_cli_refuses_a_local_attention_run_in_one_line(tmp_path, capsys):
+    config = load_config("demo", ["model.norm=rmsnorm", "model.feed_forward=swiglu", "model.attention.kind=local",
+                                  "model.dim=32", "model.depth=1", "model.heads=2", "model.dim_head=16"]).model
+    run_dir = write_run(tmp_path / "run", Transformer(config))
+    assert main(["export", str(run_dir), "--out", str(tmp_path / "hf")]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "no Hugging Face Llama equivalent: attention.kind=local" in error
+    assert not (tmp_path / "hf").exists()  # nothing written
+
+
+def test_export_import_round_trip_is_identical(tmp_path):
+    for tie in (True, False):
+        model = random_model(minimind_config(tie_embeddings=tie, kv_heads=1))
+        run_dir = write_run(tmp_path / f"run-{tie}", model)
+        export_run(run_dir, tmp_path / f"hf-{tie}")
+        assert main(["import-hf", str(tmp_path / f"hf-{tie}"), "--out", str(tmp_path / f"back-{tie}")]) == 0
+        back = load_model(tmp_path / f"back-{tie}")
+        assert back.state_dict().keys() == model.state_dict().keys()
+        for name, value in model.state_dict().items():
+            assert torch.equal(back.state_dict()[name], value), name
+        assert (back.head.weight is back.token_embedding.embed.weight) == tie
+        tokens = torch.randint(0, 300, (2, 40), generator=torch.Generator().manual_seed(3))
+        assert torch.equal(our_logits(back, tokens), our_logits(model, tokens))
+
+
+def test_import_random_transformers_llama(tmp_path, capsys):
+    """Any small Llama (here: 1e-5 epsilon, untied, head_dim * heads != hidden_size, 3 layers;
+    256 tokens, so `attnlab sample` and `eval` read it as a byte-level model)."""
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=48, intermediate_size=100, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=128, rms_norm_eps=1e-5, rope_theta=20000.0,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    reference = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, parameter in reference.named_parameters():
+            parameter.uniform_(0.5, 1.5) if "norm" in name else parameter.normal_(0.0, 0.15)
+    reference.save_pretrained(tmp_path / "hf")
+    assert main(["import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 0
+    model = load_model(tmp_path / "run")
+    assert (model.config.norm_eps, model.config.rope_theta, model.config.ff_hidden) == (1e-5, 20000.0, 100)
+    tokens = torch.randint(0, 256, (2, 50), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected = reference(tokens).logits
+    assert expected.abs().max() > 1.0
+    assert (our_logits(model, tokens) - expected).abs().max() < TOLERANCE
+    # the imported run works with the usual commands
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    capsys.readouterr()
+    assert main(["sample", str(tmp_path / "run"), "--prompt", "the", "--max-new-tokens", "4"]) == 0
+    assert main(["eval", str(tmp_path / "run"), "--data", str(text), "--windows", "2", "--batch-size", "2",
+                 "--seq-len", "16", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["step"] == 0
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope scaling"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, "rope scaling"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"mlp_bias": True}, "mlp_bias"),
+    ({"hidden_act": "gelu"}, "hidden_act=gelu"),
+    ({"model_type": "mistral"}, "model_type 'mistral'"),
+])
+def test_import_refuses_unsupported_llama_options(tmp_path, capsys, change, named):
+    export_model(random_model(minimind_config(depth=1)), tmp_path / "hf")
+    config_file = tmp_path / "hf" / "config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), **change}))
+    assert main(["import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and named in error
+    assert not (tmp_path / "run").exists()
+
+
+def test_import_refuses_weights_that_do_not_match(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    export_model(random_model(minimind_config(depth=1, tie_embeddings=False)), tmp_path / "hf")
+    weights = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    del weights["lm_head.weight"]
+    weights["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(64)
+    save_file(weights, str(tmp_path / "hf" / "model.safetensors"))
+    with pytest.raises(ConversionError, match="missing lm_head.weight; unexpected model.layers.0.self_attn.q_proj"):
+        import_hf(tmp_path / "hf", tmp_path / "run")
