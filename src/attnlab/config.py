@@ -115,6 +115,7 @@ class ModelConfig:
     dropout: float = 0.0  # residual dropout
     tie_embeddings: bool = False  # share the input embedding with the output projection
     reversible: bool = False  # two-stream reversible residuals: activation memory flat in depth
+    loss_chunk_size: int = 0  # >0: training loss over this many tokens at a time, full logits never built
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)  # read when feed_forward=moe
 

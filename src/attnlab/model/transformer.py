@@ -24,15 +24,14 @@ import attnlab.model.moe  # noqa: F401  (registers the mixture-of-experts feed-f
 from attnlab.attention.base import AttentionSpec, KVCache, RotaryEmbedding
 from attnlab.config import ModelConfig
 from attnlab.model.layers import Chunked, TokenEmbedding
+from attnlab.model.loss import IGNORE_INDEX, chunked_linear_cross_entropy  # IGNORE_INDEX: padding, masked
 from attnlab.model.reversible import reversible_blocks
 from attnlab.registry import ATTENTION, FEED_FORWARD, NORM
-
-IGNORE_INDEX = -100  # targets with this value contribute no loss (padding, masked positions)
 
 
 @dataclass
 class ModelOutput:
-    logits: Tensor  # [B, T, V]
+    logits: Tensor | None  # [B, T, V]; None when targets are given and model.loss_chunk_size > 0
     loss: Tensor | None = None  # lm_loss + every auxiliary loss (already weighted)
     lm_loss: Tensor | None = None  # mean next-token cross-entropy over unmasked targets
     aux_losses: dict[str, Tensor] = field(default_factory=dict)  # by name, summed over layers
@@ -152,14 +151,20 @@ class Transformer(nn.Module):
         x = self.norm(x)
         if self.head_project is not None:
             x = self.head_project(x)
-        logits = self.head(x)  # [B, T, V]
-        output = ModelOutput(logits=logits, aux_losses=self.collect_aux_losses())
+        if targets is not None and loss_mask is not None:
+            targets = targets.masked_fill(loss_mask == 0, IGNORE_INDEX)
+        chunk = self.config.loss_chunk_size
+        if targets is not None and chunk > 0:  # loss without the full logits (model/loss.py)
+            output = ModelOutput(logits=None, aux_losses=self.collect_aux_losses())
+            lm_loss = chunked_linear_cross_entropy(x, self.head.weight, targets, chunk)
+        else:
+            logits = self.head(x)  # [B, T, V]
+            output = ModelOutput(logits=logits, aux_losses=self.collect_aux_losses())
         if targets is not None:
-            if loss_mask is not None:
-                targets = targets.masked_fill(loss_mask == 0, IGNORE_INDEX)
-            lm_loss = F.cross_entropy(
-                logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX
-            )
+            if chunk <= 0:
+                lm_loss = F.cross_entropy(
+                    logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX
+                )
             output.lm_loss = lm_loss
             output.loss = lm_loss + sum(output.aux_losses.values(), torch.zeros((), device=lm_loss.device))
         return output
