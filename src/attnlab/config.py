@@ -171,6 +171,7 @@ class TrainConfig:
     keep_last: int = 2  # checkpoints kept in the run directory
     log_every: int = 10  # metrics line every N steps
     compile: bool = False  # torch.compile the model
+    peak_tflops: float = 0.0  # device peak for the logged MFU; 0: known GPUs' bf16 peak, none on CPU
     randomly_truncate_sequence: bool = False  # seed 000: now and then train on a shorter prefix (p 0.1)
 
 

@@ -34,6 +34,7 @@ from attnlab.data.bytes import ByteCorpus, decode_bytes, load_corpus
 from attnlab.data.sampler import eval_windows, make_sampler, randomly_truncate
 from attnlab.errors import AttnlabError, CheckpointError
 from attnlab.evaluate import evaluate
+from attnlab.flops import flops_per_token, peak_flops
 from attnlab.generate.sampling import SamplingConfig, generate
 from attnlab.model.transformer import Transformer
 from attnlab.train.checkpoint import (
@@ -270,6 +271,8 @@ def train(
         return record
 
     tokens_per_step = tc.batch_size * tc.grad_accum * tc.seq_len * strategy.world_size
+    step_flops = flops_per_token(config.model, tc.seq_len) * tokens_per_step  # model FLOPs (flops.py)
+    peak = peak_flops(device, autocast_dtype, tc.peak_tflops)  # per device; None: no MFU reported
     autocast = (
         torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None else nullcontext()
     )
@@ -329,6 +332,8 @@ def train(
                     metrics.write(step, {
                         **losses, **model.collect_stats(), "lr": lr, "grad_norm": grad_norm,
                         "tokens_per_s": tokens_per_step / elapsed, "tokens": step * tokens_per_step,
+                        "model_tflops_per_s": step_flops / elapsed / 1e12,
+                        **({"mfu": step_flops / elapsed / strategy.world_size / peak} if peak else {}),
                         "elapsed_s": train_seconds,
                     })
                 if tc.eval_every > 0 and (step % tc.eval_every == 0 or step == tc.max_steps):
