@@ -34,11 +34,19 @@ def test_suite_writes_report_and_plots(tmp_path, monkeypatch):
                                heads=2, steps=1, warmup=0, new_tokens=2)
 
     monkeypatch.setattr(suite, "default_plan", tiny_plan)
-    assert main(["bench", "suite", "--quick", "--out", str(tmp_path)]) == 0
-    report = (tmp_path / "suite.md").read_text()
+    doc = tmp_path / "docs" / "benchmarks.md"
+    doc.parent.mkdir()
+    doc.write_text(f"# Benchmarks\n\nkept\n\n{suite.DOC_BEGIN}\nold figures\n{suite.DOC_END}\n\nkept too\n")
+    out = tmp_path / "docs" / "bench" / "suite"
+    assert main(["bench", "suite", "--quick", "--out", str(out), "--doc", str(doc)]) == 0
+    report = (out / "suite.md").read_text()
     assert "## Training step" in report and "| local | 64 |" in report and "Failed" not in report
     for name in ("train_throughput.png", "train_memory.png", "decode.png"):
-        assert (tmp_path / name).stat().st_size > 1000
+        assert (out / name).stat().st_size > 1000
+    published = doc.read_text()
+    assert "old figures" not in published and "kept\n" in published and "kept too" in published
+    assert "### Training step" in published and "| local | 64 |" in published
+    assert "(bench/suite/train_throughput.png)" in published  # pictures linked from the doc's folder
 
 
 def test_plot_runs(tmp_path, text_file):  # noqa: F811

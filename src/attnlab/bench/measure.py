@@ -110,9 +110,14 @@ def measure_train(
         times.append(time.perf_counter() - started)
     median = statistics.median(times)
     peak = _peak_since(torch_device, baseline)
+    from attnlab.flops import flops_per_token, peak_flops
+
+    model_flops = flops_per_token(config, seq_len) * batch_size * seq_len / median  # FLOP/s
+    peak = peak_flops(torch_device, autocast_dtype)
     return {
         "kind": "train", "attention": config.attention.kind, "seq_len": seq_len, "batch_size": batch_size,
         "step_ms": median * 1e3, "tokens_per_s": batch_size * seq_len / median,
+        "model_tflops_per_s": model_flops / 1e12, "mfu": model_flops / peak if peak else None,
         "peak_memory_mb": None if peak is None else peak / 2**20,
         "parameters": model.num_parameters(), "steps": steps, **environment(torch_device, dtype),
     }

@@ -54,12 +54,19 @@ def run_isolated(task: str, arguments: dict[str, Any], threads: int, timeout: fl
 
 
 def train_table(results: list[dict[str, Any]]) -> str:
-    lines = ["| attention | seq_len | batch | tokens/s | step (ms) | peak memory (MB) |",
-             "|---|---:|---:|---:|---:|---:|"]
+    """Markdown table; model TFLOP/s (flops.py) always, MFU when a peak was known (GPUs)."""
+    with_mfu = any(r.get("mfu") is not None for r in results)
+    lines = ["| attention | seq_len | batch | tokens/s | step (ms) | peak memory (MB) | model TFLOP/s |"
+             + (" MFU |" if with_mfu else ""),
+             "|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if with_mfu else "")]
     for r in results:
         memory = "n/a" if r["peak_memory_mb"] is None else f"{r['peak_memory_mb']:.0f}"
-        lines.append(f"| {r['attention']} | {r['seq_len']} | {r['batch_size']} | {r['tokens_per_s']:.0f} | "
-                     f"{r['step_ms']:.1f} | {memory} |")
+        tflops = r.get("model_tflops_per_s")
+        row = (f"| {r['attention']} | {r['seq_len']} | {r['batch_size']} | {r['tokens_per_s']:.0f} | "
+               f"{r['step_ms']:.1f} | {memory} | {'n/a' if tflops is None else f'{tflops:.3g}'} |")
+        if with_mfu:
+            row += " n/a |" if r.get("mfu") is None else f" {100 * r['mfu']:.1f}% |"
+        lines.append(row)
     return "\n".join(lines)
 
 

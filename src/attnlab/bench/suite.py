@@ -158,3 +158,28 @@ def write_report(plan: SuitePlan, results: list[dict[str, Any]], out_dir: Path, 
     from attnlab.bench.plots import plot_suite
 
     plot_suite(by_kind, out_dir)
+
+
+DOC_BEGIN, DOC_END = "<!-- bench-suite:begin -->", "<!-- bench-suite:end -->"
+
+
+def update_doc(doc: Path, out_dir: Path) -> None:
+    """Put the suite report of `out_dir` between the DOC_BEGIN and DOC_END lines of `doc` (headings one
+    level down, picture links relative to `doc`), so the published figures are never typed by hand."""
+    import os
+
+    text = doc.read_text()
+    if DOC_BEGIN not in text or DOC_END not in text:
+        raise AttnlabError(f"{doc} has no '{DOC_BEGIN}' ... '{DOC_END}' block to put the report in")
+    link = Path(os.path.relpath(out_dir.resolve(), doc.resolve().parent)).as_posix()
+    report = (out_dir / "suite.md").read_text().splitlines()
+    body = []
+    for line in report[1:]:  # the report's own title is replaced by the doc's section heading
+        line = "#" + line if line.startswith("#") else line
+        for picture in ("train_throughput.png", "train_memory.png", "decode.png"):
+            line = line.replace(f"]({picture})", f"]({link}/{picture})")
+        body.append(line)
+    body.append(f"Raw measurements: [{link}/suite.jsonl]({link}/suite.jsonl).")
+    before, rest = text.split(DOC_BEGIN, 1)
+    after = rest.split(DOC_END, 1)[1]
+    doc.write_text(before + DOC_BEGIN + "\n" + "\n".join(body).strip() + "\n" + DOC_END + after)

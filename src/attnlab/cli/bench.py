@@ -43,6 +43,8 @@ def register(subparsers) -> None:
     suite.add_argument("--attention", nargs="+", default=None, help="variants (default: every registered one)")
     suite.add_argument("--threads", type=int, default=2)
     suite.add_argument("--out", type=Path, default=Path("bench-results"), help="folder for jsonl, report, plots")
+    suite.add_argument("--doc", type=Path, default=None,
+                       help="also put the report into this markdown file's bench-suite block (docs/benchmarks.md)")
     suite.set_defaults(func=run)
 
 
@@ -84,6 +86,10 @@ def run_suite_command(args: argparse.Namespace) -> int:
     plan.threads = args.threads
     command = "attnlab " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("attnlab") else "attnlab bench suite"
     results = run_suite(plan, args.out, command)
+    if args.doc is not None:
+        from attnlab.bench.suite import update_doc
+
+        update_doc(args.doc, args.out)
     failed = sum("error" in r for r in results)
     print(f"{len(results) - failed} measurements, {failed} failed -> {args.out / 'suite.md'}")
     return 0 if failed == 0 else 1
