@@ -35,6 +35,7 @@ PRESET_DIR = Path(__file__).parent / "presets"
 class LocalAttentionConfig:
     window_size: int = 128  # keys visible to a query, itself included
     max_rollback: int = 64  # cached tokens kept beyond the window so truncate() can go back this far
+    backend: Literal["torch", "flex"] = "torch"  # flex: FlexAttention block mask (GPU; forward-only on CPU)
 
 
 # ---- routing (owned by attention/routing.py)

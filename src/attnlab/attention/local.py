@@ -18,7 +18,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab.attention.base import AttentionSpec, HeadProjections, KVCache, expand_kv, sdpa
+from attnlab.attention.kernels.flex_local import flex_local_attention
 from attnlab.config import LocalAttentionConfig
+from attnlab.errors import ConfigError
 from attnlab.registry import ATTENTION
 
 
@@ -105,6 +107,8 @@ class LocalAttention(nn.Module):
         self.spec, self.config = spec, config
         self.heads = HeadProjections(spec)
         self.aux_losses: dict[str, Tensor] = {}
+        if config.backend == "flex" and spec.dropout > 0:
+            raise ConfigError("attention.local.backend=flex has no attention dropout; set model.attention.dropout=0")
 
     def forward(self, x: Tensor, cache: LocalCache | None = None) -> Tensor:
         dropout = self.spec.dropout if self.training else 0.0
@@ -112,7 +116,10 @@ class LocalAttention(nn.Module):
         q, k, v = self.heads.split(x, offset)  # q [B, H, T, D], k v [B, G, T, D]
         if cache is not None:
             k, v = cache.extend(k, v)  # [B, G, kept + T, D]
-        y = local_attention(q, k, v, self.config.window_size, dropout)
+        if self.config.backend == "flex" and q.shape[2] > 1:  # one decoded token: the torch path is exact and cheap
+            y = flex_local_attention(q, k, v, self.config.window_size)
+        else:
+            y = local_attention(q, k, v, self.config.window_size, dropout)
         return self.heads.merge(y)
 
     def new_cache(self, batch: int, max_len: int, device=None, dtype=None) -> LocalCache:

@@ -1,0 +1,55 @@
+"""FlexAttention back-end of local (sliding-window) attention: one BlockMask, so the fused kernel
+skips every key block outside the band (torch.nn.attention.flex_attention, torch >= 2.5).
+
+Same semantics as attention/local.py's `local_attention` (tests/test_flex_local.py): the queries
+are the last T of the S keys, query i (key position S - T + i) sees keys S - T + i - window < j <=
+S - T + i. On CUDA the kernel is compiled once per shape (block masks are cached per shape too);
+elsewhere FlexAttention runs its eager reference, forward only on CPU in torch 2.13, so CPU
+training uses the torch path.
+
+Legend: B batch, T queries, S keys, H query heads, G key/value heads, D head width.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+# every (T, S) shape is one compiled graph; a dynamo cache too small would make it fall back to
+# eager silently once a model sees more shapes than the default limit (8)
+DYNAMO_CACHE_SIZE = 256
+
+
+@functools.lru_cache(maxsize=64)
+def sliding_window_block_mask(window: int, n_queries: int, n_keys: int, device: torch.device):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    offset = n_keys - n_queries
+
+    def band(batch, head, query, key):
+        position = query + offset  # the query's own key position
+        return (key <= position) & (position - key < window)
+
+    return create_block_mask(band, B=None, H=None, Q_LEN=n_queries, KV_LEN=n_keys, device=device)
+
+
+@functools.cache
+def _kernel(device_type: str):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if device_type != "cuda":
+        return flex_attention
+    import torch._dynamo
+
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, DYNAMO_CACHE_SIZE)
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def flex_local_attention(q: Tensor, k: Tensor, v: Tensor, window: int) -> Tensor:
+    """q [B, H, T, D], the last T of the keys k, v [B, G, S, D] -> [B, H, T, D]."""
+    n_queries, n_keys = q.shape[2], k.shape[2]
+    block_mask = sliding_window_block_mask(window, n_queries, n_keys, q.device)
+    kernel = _kernel(q.device.type)
+    return kernel(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
