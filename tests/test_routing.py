@@ -42,6 +42,46 @@ def test_routed_attention_equals_oracle(window):
     torch.testing.assert_close(cached, expected[:, :, -9:], atol=1e-5, rtol=1e-5)
 
 
+def test_routed_attention_equals_oracle_many_blocks():
+    """Clusters spanning several blocks of the layout, batch rows of different padded lengths."""
+    torch.manual_seed(1)
+    q, k, v = torch.randn(3, 2, 3, 301, 8).unbind(0)
+    clusters = torch.randint(0, 5, (2, 3, 301))
+    clusters[1, 2] = torch.randint(0, 2, (301,))  # a row with few, long clusters
+    expected = naive_attention(q, k, v, oracle_mask(clusters, 16))
+    torch.testing.assert_close(routed_attention(q, k, v, clusters, 16), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_routed_attention_causal_to_the_bit_at_scale():
+    """Window 64 (the benchmark's), two threads, a length not a multiple of the window: changing
+    later tokens (their clusters too) must leave every earlier output bit for bit equal, forward
+    and gradient."""
+    torch.manual_seed(2)
+    length, cut = 700, 389
+    q, k, v = torch.randn(3, 1, 2, length, 64).unbind(0)
+    clusters = torch.randint(0, 6, (1, 2, length))
+    changed = [x.clone() for x in (q, k, v)]
+    for x in changed:
+        x[:, :, cut:] = torch.randn_like(x[:, :, cut:])
+    changed_clusters = clusters.clone()
+    changed_clusters[..., cut:] = torch.randint(0, 9, changed_clusters[..., cut:].shape)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        outputs, grads = [], []
+        for inputs, ids in (((q, k, v), clusters), (changed, changed_clusters)):
+            inputs = [x.clone().requires_grad_() for x in inputs]
+            y = routed_attention(*inputs, ids, 64)
+            y[:, :, :cut].pow(2).sum().backward()
+            outputs.append(y[:, :, :cut])
+            grads.append([x.grad[:, :, :cut] for x in inputs])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outputs[0], outputs[1])
+    for before, after in zip(grads[0], grads[1]):
+        assert torch.equal(before, after)
+
+
 def make(name: str = "routing", seed: int = 0, **routing) -> Transformer:
     config = variant_config(name)
     config.attention.routing = dataclasses.replace(config.attention.routing, **routing)

@@ -73,31 +73,72 @@ def ema_centroids(centroids: Tensor, sums: Tensor, counts: Tensor, decay: float)
     return torch.where(counts[..., None] > 0, moved, centroids)
 
 
+def cluster_block_layout(clusters: Tensor, window: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The cluster-aligned block layout that routed attention is computed on.
+
+    clusters [B, R, T] -> destination [B, R, T] (the slot of each token), source [B, R, P] (the
+    token in each slot; padding slots hold token 0, never visible to a real token) and
+    opens_cluster bool [B, R, N] (the block is its cluster's first), with P = N W slots.
+
+    Tokens are grouped by cluster in time order (a stable sort); each cluster starts on a block
+    boundary and is padded to whole blocks of W slots. So a token's slot within its block, and the
+    slots of its W predecessors, depend only on its rank within its cluster (how many earlier tokens
+    share it), a causal quantity: its row of scores has the same layout whatever the later tokens
+    are, which is what keeps the layer causal to the bit although blocks are computed together.
+    """
+    n_tokens, device = clusters.shape[-1], clusters.device
+    n_clusters = int(clusters.max()) + 1
+    counts = torch.zeros(*clusters.shape[:-1], n_clusters, dtype=torch.long, device=device)
+    counts.scatter_add_(-1, clusters, torch.ones_like(clusters))  # [B, R, C]
+    starts = counts.cumsum(-1) - counts  # first sorted row of each cluster
+    padded = (counts + window - 1) // window * window  # whole blocks per cluster
+    padded_starts = padded.cumsum(-1) - padded  # first slot of each cluster, a block boundary
+    order = torch.sort(clusters, dim=-1, stable=True).indices  # [B, R, T]; stable: time order kept
+    sorted_clusters = clusters.gather(-1, order)
+    rank = torch.arange(n_tokens, device=device) - starts.gather(-1, sorted_clusters)  # within the cluster
+    sorted_destination = padded_starts.gather(-1, sorted_clusters) + rank
+    destination = torch.empty_like(order).scatter_(-1, order, sorted_destination)  # [B, R, T]
+    n_blocks = int(padded.sum(-1).max()) // window
+    source = torch.zeros(*clusters.shape[:-1], n_blocks * window, dtype=torch.long, device=device)
+    source.scatter_(-1, sorted_destination, order)  # [B, R, P]
+    opens_cluster = torch.zeros(*clusters.shape[:-1], n_blocks + 1, dtype=torch.bool, device=device)
+    opens_cluster.scatter_(-1, padded_starts // window, True)  # an empty cluster marks the next start
+    return destination, source, opens_cluster[..., :n_blocks]
+
+
 def routed_attention(q: Tensor, k: Tensor, v: Tensor, clusters: Tensor, window: int, dropout: float = 0.0) -> Tensor:
     """Parallel routed attention over a whole sequence. q, k, v [B, R, T, D], clusters [B, R, T]
-    -> [B, R, T, D]; token t sees itself and the last `window` earlier tokens of its cluster."""
-    n_queries, dim_head = q.shape[2], q.shape[3]
-    order = torch.sort(clusters, dim=-1, stable=True).indices  # [B, R, T]; stable: time order kept
-    index = order[..., None].expand(-1, -1, -1, dim_head)
-    q, k, v = q.gather(2, index), k.gather(2, index), v.gather(2, index)  # sorted, [B, R, T, D]
-    sorted_clusters = clusters.gather(-1, order)
-    # W rows of padding in front, so "k rows back" is a slice for every k; -1 matches no cluster
-    k_padded = F.pad(k, (0, 0, window, 0))  # [B, R, W + T, D]
-    v_padded = F.pad(v, (0, 0, window, 0))
-    clusters_padded = F.pad(sorted_clusters, (window, 0), value=-1)  # [B, R, W + T]
+    -> [B, R, T, D]; token t sees itself and the last `window` earlier tokens of its cluster.
 
-    def back(x: Tensor, slot: int) -> Tensor:  # rows r - slot of a padded tensor, for every r
-        return x[:, :, window - slot : window - slot + n_queries]
+    Computed like local attention, on the cluster-aligned layout of `cluster_block_layout`: each
+    block of W slots attends to itself and the block before it through a band mask (slot i sees
+    itself and the W slots before it), the previous block hidden when the block opens its cluster.
+    Padding slots come after every real token of their cluster, so the band hides them from real
+    tokens. Memory O(T W) per head; torch's fused attention never saves the scores.
+    """
+    batch, n_heads, n_queries, dim_head = q.shape
+    destination, source, opens_cluster = cluster_block_layout(clusters, window)
+    n_blocks = opens_cluster.shape[-1]
+    blocks = source.view(batch, n_heads, n_blocks, window)
+    previous = torch.cat((blocks[:, :, :1], blocks[:, :, :-1]), dim=2)  # block 0 opens a cluster: hidden
+    key_source = torch.cat((previous, blocks), dim=-1).flatten(2)  # [B, R, N 2W]
 
-    scores = torch.stack([(q * back(k_padded, slot)).sum(-1) for slot in range(window + 1)], dim=-1)
-    allowed = torch.stack([back(clusters_padded, slot) == sorted_clusters for slot in range(window + 1)], dim=-1)
-    scores = scores.float() / math.sqrt(dim_head)  # [B, R, T, K]
-    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1).to(v.dtype)
-    probs = F.dropout(probs, dropout) if dropout > 0 else probs
-    y = back(v_padded, 0) * probs[..., 0:1]
-    for slot in range(1, window + 1):  # slot order fixed per row: bit-exact whatever the layout
-        y = y + back(v_padded, slot) * probs[..., slot : slot + 1]  # [B, R, T, D]
-    return torch.empty_like(y).scatter(2, index, y)  # back to time order
+    def pick(x: Tensor, index: Tensor) -> Tensor:  # rows of x [B, R, T, D] -> [B, R, len(index), D]
+        return x.gather(2, index[..., None].expand(-1, -1, -1, dim_head))
+
+    flat = (batch, n_heads * n_blocks)
+    queries = pick(q, source).view(*flat, window, dim_head)  # [B, R N, W, D]
+    keys = pick(k, key_source).view(*flat, 2 * window, dim_head)  # [B, R N, 2W, D]
+    values = pick(v, key_source).view(*flat, 2 * window, dim_head)
+
+    slot = torch.arange(window, device=q.device)[:, None]  # query slot i is key column W + i
+    column = torch.arange(2 * window, device=q.device)[None, :]
+    band = (column >= slot) & (column <= slot + window)  # [W, 2W]: itself and the W slots before
+    mask = band & ~(opens_cluster[..., None, None] & (column < window))  # [B, R, N, W, 2W]
+    # a 4-d mask keeps torch on its fused CPU kernel (a 3-d one falls back to the math path)
+    y = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask.view(*flat, window, 2 * window),
+                                       dropout_p=dropout)
+    return pick(y.view(batch, n_heads, n_blocks * window, dim_head), destination)  # time order, [B, R, T, D]
 
 
 def routed_attention_cached(
