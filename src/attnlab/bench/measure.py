@@ -113,11 +113,11 @@ def measure_train(
     from attnlab.flops import flops_per_token, peak_flops
 
     model_flops = flops_per_token(config, seq_len) * batch_size * seq_len / median  # FLOP/s
-    peak = peak_flops(torch_device, autocast_dtype)
+    device_peak_flops = peak_flops(torch_device, autocast_dtype)  # not `peak`: that is the memory peak
     return {
         "kind": "train", "attention": config.attention.kind, "seq_len": seq_len, "batch_size": batch_size,
         "step_ms": median * 1e3, "tokens_per_s": batch_size * seq_len / median,
-        "model_tflops_per_s": model_flops / 1e12, "mfu": model_flops / peak if peak else None,
+        "model_tflops_per_s": model_flops / 1e12, "mfu": model_flops / device_peak_flops if device_peak_flops else None,
         "peak_memory_mb": None if peak is None else peak / 2**20,
         "parameters": model.num_parameters(), "steps": steps, **environment(torch_device, dtype),
     }
