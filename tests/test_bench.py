@@ -62,3 +62,44 @@ def test_tensorboard_sink(tmp_path, text_file):  # noqa: F811
     pytest.importorskip("tensorboard")
     run_dir = train(tiny(tmp_path, text_file, "tb", "train.max_steps=2", "log.tensorboard=true")).run_dir
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_wandb_sink_logs_every_record_and_resumes_the_same_run(tmp_path, text_file, monkeypatch):  # noqa: F811
+    """wandb is optional; a stand-in module records what the sink asks of it."""
+    import sys
+    import types
+
+    calls: list[tuple[str, object]] = []
+
+    class FakeRun:
+        def log(self, record, step):
+            calls.append(("log", (step, dict(record))))
+
+        def finish(self):
+            calls.append(("finish", None))
+
+    def init(**kwargs):
+        calls.append(("init", kwargs))
+        return FakeRun()
+
+    fake = types.SimpleNamespace(init=init, util=types.SimpleNamespace(generate_id=lambda: "abc123"))
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    config = tiny(tmp_path, text_file, "wb", "train.max_steps=4", "train.save_every=2", "log.wandb=true")
+    train(config, until_step=2)
+    train(config, resume=True)
+    inits = [kwargs for kind, kwargs in calls if kind == "init"]
+    assert len(inits) == 2 and {k["id"] for k in inits} == {"abc123"} and inits[0]["mode"] == "offline"
+    assert all(k["resume"] == "allow" for k in inits)
+    logged = [step for kind, (step, record) in ((k, v) for k, v in calls if k == "log") if "loss" in record]
+    assert logged == [1, 2, 3, 4]
+    assert [kind for kind, _ in calls].count("finish") == 2
+
+
+def test_wandb_missing_is_a_clear_error(tmp_path, text_file, monkeypatch):  # noqa: F811
+    import sys
+
+    from attnlab.errors import ConfigError
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import fails
+    with pytest.raises(ConfigError, match="pip install wandb"):
+        train(tiny(tmp_path, text_file, "nowb", "log.wandb=true"))

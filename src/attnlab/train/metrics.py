@@ -62,9 +62,14 @@ class WandbSink:
             import wandb
         except ImportError as error:
             raise ConfigError("log.wandb=true needs wandb: pip install wandb") from error
+        # one wandb run per attnlab run: its id is kept in the run directory, so a resumed run
+        # continues the same curves instead of starting a new one
+        id_file = run_dir / "wandb_id.txt"
+        if not id_file.exists():
+            id_file.write_text(wandb.util.generate_id() + "\n")
         self.run = wandb.init(
             project=config.wandb_project, name=run_name, dir=str(run_dir), mode=config.wandb_mode,
-            config=resolved,
+            config=resolved, id=id_file.read_text().strip(), resume="allow",
         )
 
     def write(self, step: int, record: dict[str, Any]) -> None:
