@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from attnlab.attention.base import AttentionSpec
-from attnlab.attention.sinkhorn import SinkhornAttention, bucket_means, causal_sinkhorn, sort_buckets
+from attnlab.attention.sinkhorn import (
+    SinkhornAttention,
+    bucket_attention,
+    bucket_means,
+    causal_sinkhorn,
+    sort_buckets,
+)
 from attnlab.config import SinkhornAttentionConfig
 from attnlab.model import Transformer
 from variants import variant_config
@@ -42,6 +48,40 @@ def test_equals_dense_oracle(length):
     expected = attention.to_out((torch.softmax(scores, -1) @ v).transpose(1, 2).flatten(2))
     with torch.no_grad():
         torch.testing.assert_close(attention(x), expected, atol=1e-5, rtol=1e-5)
+
+
+def bucket_attention_reference(q, k_own, v_own, k_chosen, v_chosen, chosen_weights):
+    """The scores written out: chosen buckets' scores plus their log weight, own bucket causal."""
+    bucket_size = q.shape[3]
+    own = q @ k_own.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    own = own.masked_fill(~torch.ones(bucket_size, bucket_size, dtype=torch.bool).tril(), float("-inf"))
+    chosen = q @ k_chosen.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    chosen = chosen + chosen_weights.repeat_interleave(bucket_size, dim=-1)[..., None, :]
+    probs = torch.softmax(torch.cat((chosen, own), dim=-1), dim=-1)
+    return probs @ torch.cat((v_chosen, v_own), dim=3)
+
+
+def test_bucket_attention_equals_written_out_scores_with_gradients():
+    """The fused path carries the sorting weight as an extra key feature: outputs and gradients
+    (the weights' included, -inf holes included) must equal the written-out scores'."""
+    torch.manual_seed(3)
+    batch, heads, buckets, size, dim, sortcut = 2, 3, 4, 5, 8, 2
+    q, k_own, v_own = torch.randn(3, batch, heads, buckets, size, dim).unbind(0)
+    k_chosen, v_chosen = torch.randn(2, batch, heads, buckets, sortcut * size, dim).unbind(0)
+    weights = torch.randn(batch, heads, buckets, sortcut)
+    weights[:, :, 0] = float("-inf")  # the first bucket has no past bucket
+    weights[:, :, 1, 1] = float("-inf")  # the second has one
+    inputs = [x.requires_grad_() for x in (q, k_own, v_own, k_chosen, v_chosen, weights)]
+    target = torch.randn(batch, heads, buckets, size, dim)
+    results = []
+    for function in (bucket_attention, bucket_attention_reference):
+        y = function(*inputs)
+        grads = torch.autograd.grad((y * target).sum(), inputs)
+        results.append((y, grads))
+    torch.testing.assert_close(results[0][0], results[1][0], atol=1e-5, rtol=1e-5)
+    for fused, written in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(fused, written.nan_to_num(0.0), atol=1e-5, rtol=1e-5)
+    assert results[0][1][-1][:, :, 2:].abs().sum() > 0  # the sorting weights get a gradient
 
 
 def test_sorting_chooses_past_buckets_only():

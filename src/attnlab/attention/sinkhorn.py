@@ -21,8 +21,9 @@ causality and prefix consistency:
 - A sequence that is not a multiple of the bucket size is padded on the right only; padding is
   never visible to a real token, so logits do not depend on the length.
 
-Memory: scores are T * (n_sortcut + 1) * bucket_size, the sorting matrix (T / bucket_size)^2 per
-head (the paper's cost; linear in T while bucket_size >= sqrt(T)).
+Memory: the T * (n_sortcut + 1) * bucket_size scores are computed by torch's fused attention and
+never kept for the backward; the sorting matrix is (T / bucket_size)^2 per head (the paper's cost;
+linear in T while bucket_size >= sqrt(T)).
 
 Legend: B batch, T tokens, H query heads, G key/value heads, D head width, N buckets, M buckets
 holding queries, b bucket size, S n_sortcut, L local heads.
@@ -101,18 +102,41 @@ def bucket_attention(
     dropout: float = 0.0,
 ) -> Tensor:
     """q, k_own, v_own [B, H, M, b, D]; k_chosen, v_chosen [B, H, M, S b, D]; chosen_weights
-    [B, H, M, S] -> [B, H, M, b, D]. Slot i of a bucket sees own slots <= i and the chosen buckets."""
-    bucket_size, dim_head = q.shape[3], q.shape[4]
-    own = torch.einsum("bhmid,bhmjd->bhmij", q, k_own).float() / math.sqrt(dim_head)  # [B, H, M, b, b]
-    causal = torch.ones(bucket_size, bucket_size, dtype=torch.bool, device=q.device).tril()
-    own = own.masked_fill(~causal, float("-inf"))
-    sorted_ = torch.einsum("bhmid,bhmjd->bhmij", q, k_chosen).float() / math.sqrt(dim_head)  # [.., b, S b]
-    bias = chosen_weights.repeat_interleave(bucket_size, dim=-1)[..., None, :]  # [B, H, M, 1, S b]
-    scores = torch.cat((sorted_ + bias, own), dim=-1)  # [B, H, M, b, (S+1) b]
-    probs = torch.softmax(scores, dim=-1).to(v_own.dtype)
-    probs = F.dropout(probs, dropout) if dropout > 0 else probs
+    [B, H, M, S] -> [B, H, M, b, D]. Slot i of a bucket sees own slots <= i and the chosen buckets,
+    each chosen bucket's scores raised by its log sorting weight.
+
+    Runs on torch's fused attention, which never saves the [b, (S+1) b] scores: the weight enters
+    as one extra key feature (weight * sqrt(D), against a query feature of 1), so that
+    q.k / sqrt(D) + weight comes out of the one product and its gradient reaches the sorting.
+    """
+    batch, n_heads, n_buckets, bucket_size, dim_head = q.shape
+    n_sortcut = chosen_weights.shape[-1]
+    valid = chosen_weights.isfinite()  # [B, H, M, S]; a bucket with fewer past buckets has holes
+    weights = chosen_weights.masked_fill(~valid, 0.0) * math.sqrt(dim_head)  # finite: no inf * 0 in backward
+    weight_feature = torch.cat((
+        weights.repeat_interleave(bucket_size, dim=-1),  # [B, H, M, S b]
+        weights.new_zeros(batch, n_heads, n_buckets, bucket_size),  # own bucket: no weight
+    ), dim=-1)[..., None].to(q.dtype)  # [B, H, M, (S+1) b, 1]
+    keys = torch.cat((torch.cat((k_chosen, k_own), dim=3), weight_feature), dim=-1)  # [B, H, M, (S+1) b, D+1]
+    queries = torch.cat((q, q.new_ones(batch, n_heads, n_buckets, bucket_size, 1)), dim=-1)  # [.., b, D+1]
     values = torch.cat((v_chosen, v_own), dim=3)  # [B, H, M, (S+1) b, D]
-    return torch.einsum("bhmij,bhmjd->bhmid", probs, values)
+
+    causal = torch.ones(bucket_size, bucket_size, dtype=torch.bool, device=q.device).tril()
+    chosen_columns = valid.repeat_interleave(bucket_size, dim=-1)[..., None, :]  # [B, H, M, 1, S b]
+    mask = torch.cat((
+        chosen_columns.expand(-1, -1, -1, bucket_size, -1),
+        causal.expand(batch, n_heads, n_buckets, -1, -1),
+    ), dim=-1)  # [B, H, M, b, (S+1) b]
+    flat = (batch, n_heads * n_buckets)
+    y = F.scaled_dot_product_attention(
+        queries.reshape(*flat, bucket_size, dim_head + 1),
+        keys.reshape(*flat, (n_sortcut + 1) * bucket_size, dim_head + 1),
+        values.reshape(*flat, (n_sortcut + 1) * bucket_size, dim_head),
+        attn_mask=mask.reshape(*flat, bucket_size, (n_sortcut + 1) * bucket_size),  # 4-d: the fused CPU kernel
+        dropout_p=dropout,
+        scale=1 / math.sqrt(dim_head),
+    )
+    return y.view(batch, n_heads, n_buckets, bucket_size, dim_head)
 
 
 def gather_buckets(x: Tensor, chosen: Tensor) -> Tensor:
