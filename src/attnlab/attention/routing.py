@@ -18,12 +18,16 @@ cluster. Departures from the paper and from the public implementation, all delib
   group's key with its own centroids.
 
 How it runs in O(T * window) memory: per routed head, tokens are sorted stably by cluster, so each
-cluster is one contiguous run in time order; the k-th previous same-cluster token of sorted row r
-is row r - k. Scores are built slot by slot (slot k = k-th previous), so every query's row has the
-same layout whatever the other tokens are: that is what makes causality exact to the bit.
+cluster is one contiguous run in time order, and every cluster is padded to whole blocks of W
+slots. Each block then attends to itself and the block before it, exactly like local attention
+(one fused SDPA call over all blocks, band mask). A token's place in its block and the places of
+its W predecessors depend only on its rank within its cluster, so its row of scores has the same
+layout whatever the later tokens are: that is what makes causality exact to the bit. Padding costs
+at most one block per cluster (T + C W slots). Decoding gathers each query's W + 1 slots instead.
 
 Legend: B batch, T queries, S keys (cached + new), H query heads, R routed heads, L local heads,
-G key/value heads, D head width, C clusters, W window, K = W + 1 key slots (itself + W earlier).
+G key/value heads, D head width, C clusters, W window, K = W + 1 key slots (itself + W earlier),
+P slots of the block layout, N = P / W blocks.
 """
 
 from __future__ import annotations
