@@ -73,3 +73,14 @@ def test_seeded_generation_reproducible():
     runs = [generate(model, prompt, 20, SamplingConfig(top_k=10), generator=torch.Generator().manual_seed(3))
             for _ in range(2)]
     assert torch.equal(runs[0], runs[1]) and runs[0].shape == (1, 25)
+
+
+def test_sampling_never_lands_past_the_last_likely_token(monkeypatch):
+    """The largest uniform draw below 1, scaled by a sum that rounds up, must still pick a token of
+    positive probability, never a trailing zero-probability one."""
+    probs = torch.tensor([[0.1, 0.7, 0.2, 0.0, 0.0], [0.0, 0.0, 1 / 3, 1 / 3, 1 / 3]])
+    largest_below_one = torch.nextafter(torch.tensor(1.0), torch.tensor(0.0))
+    monkeypatch.setattr(torch, "rand", lambda shape, **options: torch.full(shape, float(largest_below_one)))
+    assert sample_from(probs).tolist() == [2, 4]
+    monkeypatch.setattr(torch, "rand", lambda shape, **options: torch.zeros(shape))
+    assert sample_from(probs).tolist() == [0, 2]  # a draw of 0 skips the zero-probability tokens before

@@ -14,12 +14,13 @@ Dimension legend: B batch, T new tokens, S keys, H query heads, G key/value head
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange, repeat
+from einops import repeat
 from torch import Tensor, nn
 
 
@@ -111,12 +112,18 @@ def naive_attention(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor) -> Tensor:
     return torch.einsum("bhts,bhsd->bhtd", probs, v)
 
 
+@functools.lru_cache(maxsize=64)
 def causal_mask(n_queries: int, n_keys: int, device: torch.device | None = None) -> Tensor:
-    """bool [T, S]: query i (the (S - T + i)-th token) sees keys 0..S-T+i."""
-    offset = n_keys - n_queries
-    query = torch.arange(n_queries, device=device)[:, None]
-    key = torch.arange(n_keys, device=device)[None, :]
-    return key <= query + offset
+    """bool [T, S]: query i (the (S - T + i)-th token) sees keys 0..S-T+i.
+
+    Cached (read-only): every layer of a cached multi-token forward (speculative verification)
+    asks for the same mask, and decoding asks for the same few shapes again and again. Built as
+    a normal tensor even under inference_mode, so a later forward with autograd can use it."""
+    with torch.inference_mode(False):
+        offset = n_keys - n_queries
+        query = torch.arange(n_queries, device=device)[:, None]
+        key = torch.arange(n_keys, device=device)[None, :]
+        return key <= query + offset
 
 
 def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, dropout: float) -> Tensor:
@@ -138,15 +145,19 @@ class HeadProjections(nn.Module):
         self.to_v = nn.Linear(spec.dim, inner_kv, bias=False)
         self.to_out = nn.Linear(inner_q, spec.dim, bias=False)
 
+    # Head split and merge are a view and a transpose rather than einops.rearrange: the same
+    # layout, but rearrange's per-call parsing cost is paid 4 times per layer per decoded token.
+
     def split(self, x: Tensor, offset: int) -> tuple[Tensor, Tensor, Tensor]:
         """x [B, T, dim] at positions offset.. -> q [B, H, T, D], k and v [B, G, T, D]."""
-        q = rearrange(self.to_q(x), "b t (h d) -> b h t d", d=self.spec.dim_head)
-        k = rearrange(self.to_k(x), "b t (g d) -> b g t d", d=self.spec.dim_head)
-        v = rearrange(self.to_v(x), "b t (g d) -> b g t d", d=self.spec.dim_head)
+        dim_head = self.spec.dim_head
+        q = self.to_q(x).unflatten(-1, (-1, dim_head)).transpose(1, 2)  # b t (h d) -> b h t d
+        k = self.to_k(x).unflatten(-1, (-1, dim_head)).transpose(1, 2)  # b t (g d) -> b g t d
+        v = self.to_v(x).unflatten(-1, (-1, dim_head)).transpose(1, 2)  # b t (g d) -> b g t d
         if self.spec.rotary is not None:
             q, k = self.spec.rotary(q, offset), self.spec.rotary(k, offset)
         return q, k, v
 
     def merge(self, y: Tensor) -> Tensor:
         """y [B, H, T, D] -> [B, T, dim]."""
-        return self.to_out(rearrange(y, "b h t d -> b t (h d)"))
+        return self.to_out(y.transpose(1, 2).flatten(2))  # b h t d -> b t (h d)

@@ -100,10 +100,11 @@ def accept_reject(
     accepted = known | (uniform * q_token < p_token)  # [B, W-1]
     n_accepted = accepted.long().cumprod(dim=1).sum(dim=1)  # [B] leading accepted slots
 
-    q_padded = torch.cat((draft_probs, draft_probs.new_zeros(batch, 1, n_tokens)), dim=1)  # [B, W, V]
     index = n_accepted[:, None, None].expand(batch, 1, n_tokens)  # [B, 1, V]
     p_next = target_probs.gather(1, index).squeeze(1)  # [B, V]
-    q_next = q_padded.gather(1, index).squeeze(1)  # [B, V]
+    # q at the next slot; zero at the bonus slot (no draft there), so the residual is p itself
+    q_next = draft_probs.gather(1, index.clamp(max=width - 2)).squeeze(1)  # [B, V]
+    q_next = q_next * (n_accepted < width - 1)[:, None]
     residual = (p_next - q_next).clamp_min(0)  # max(0, p - q) (Leviathan et al., eq. 2 / Chen et al.)
     mass = residual.sum(dim=-1, keepdim=True)  # [B, 1]
     # a rejection implies p > q somewhere, so mass > 0 up to rounding; fall back to p if not
@@ -223,7 +224,10 @@ def speculative_generate(
     draft_cache = draft.new_cache(batch, goal + width)
     slots = torch.arange(width - 1, device=device)  # [W-1]
     rows = torch.arange(batch, device=device)
-    n_steps = n_drafted = n_accepted = 0
+    positions = torch.arange(sequence.shape[1], device=device)  # [T + N + W]
+    n_steps = 0
+    n_drafted = torch.zeros((), dtype=torch.long, device=device)  # summed on the device: no sync per step
+    n_accepted = torch.zeros((), dtype=torch.long, device=device)
 
     try:
         # the prompt minus its last token; the last one opens the first window
@@ -233,19 +237,21 @@ def speculative_generate(
         while True:
             done = lengths >= goal
             if end_token is not None:
-                generated = torch.arange(sequence.shape[1], device=device) >= prompt_length  # [T + N + W]
-                committed = torch.arange(sequence.shape[1], device=device) < lengths[:, None]  # [B, T + N + W]
+                generated = positions >= prompt_length  # [T + N + W]
+                committed = positions < lengths[:, None]  # [B, T + N + W]
                 done |= ((sequence == end_token) & generated & committed).any(dim=1)
             if bool(done.all()):
                 break
             start = int(lengths.min())  # first slot: every row has committed the tokens before it
             # both caches hold (at most) the first start - 1 tokens, committed by every row
             known = start + slots < lengths[:, None]  # [B, W-1] slots a row has already committed
+            # Draft tokens are written straight into `sequence` past each row's committed length
+            # (nothing there is committed), so the window is a view: no copies, no concatenation.
+            window = sequence[:, start : start + width - 1]  # [B, W-1] view
 
             # 1. draft: catch up to start - 1 in one chunk, then one token per slot (known or drafted)
             draft_probs = []
             probs = _next_probs(draft, sequence[:, draft_cache.length : start], draft_cache, sampling)  # [B, V]
-            window = sequence[:, start : start + width - 1].clone()  # [B, W-1] known tokens in place
             for slot in range(width - 1):
                 draft_probs.append(probs)  # q at this slot [B, V]
                 proposed = sample_from(probs, generator)  # [B]
@@ -255,17 +261,15 @@ def speculative_generate(
             draft_probs = torch.stack(draft_probs, dim=1)  # [B, W-1, V]
 
             # 2. target: score the last common token and the W-1 slots in one forward
-            inputs = torch.cat((sequence[:, start - 1 : start], window), dim=1)  # [B, W]
+            inputs = sequence[:, start - 1 : start + width - 1]  # [B, W] view
             target_probs = probabilities(target(inputs, cache=target_cache).logits, sampling)  # [B, W, V]
 
-            # 3. accept/reject per row, commit accepted slots and the next token
+            # 3. accept/reject per row; the accepted slots are already in place, commit the next token
             accepted, next_token = accept_reject(target_probs, draft_probs, window, known, generator)
-            keep = slots[None, :] < accepted[:, None]  # [B, W-1]
-            sequence[:, start : start + width - 1] = torch.where(keep, window, sequence[:, start : start + width - 1])
             sequence[rows, start + accepted] = next_token
             n_known = known.sum(dim=1)  # [B]
-            n_drafted += int((width - 1 - n_known).sum())
-            n_accepted += int((accepted - n_known).sum())
+            n_drafted += (width - 1 - n_known).sum()
+            n_accepted += (accepted - n_known).sum()
             lengths = start + accepted + 1
             n_steps += 1
 
@@ -277,6 +281,7 @@ def speculative_generate(
         for module in was_training:
             module.train()
 
+    n_drafted, n_accepted = int(n_drafted), int(n_accepted)
     new = sequence[:, prompt_length:goal].clone()  # [B, N]
     produced = (lengths.clamp(max=goal) - prompt_length).clamp(min=0)  # [B]
     if end_token is not None:

@@ -87,7 +87,10 @@ class Block(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: Tensor, cache: KVCache | None = None) -> Tensor:
-        x = x + self.dropout(self.attention(self.attention_norm(x), cache))
+        attended = self.attention(self.attention_norm(x), cache)
+        if self.training:  # dropout is the identity in eval mode: skip its call when decoding
+            attended = self.dropout(attended)
+        x = x + attended
         return x + self.feed_forward(self.feed_forward_norm(x))
 
 
