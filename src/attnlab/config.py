@@ -131,10 +131,16 @@ class ModelConfig:
 
 @dataclass(kw_only=True)
 class DataConfig:
-    source: Literal["builtin", "file", "enwik8"] = "builtin"  # where the bytes come from
-    path: str | None = None  # the file for source=file or enwik8 (.gz, .zip or raw bytes)
+    # builtin | file | enwik8: bytes; tokens: token shards at `path` from `attnlab data prepare`;
+    # builtin-tokens: the built-in jsonl corpus, tokenized with BPE trained on it (built and cached)
+    source: Literal["builtin", "file", "enwik8", "tokens", "builtin-tokens"] = "builtin"
+    path: str | None = None  # the file for source=file or enwik8 (.gz, .zip or raw bytes); the folder for tokens
     cache_dir: str | None = None  # prepared corpora; None: $ATTNLAB_CACHE or ~/.cache/attnlab
-    val_fraction: float = 0.05  # share of the bytes held out for validation (builtin and file)
+    val_fraction: float = 0.05  # share held out for validation: of the bytes, or of the documents (tokens)
+    # token sources: padded = MiniMind's one document per sample, BOS + text + EOS, padded to seq_len + 1
+    # with the loss masked on padding; packed = random windows of the documents joined by end tokens
+    layout: Literal["padded", "packed"] = "padded"
+    vocab_size: int = 6400  # builtin-tokens: BPE vocabulary trained on the built-in corpus (MiniMind: 6400)
     enwik8_train_bytes: int = 90_000_000  # enwik8 split as the seeds use it
     enwik8_val_bytes: int = 5_000_000
 

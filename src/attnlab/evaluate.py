@@ -1,5 +1,8 @@
-"""Evaluation: mean next-token loss, bits per token (per byte for byte-level data) and perplexity,
-over a fixed, seeded set of validation windows, so the same model always gets the same numbers."""
+"""Evaluation: mean next-token loss, bits per token, bits per byte and perplexity, over a fixed,
+seeded set of validation windows (or padded documents), so the same model always gets the same numbers.
+
+Bits per byte of tokenized data: the summed loss in bits over the UTF-8 bytes the counted targets
+decode to (special tokens count 0 bytes), so it is comparable with byte-level models."""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from attnlab.data.sampler import eval_windows
+from attnlab.data.sampler import eval_batch
 from attnlab.model.transformer import Transformer
 
 
@@ -19,7 +22,8 @@ class EvalResult:
     bits_per_token: float  # loss / ln 2; bits per byte (and per character of ASCII) for byte data
     perplexity: float
     n_windows: int
-    n_tokens: int
+    n_tokens: int  # targets counted (padding excluded)
+    bits_per_byte: float | None = None  # equal to bits_per_token for byte data
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -28,7 +32,7 @@ class EvalResult:
 @torch.no_grad()
 def evaluate(
     model: Transformer,
-    data: np.ndarray,
+    data: np.ndarray,  # or a validation split with eval_batch / token_bytes (data/pretrain.py)
     seq_len: int,
     n_windows: int,
     batch_size: int,
@@ -39,18 +43,25 @@ def evaluate(
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
-    windows = eval_windows(data, seq_len, n_windows, seed)  # [n_windows, seq_len + 1]
-    total, count = 0.0, 0
+    samples = eval_batch(data, seq_len, n_windows, seed)  # tokens [n_windows, seq_len + 1], mask or None
+    token_bytes = getattr(data, "token_bytes", None)  # [V] bytes per id; None: one byte per token
+    total, count, n_bytes = 0.0, 0, 0
     for start in range(0, n_windows, batch_size):
-        batch = windows[start : start + batch_size].to(device)
+        batch = samples.tokens[start : start + batch_size].to(device)
+        mask = None if samples.loss_mask is None else samples.loss_mask[start : start + batch_size].to(device)
         with torch.autocast(device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
-            output = model(batch[:, :-1], targets=batch[:, 1:])
-        n = batch[:, 1:].numel()
-        total += output.lm_loss.item() * n
+            output = model(batch[:, :-1], targets=batch[:, 1:], loss_mask=mask)
+        counted = torch.ones_like(batch[:, 1:]) if mask is None else mask  # [B, T]
+        n = int(counted.sum())
+        total += output.lm_loss.item() * n  # lm_loss is the mean over the counted targets
         count += n
+        if token_bytes is None:
+            n_bytes += n
+        else:
+            n_bytes += int((torch.from_numpy(token_bytes)[batch[:, 1:].cpu()] * counted.cpu()).sum())
     model.train(was_training)
     loss = total / count
     return EvalResult(
         loss=loss, bits_per_token=loss / math.log(2), perplexity=math.exp(min(loss, 50.0)),
-        n_windows=n_windows, n_tokens=count,
+        n_windows=n_windows, n_tokens=count, bits_per_byte=total / math.log(2) / max(n_bytes, 1),
     )

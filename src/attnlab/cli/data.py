@@ -1,4 +1,5 @@
-"""`attnlab data prepare builtin | download enwik8 | info`"""
+"""`attnlab data prepare builtin | prepare builtin-jsonl | prepare --input FILES --tokenizer DIR --out DATA
+[--skip-bad] | download enwik8 | info`"""
 
 from __future__ import annotations
 
@@ -6,17 +7,33 @@ import argparse
 import json
 from pathlib import Path
 
-from attnlab.config import load_config
-from attnlab.data.bytes import ENWIK8_URL, download_enwik8, load_corpus, prepare_builtin
+from attnlab.config import DataConfig, load_config
+from attnlab.data.bytes import ENWIK8_URL, default_cache_dir, download_enwik8, load_corpus, prepare_builtin
+from attnlab.data.pretrain import write_builtin_jsonl
+from attnlab.data.shards import prepare_token_shards
+from attnlab.errors import DataError
 
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser("data", help="prepare, download and inspect corpora")
     actions = parser.add_subparsers(dest="data_action", metavar="ACTION", required=True)
 
-    prepare = actions.add_parser("prepare", help="build a corpus into the cache")
-    prepare.add_argument("corpus", choices=["builtin"], help="builtin: the Python standard library's sources")
+    prepare = actions.add_parser(
+        "prepare", help="build a built-in corpus into the cache, or tokenize jsonl files into token shards",
+        description="`prepare builtin` (byte corpus) or `prepare builtin-jsonl` (the docstring documents as "
+                    "jsonl) build into the cache; `prepare --input a.jsonl ... --tokenizer DIR --out DATA` "
+                    "tokenizes {\"text\": ...} lines into memory-mapped token shards for data.source=tokens.",
+    )
+    prepare.add_argument("corpus", nargs="?", choices=["builtin", "builtin-jsonl"], default=None,
+                         help="builtin: the standard library's sources as bytes; builtin-jsonl: its docstrings "
+                              "as jsonl documents")
     prepare.add_argument("--cache-dir", type=Path, default=None)
+    prepare.add_argument("--input", type=Path, nargs="+", default=None, metavar="FILE", help="jsonl files")
+    prepare.add_argument("--tokenizer", type=Path, default=None, metavar="DIR", help="from `attnlab tokenizer train`")
+    prepare.add_argument("--out", type=Path, default=None, metavar="DATA", help="folder for the shards")
+    prepare.add_argument("--skip-bad", action="store_true", help="skip malformed lines (counted) instead of failing")
+    prepare.add_argument("--shard-tokens", type=int, default=1 << 25, help="tokens per shard (a soft limit)")
+    prepare.add_argument("--workers", type=int, default=None, help="tokenizing processes (default: CPU count)")
     prepare.set_defaults(func=run_prepare)
 
     download = actions.add_parser("download", help="download a public corpus, verifying its checksum")
@@ -33,6 +50,22 @@ def register(subparsers) -> None:
 
 
 def run_prepare(args: argparse.Namespace) -> int:
+    if args.input is not None:
+        if args.corpus is not None or args.tokenizer is None or args.out is None:
+            raise DataError("use either `prepare builtin` or `prepare --input FILES --tokenizer DIR --out DATA`")
+        result = prepare_token_shards(args.input, args.tokenizer, args.out, skip_bad=args.skip_bad,
+                                      shard_tokens=args.shard_tokens, workers=args.workers)
+        meta = result.meta
+        print(f"{result.out_dir}\n  {meta['n_documents']:,} documents, {meta['n_tokens']:,} tokens ({meta['dtype']}) "
+              f"in {len(meta['shards'])} shards, {meta['skipped_lines']} lines skipped\n  "
+              f"{meta['input_bytes'] / 1e6 / max(meta['seconds'], 1e-9):.2f} MB/s of jsonl")
+        return 0
+    if args.corpus is None:
+        raise DataError("name a corpus (builtin, builtin-jsonl) or give --input FILES --tokenizer DIR --out DATA")
+    if args.corpus == "builtin-jsonl":
+        cache = str(args.cache_dir or default_cache_dir())
+        print(write_builtin_jsonl(DataConfig(cache_dir=cache)))
+        return 0
     folder = prepare_builtin(args.cache_dir)
     meta = json.loads((folder / "meta.json").read_text())
     print(f"{folder}\n  {meta['n_files']} files, {meta['train_bytes']:,} train + {meta['val_bytes']:,} validation "
@@ -48,5 +81,8 @@ def run_download(args: argparse.Namespace) -> int:
 
 def run_info(args: argparse.Namespace) -> int:
     corpus = load_corpus(load_config(args.preset, args.overrides).data)
+    if hasattr(corpus, "tokenizer"):  # tokenized documents: the description has the counts
+        print(corpus.description)
+        return 0
     print(f"{corpus.description}\n  train {len(corpus.train):,} bytes, validation {len(corpus.val):,} bytes")
     return 0

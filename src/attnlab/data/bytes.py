@@ -43,6 +43,9 @@ class ByteCorpus:
     val: np.ndarray
     description: str
 
+    def decode(self, tokens) -> str:
+        return decode_bytes(tokens)
+
 
 def default_cache_dir() -> Path:
     return Path(os.environ.get("ATTNLAB_CACHE") or Path.home() / ".cache" / "attnlab")
@@ -135,7 +138,11 @@ def split_bytes(data: bytes, val_fraction: float) -> tuple[np.ndarray, np.ndarra
     return array[: len(array) - n_val], array[len(array) - n_val :]
 
 
-def load_corpus(config: DataConfig) -> ByteCorpus:
+def load_corpus(config: DataConfig) -> ByteCorpus:  # or a TokenCorpus (data/pretrain.py)
+    if config.source in ("tokens", "builtin-tokens"):  # tokenized documents: data/pretrain.py
+        from attnlab.data.pretrain import load_token_corpus  # imports this module
+
+        return load_token_corpus(config)
     cache = Path(config.cache_dir) if config.cache_dir else default_cache_dir()
     if config.source == "builtin":
         folder = prepare_builtin(cache, config.val_fraction)

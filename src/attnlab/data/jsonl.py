@@ -39,26 +39,53 @@ def parse_line(line: str, path: Path, line_number: int) -> str:
     return record["text"]
 
 
+def parse_raw_line(raw: bytes, path: Path, line_number: int) -> str:
+    """The "text" of one undecoded jsonl line, or DataError naming `path:line_number`."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise DataError(f"{path}:{line_number}: not UTF-8 ({error.reason})") from error
+    return parse_line(line, path, line_number)
+
+
+def read_line_batches(path: Path, batch_lines: int) -> Iterator[list[tuple[int, bytes]]]:
+    """Lists of up to `batch_lines` (line number, raw line) of a jsonl file, blank lines left out:
+    the unit of work when documents are parsed and tokenized in parallel (data/shards.py)."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"input file {path} does not exist")
+    batch: list[tuple[int, bytes]] = []
+    with open(path, "rb") as handle:
+        for line_number, raw in enumerate(handle, start=1):
+            if not raw.strip():
+                continue
+            batch.append((line_number, raw))
+            if len(batch) == batch_lines:
+                yield batch
+                batch = []
+    if batch:
+        yield batch
+
+
+def parse_batch(path: Path, batch: list[tuple[int, bytes]], skip_bad: bool,
+                skipped: SkipCounter) -> list[str]:
+    """The texts of a batch from read_line_batches; malformed lines raise or are counted in `skipped`."""
+    texts = []
+    for line_number, raw in batch:
+        try:
+            texts.append(parse_raw_line(raw, path, line_number))
+        except DataError as error:
+            if not skip_bad:
+                raise
+            skipped.add(str(error))
+    return texts
+
+
 def read_texts(path: Path, skip_bad: bool = False, skipped: SkipCounter | None = None) -> Iterator[str]:
     """Yield the "text" of every line of a jsonl file, streaming (blank lines are ignored).
 
     skip_bad: skip malformed lines (and lines that are not UTF-8), counting them in `skipped`,
     instead of raising DataError at the first one."""
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"input file {path} does not exist")
     skipped = skipped if skipped is not None else SkipCounter()
-    with open(path, "rb") as handle:
-        for line_number, raw in enumerate(handle, start=1):
-            if not raw.strip():
-                continue
-            try:
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as error:
-                    raise DataError(f"{path}:{line_number}: not UTF-8 ({error.reason})") from error
-                yield parse_line(line, path, line_number)
-            except DataError as error:
-                if not skip_bad:
-                    raise
-                skipped.add(str(error))
+    for batch in read_line_batches(Path(path), 1024):
+        yield from parse_batch(Path(path), batch, skip_bad, skipped)

@@ -80,8 +80,26 @@ def eval_windows(data: np.ndarray, seq_len: int, n_windows: int, seed: int = 123
 
 
 def make_sampler(corpus: Any, config: TrainConfig, rank: int = 0, world_size: int = 1) -> RandomWindowSampler:
-    """The training sampler for a corpus: random windows over its token stream."""
+    """The training sampler for a corpus: its own (token corpora: by layout, data/pretrain.py), else
+    random windows over its token stream."""
+    if hasattr(corpus, "make_sampler"):
+        return corpus.make_sampler(config, rank, world_size)
     return RandomWindowSampler(len(corpus.train), config.seq_len, config.batch_size, config.seed, rank, world_size)
+
+
+def eval_batch(data: Any, seq_len: int, n_windows: int, seed: int = 1234) -> Batch:
+    """Deterministic evaluation samples of a validation split: its own (padded documents with their
+    loss mask, data/pretrain.py) or random windows of its token stream."""
+    if hasattr(data, "eval_batch"):
+        return data.eval_batch(seq_len, n_windows, seed)
+    return Batch(tokens=eval_windows(data, seq_len, n_windows, seed))
+
+
+def prime_tokens(data: Any, length: int, seed: int) -> torch.Tensor:
+    """[P] int64, P <= length: a prime for sampling, taken from a validation split."""
+    if hasattr(data, "prime"):
+        return data.prime(length, seed)
+    return eval_windows(data, length, 1, seed=seed)[0, :length]
 
 
 def randomly_truncate(batch: Batch, seed: int, index: int, probability: float = 0.1) -> Batch:

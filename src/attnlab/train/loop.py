@@ -30,8 +30,8 @@ import torch
 from tqdm.auto import tqdm
 
 from attnlab.config import RunConfig, config_to_dict, save_config
-from attnlab.data.bytes import ByteCorpus, decode_bytes, load_corpus
-from attnlab.data.sampler import eval_windows, make_sampler, randomly_truncate
+from attnlab.data.bytes import ByteCorpus, load_corpus
+from attnlab.data.sampler import make_sampler, prime_tokens, randomly_truncate
 from attnlab.errors import AttnlabError, CheckpointError
 from attnlab.evaluate import evaluate
 from attnlab.flops import flops_per_token, peak_flops
@@ -150,14 +150,14 @@ def find_resume_checkpoint(config: RunConfig, resume: str | bool | None) -> Path
 def sample_text(model: Transformer, corpus: ByteCorpus, config: RunConfig, step: int) -> tuple[str, str]:
     """A prime from the validation data and the model's continuation of it, as text."""
     train = config.train
-    prime = eval_windows(corpus.val, train.prime_length, 1, seed=step)[0, : train.prime_length]
+    prime = prime_tokens(corpus.val, train.prime_length, seed=step)  # [P], P <= prime_length
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(step)
     output = generate(
         model, prime[None].to(device), train.sample_length, SamplingConfig(temperature=1.0, top_k=None),
         generator=generator,
     )
-    return decode_bytes(prime.tolist()), decode_bytes(output[0, train.prime_length :].tolist())
+    return corpus.decode(prime.tolist()), corpus.decode(output[0, len(prime) :].tolist())
 
 
 def train(
@@ -186,7 +186,10 @@ def train(
     random.seed(tc.seed)
     np.random.seed(tc.seed)
 
-    corpus = load_corpus(config.data)
+    corpus = load_corpus(config.data)  # ByteCorpus, or TokenCorpus for tokenized documents
+    if getattr(corpus, "vocab_size", 256) > config.model.num_tokens:
+        raise AttnlabError(f"the data's vocabulary has {corpus.vocab_size} tokens but model.num_tokens="
+                           f"{config.model.num_tokens}; set model.num_tokens={corpus.vocab_size}")
     if strategy.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         write_run_info(config, run_dir, command_line)
@@ -264,10 +267,10 @@ def train(
             ema.model if ema is not None else forward, corpus.val, tc.seq_len,
             tc.eval_batches * tc.batch_size * strategy.world_size, tc.batch_size, autocast_dtype=autocast_dtype,
         )
-        record = {"val_loss": result.loss, "val_bpb": result.bits_per_token}
+        record = {"val_loss": result.loss, "val_bpb": result.bits_per_byte}
         metrics.write(step, record)
         if strategy.is_main:
-            log.info("step %d: validation loss %.4f, %.4f bits per byte", step, result.loss, result.bits_per_token)
+            log.info("step %d: validation loss %.4f, %.4f bits per byte", step, result.loss, result.bits_per_byte)
         return record
 
     tokens_per_step = tc.batch_size * tc.grad_accum * tc.seq_len * strategy.world_size
