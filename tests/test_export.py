@@ -11,7 +11,7 @@ import torch
 
 from attnlab import Transformer, load_model
 from attnlab.cli.main import main
-from attnlab.config import ModelConfig, RunConfig, config_to_dict, load_config
+from attnlab.config import DataConfig, ModelConfig, MoEConfig, RunConfig, config_to_dict, load_config
 from attnlab.errors import ConversionError
 from attnlab.hf import check_exportable, export_model, export_run, import_hf
 from attnlab.train.checkpoint import checkpoint_path, save_checkpoint
@@ -42,9 +42,9 @@ def random_model(config: ModelConfig, seed: int = 0) -> Transformer:
     return model
 
 
-def hf_logits(folder: Path, tokens: torch.Tensor) -> torch.Tensor:
+def hf_logits(folder: Path, tokens: torch.Tensor, architecture: str = "LlamaForCausalLM") -> torch.Tensor:
     model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
-    assert type(model).__name__ == "LlamaForCausalLM"
+    assert type(model).__name__ == architecture
     with torch.no_grad():
         return model(tokens).logits
 
@@ -54,9 +54,9 @@ def our_logits(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
         return model(tokens).logits
 
 
-def write_run(run_dir: Path, model: Transformer) -> Path:
+def write_run(run_dir: Path, model: Transformer, data: DataConfig | None = None) -> Path:
     """A run directory as training leaves it (config.yaml aside): one checkpoint."""
-    config = RunConfig(name=run_dir.name, out_dir=str(run_dir.parent), model=model.config)
+    config = RunConfig(name=run_dir.name, out_dir=str(run_dir.parent), model=model.config, data=data or DataConfig())
     save_checkpoint(checkpoint_path(run_dir, 7), {"config": config_to_dict(config), "model": model.state_dict(),
                                                   "step": 7})
     return run_dir
@@ -77,6 +77,24 @@ def test_transformers_logits_equal(tmp_path, changes):
     written = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert written["tie_word_embeddings"] == model.config.tie_embeddings
     assert written["intermediate_size"] == model.blocks[0].feed_forward.inner.gate.weight.shape[0]
+
+
+@pytest.mark.parametrize("moe", [
+    {"n_experts": 4, "top_k": 2, "n_shared_experts": 1},  # MiniMind's defaults
+    {"n_experts": 4, "top_k": 1, "n_shared_experts": 0},  # top-1 keeps its probability
+    {"n_experts": 3, "top_k": 2, "n_shared_experts": 2, "normalize_top_k": False},
+], ids=["top2-shared1", "top1-unshared", "top2-shared2-unnormalised"])
+def test_mixture_of_experts_exports_as_qwen2_moe(tmp_path, moe):
+    # hidden width 96: transformers' grouped expert kernel on CPU wants rows of 16-byte multiples
+    model = random_model(minimind_config(feed_forward="moe", ff_hidden=96, moe=MoEConfig(**moe)))
+    export_model(model, tmp_path / "hf")
+    tokens = torch.randint(0, 300, (2, 48), generator=torch.Generator().manual_seed(1))
+    ours = our_logits(model, tokens)
+    assert ours.abs().max() > 1.0
+    assert (ours - hf_logits(tmp_path / "hf", tokens, "Qwen2MoeForCausalLM")).abs().max() < TOLERANCE
+    assert model.collect_stats()["moe_load/0"] < 1.0  # more than one expert was used
+    with pytest.raises(ConversionError, match="model_type 'qwen2_moe' is not supported"):
+        import_hf(tmp_path / "hf", tmp_path / "run")
 
 
 def test_greedy_decoding_with_caches_agrees(tmp_path):
@@ -100,20 +118,31 @@ def test_a_changed_convention_is_detected(tmp_path):
     export_model(model, tmp_path / "hf")
     config_file = tmp_path / "hf" / "config.json"
     tokens = torch.randint(0, 300, (1, 48), generator=torch.Generator().manual_seed(2))
-    for key, value in (("rope_parameters", {"rope_type": "default", "rope_theta": 10000.0}), ("rms_norm_eps", 0.1)):
+    changes = [  # the rotary base in both spellings (transformers 4 reads the first, 5 the second)
+        {"rope_theta": 10000.0, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+        {"rms_norm_eps": 0.1},
+    ]
+    for change in changes:
         original = json.loads(config_file.read_text())
-        config_file.write_text(json.dumps({**original, key: value}))
+        config_file.write_text(json.dumps({**original, **change}))
         assert (our_logits(model, tokens) - hf_logits(tmp_path / "hf", tokens)).abs().max() > 1e-2
         config_file.write_text(json.dumps(original))
 
 
-def test_cli_export_with_tokenizer(tmp_path, capsys):
+@pytest.mark.parametrize("tokenizer_place", ["run", "shards"])
+def test_cli_export_with_tokenizer(tmp_path, capsys, tokenizer_place):
+    """The run's tokenizer is found in RUN/tokenizer/ or beside its token shards (data.source=tokens)."""
     from attnlab.data.tokenizer import train_tokenizer
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("def add(a, b):\n    return a + b\n" * 50 + "Hello, world! héllo wörld\n" * 50)
-    run_dir = write_run(tmp_path / "run", random_model(minimind_config()))
-    train_tokenizer([corpus], vocab_size=300, out_dir=run_dir / "tokenizer")
+    if tokenizer_place == "run":
+        run_dir = write_run(tmp_path / "run", random_model(minimind_config()))
+        train_tokenizer([corpus], vocab_size=300, out_dir=run_dir / "tokenizer")
+    else:
+        data = DataConfig(source="tokens", path=str(tmp_path / "shards"))
+        run_dir = write_run(tmp_path / "run", random_model(minimind_config()), data)
+        train_tokenizer([corpus], vocab_size=300, out_dir=tmp_path / "shards" / "tokenizer")
     assert main(["export", str(run_dir), "--format", "hf", "--out", str(tmp_path / "hf")]) == 0
     assert capsys.readouterr().out.strip() == str(tmp_path / "hf")
     written = json.loads((tmp_path / "hf" / "config.json").read_text())
@@ -122,10 +151,24 @@ def test_cli_export_with_tokenizer(tmp_path, capsys):
     tokens = tokenizer("def add(a, b):\n    return a + b", return_tensors="pt")["input_ids"]
     model = load_model(run_dir)
     assert (our_logits(model, tokens) - hf_logits(tmp_path / "hf", tokens)).abs().max() < TOLERANCE
+    # imported back, the tokenizer comes along and `attnlab sample` encodes and decodes with it
+    assert main(["import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "back")]) == 0
+    copied = tmp_path / "back" / "tokenizer" / "tokenizer.json"
+    assert copied.read_bytes() == (tmp_path / "hf" / "tokenizer.json").read_bytes()
+    capsys.readouterr()
+    assert main(["sample", str(tmp_path / "back"), "--prompt", "def add", "--max-new-tokens", "5"]) == 0
+    assert capsys.readouterr().out.startswith("def add")
     # a second export into the same folder is refused unless forced
     assert main(["export", str(run_dir), "--out", str(tmp_path / "hf")]) == 2
     assert "not empty" in capsys.readouterr().err
     assert main(["export", str(run_dir), "--out", str(tmp_path / "hf"), "--force", "--dtype", "bfloat16"]) == 0
+
+
+def test_tokenized_run_without_its_tokenizer_is_refused(tmp_path):
+    data = DataConfig(source="tokens", path=str(tmp_path / "gone"))
+    run_dir = write_run(tmp_path / "run", random_model(minimind_config(depth=1)), data)
+    with pytest.raises(ConversionError, match="pass --tokenizer DIR"):
+        export_run(run_dir, tmp_path / "hf")
 
 
 def test_byte_level_export_maps_bytes_to_ids(tmp_path):
@@ -141,7 +184,6 @@ def test_byte_level_export_maps_bytes_to_ids(tmp_path):
     ("model.attention.kind=local", "attention.kind=local"),
     ("model.norm=layernorm", "norm=layernorm"),
     ("model.feed_forward=gelu", "feed_forward=gelu"),
-    ("model.feed_forward=moe", "feed_forward=moe"),
     ("model.position=learned", "position=learned"),
     ("model.position=none", "position=none"),
     ("model.emb_dim=32", "emb_dim=32"),
@@ -153,6 +195,21 @@ def test_architectures_without_llama_equivalent_are_refused(override, named):
     with pytest.raises(ConversionError, match=named) as caught:
         check_exportable(config)
     assert "\n" not in str(caught.value)
+
+
+def test_an_option_unknown_to_the_exporter_is_refused_unless_at_its_default():
+    """A model option added after the exporter (here a stand-in logit soft-cap) could change the
+    logits: export refuses it once it is switched on."""
+    import dataclasses
+
+    Extended = dataclasses.make_dataclass(
+        "Extended", [("logit_softcap", float, dataclasses.field(default=0.0))], bases=(ModelConfig,), kw_only=True
+    )
+    base = minimind_config()
+    values = {option.name: getattr(base, option.name) for option in dataclasses.fields(base)}
+    check_exportable(Extended(**values))
+    with pytest.raises(ConversionError, match="logit_softcap=30.0 .an option the exporter does not know"):
+        check_exportable(Extended(**values, logit_softcap=30.0))
 
 
 def test_cli_refuses_a_local_attention_run_in_one_line(tmp_path, capsys):
@@ -210,6 +267,42 @@ def test_import_random_transformers_llama(tmp_path, capsys):
     assert main(["eval", str(tmp_path / "run"), "--data", str(text), "--windows", "2", "--batch-size", "2",
                  "--seq-len", "16", "--json"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["step"] == 0
+
+
+@pytest.mark.parametrize("layout", ["sharded-safetensors", "pytorch-bin", "bfloat16"])
+def test_import_other_checkpoint_layouts(tmp_path, layout):
+    """A sharded safetensors index, a pytorch_model.bin (read with weights_only) and bf16 weights."""
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=True,
+    )
+    torch.manual_seed(1)
+    reference = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, parameter in reference.named_parameters():
+            parameter.uniform_(0.5, 1.5) if "norm" in name else parameter.normal_(0.0, 0.3)
+    if layout == "sharded-safetensors":
+        reference.save_pretrained(tmp_path / "hf", max_shard_size="10KB")
+        assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    elif layout == "pytorch-bin":
+        (tmp_path / "hf").mkdir()
+        config.save_pretrained(tmp_path / "hf")
+        torch.save(reference.state_dict(), tmp_path / "hf" / "pytorch_model.bin")
+    else:  # weights rounded to bf16 in the reference too (not module.to(): it would round inv_freq)
+        from safetensors.torch import save_file
+
+        with torch.no_grad():
+            for parameter in reference.parameters():
+                parameter.copy_(parameter.to(torch.bfloat16))
+        config.save_pretrained(tmp_path / "hf")
+        tensors = {name: value.to(torch.bfloat16) for name, value in reference.state_dict().items()}
+        del tensors["lm_head.weight"]  # tied: stored once
+        save_file(tensors, str(tmp_path / "hf" / "model.safetensors"))
+    model = load_model(import_hf(tmp_path / "hf", tmp_path / "run"))
+    tokens = torch.randint(0, 64, (2, 20), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        expected = reference(tokens).logits
+    assert (our_logits(model, tokens) - expected).abs().max() < TOLERANCE
 
 
 @pytest.mark.parametrize("change, named", [

@@ -1,4 +1,5 @@
-"""Hugging Face Llama checkpoints: export an attnlab model as one, import one as an attnlab run.
+"""Hugging Face checkpoints: export an attnlab model as a Llama (or, with a mixture of experts, a
+Qwen2-MoE) checkpoint; import a Llama checkpoint as an attnlab run.
 
 A dense, full-attention attnlab model with RMSNorm, rotary positions, SwiGLU and bias-free linears
 (MiniMind's architecture, grouped-query attention and tied embeddings allowed) computes exactly
@@ -21,15 +22,22 @@ head into halves x1, x2 and returns (x1 cos - x2 sin, x2 cos + x1 sin), which is
 i + D/2 at frequency theta^(-2i/D). (Meta's original Llama weights pair neighbouring dimensions
 and need a permutation; neither side here does.) Both scale attention scores by 1/sqrt(D).
 
+A mixture-of-experts feed-forward (model/moe.py) exports as `Qwen2MoeForCausalLM`, whose layers are
+Llama's but for the feed-forward: softmax top-k router, SwiGLU experts, one sigmoid-gated shared
+expert. `moe_tensors` explains how attnlab's ungated shared experts fit that exactly. Import reads
+Llama only.
+
 RMSNorm epsilon: attnlab's `model.norm_eps: null` means nn.RMSNorm's default, the machine epsilon
 of the input dtype; it is exported as float32's, 2^-23 ~ 1.19e-7, the value of a float32 model.
 
 Checkpoints are read without unpickling: safetensors, or a torch file with `weights_only=True`.
-Legend: V vocabulary, dim model width, H query heads, G key/value heads, D head width, F hidden width.
+Legend: V vocabulary, dim model width, H query heads, G key/value heads, D head width, F hidden width,
+E routed experts, S shared experts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import shutil
@@ -38,7 +46,7 @@ from typing import Any
 
 import torch
 
-from attnlab.config import ModelConfig, RunConfig, TrainConfig, config_to_dict, save_config
+from attnlab.config import DataConfig, ModelConfig, RunConfig, TrainConfig, config_to_dict, save_config
 from attnlab.errors import ConversionError
 from attnlab.model.layers import hidden_width
 from attnlab.model.transformer import Transformer
@@ -53,40 +61,61 @@ TORCH_WEIGHTS_FILE = "pytorch_model.bin"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 RUN_TOKENIZER_DIR = "tokenizer"  # where a run keeps its tokenizer files (import writes them there)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+Tensors = dict[str, torch.Tensor]  # a state dict: parameter name -> tensor
+
+# The ModelConfig fields export knows: mapped to HF, checked below, or without effect on the logits
+# (ff_chunks splits the same computation, dropout and loss_chunk_size act in training only). Any
+# other field, an option added later, must be at its default or the export is refused: it could
+# change what the model computes.
+KNOWN_MODEL_OPTIONS = frozenset({
+    "num_tokens", "dim", "depth", "heads", "dim_head", "kv_heads", "max_seq_len", "emb_dim", "position",
+    "rope_theta", "norm", "norm_eps", "feed_forward", "ff_mult", "ff_hidden", "tie_embeddings", "reversible",
+    "attention", "moe", "ff_chunks", "dropout", "loss_chunk_size",
+})
 
 
 # --------------------------------------------------------------------------------------------
 # The correspondence, shared by both directions
 
 
-def llama_incompatibilities(config: ModelConfig) -> list[str]:
-    """Why `config` has no Hugging Face Llama equivalent; empty when it has one."""
+def hf_family(config: ModelConfig) -> str:
+    """The Hugging Face architecture a model exports as: Llama, or Qwen2-MoE for a mixture of experts."""
+    return "Qwen2-MoE" if config.feed_forward == "moe" else "Llama"
+
+
+def hf_incompatibilities(config: ModelConfig) -> list[str]:
+    """Why `config` has no Hugging Face equivalent; empty when it has one."""
+    family = hf_family(config)
     reasons = []
     if config.attention.kind != "full":
-        reasons.append(f"attention.kind={config.attention.kind} (Llama attends to every earlier token)")
+        reasons.append(f"attention.kind={config.attention.kind} ({family} attends to every earlier token)")
     if config.norm != "rmsnorm":
-        reasons.append(f"norm={config.norm} (Llama uses RMSNorm without bias)")
-    if config.feed_forward == "moe":
-        reasons.append("feed_forward=moe (Llama's feed-forward is one dense SwiGLU)")
-    elif config.feed_forward != "swiglu":
-        reasons.append(f"feed_forward={config.feed_forward} (Llama's feed-forward is SwiGLU)")
+        reasons.append(f"norm={config.norm} ({family} uses RMSNorm without bias)")
+    if config.feed_forward not in ("swiglu", "moe"):
+        reasons.append(f"feed_forward={config.feed_forward} ({family}'s feed-forward is SwiGLU)")
     if config.position != "rotary":
-        reasons.append(f"position={config.position} (Llama uses rotary positions)")
+        reasons.append(f"position={config.position} ({family} uses rotary positions)")
     if config.emb_dim is not None:
-        reasons.append(f"emb_dim={config.emb_dim} (Llama has no factorised embedding)")
+        reasons.append(f"emb_dim={config.emb_dim} ({family} has no factorised embedding)")
     if config.reversible:
-        reasons.append("reversible=true (Llama has ordinary residuals)")
+        reasons.append(f"reversible=true ({family} has ordinary residuals)")
+    defaults = type(config)()
+    for option in dataclasses.fields(config):
+        value = getattr(config, option.name)
+        if option.name not in KNOWN_MODEL_OPTIONS and value != getattr(defaults, option.name):
+            reasons.append(f"{option.name}={value} (an option the exporter does not know)")
     return reasons
 
 
 def check_exportable(config: ModelConfig) -> None:
-    reasons = llama_incompatibilities(config)
+    reasons = hf_incompatibilities(config)
     if reasons:
-        raise ConversionError(f"no Hugging Face Llama equivalent: {'; '.join(reasons)}")
+        raise ConversionError(f"no Hugging Face {hf_family(config)} equivalent: {'; '.join(reasons)}")
 
 
 def weight_names(config: ModelConfig) -> list[tuple[str, str]]:
-    """(attnlab state_dict key, HF LlamaForCausalLM key) for every stored matrix and norm weight.
+    """(attnlab state_dict key, HF key) for every stored matrix and norm weight that is renamed
+    as it is: all of them, except a mixture of experts' feed-forward (see `moe_tensors`).
     A tied head is left out: HF ties lm_head to the embedding itself (tie_word_embeddings)."""
     names = [("token_embedding.embed.weight", "model.embed_tokens.weight")]
     for index in range(config.depth):
@@ -98,14 +127,58 @@ def weight_names(config: ModelConfig) -> list[tuple[str, str]]:
             (ours + "attention.heads.to_v.weight", theirs + "self_attn.v_proj.weight"),  # [G*D, dim]
             (ours + "attention.heads.to_out.weight", theirs + "self_attn.o_proj.weight"),  # [dim, H*D]
             (ours + "feed_forward_norm.weight", theirs + "post_attention_layernorm.weight"),
-            (ours + "feed_forward.inner.gate.weight", theirs + "mlp.gate_proj.weight"),  # [F, dim]
-            (ours + "feed_forward.inner.up.weight", theirs + "mlp.up_proj.weight"),  # [F, dim]
-            (ours + "feed_forward.inner.down.weight", theirs + "mlp.down_proj.weight"),  # [dim, F]
         ]
+        if config.feed_forward != "moe":
+            names += [
+                (ours + "feed_forward.inner.gate.weight", theirs + "mlp.gate_proj.weight"),  # [F, dim]
+                (ours + "feed_forward.inner.up.weight", theirs + "mlp.up_proj.weight"),  # [F, dim]
+                (ours + "feed_forward.inner.down.weight", theirs + "mlp.down_proj.weight"),  # [dim, F]
+            ]
     names.append(("norm.weight", "model.norm.weight"))
     if not config.tie_embeddings:
         names.append(("head.weight", "lm_head.weight"))
     return names
+
+
+def moe_tensors(state: Tensors, config: ModelConfig, index: int) -> tuple[Tensors, list[str]]:
+    """Layer `index`'s mixture-of-experts feed-forward as Qwen2-MoE tensors, and the attnlab keys used.
+
+    The router and the routed experts are renamed as they are: Qwen2-MoE routes by a softmax over
+    `mlp.gate` logits in float32, takes the top k, renormalises them when norm_topk_prob (attnlab:
+    normalize_top_k and k > 1) and runs experts down(silu(gate x) * up x), as model/moe.py does.
+    Qwen2-MoE has one shared expert whose output is scaled by sigmoid(shared_expert_gate x), where
+    attnlab sums its shared experts ungated. So the shared experts are joined along the hidden
+    width (a sum of SwiGLUs is one SwiGLU over their hidden units together), the gate is zero
+    (sigmoid(0) = 1/2 exactly) and the down projection doubled (exact in floating point). Without
+    shared experts, a one-unit shared expert of zeros adds exactly 0. Qwen2's attention has query,
+    key and value biases, which are written as zeros.
+    """
+    ours, theirs = f"blocks.{index}.feed_forward.inner.", f"model.layers.{index}.mlp."
+    tensors = {theirs + "gate.weight": state[ours + "router.weight"]}  # [E, dim]
+    used = [ours + "router.weight"]
+    for expert in range(config.moe.n_experts):
+        for part in ("gate", "up", "down"):
+            tensors[f"{theirs}experts.{expert}.{part}_proj.weight"] = state[f"{ours}experts.{expert}.{part}.weight"]
+            used.append(f"{ours}experts.{expert}.{part}.weight")
+    shared = {
+        part: [state[f"{ours}shared_experts.{number}.{part}.weight"] for number in range(config.moe.n_shared_experts)]
+        for part in ("gate", "up", "down")
+    }
+    used += [f"{ours}shared_experts.{number}.{part}.weight"
+             for number in range(config.moe.n_shared_experts) for part in ("gate", "up", "down")]
+    if config.moe.n_shared_experts:
+        tensors[theirs + "shared_expert.gate_proj.weight"] = torch.cat(shared["gate"], dim=0)  # [S*F, dim]
+        tensors[theirs + "shared_expert.up_proj.weight"] = torch.cat(shared["up"], dim=0)  # [S*F, dim]
+        tensors[theirs + "shared_expert.down_proj.weight"] = 2 * torch.cat(shared["down"], dim=1)  # [dim, S*F]
+    else:
+        tensors[theirs + "shared_expert.gate_proj.weight"] = torch.zeros(1, config.dim)
+        tensors[theirs + "shared_expert.up_proj.weight"] = torch.zeros(1, config.dim)
+        tensors[theirs + "shared_expert.down_proj.weight"] = torch.zeros(config.dim, 1)
+    tensors[theirs + "shared_expert_gate.weight"] = torch.zeros(1, config.dim)
+    attention = f"model.layers.{index}.self_attn."
+    for projection, width in (("q", config.heads), ("k", config.n_kv_heads), ("v", config.n_kv_heads)):
+        tensors[f"{attention}{projection}_proj.bias"] = torch.zeros(width * config.dim_head)  # Qwen2's biases, 0
+    return tensors, used
 
 
 def rms_norm_eps(config: ModelConfig) -> float:
@@ -143,19 +216,51 @@ def llama_config(config: ModelConfig, dtype: str, special_ids: dict[str, int | N
     }
 
 
+def qwen2_moe_config(config: ModelConfig, dtype: str, special_ids: dict[str, int | None]) -> dict[str, Any]:
+    """config.json of the Qwen2MoeForCausalLM equivalent to a mixture-of-experts `config`: every
+    layer sparse, zero query/key/value biases, no sliding window (see `moe_tensors` for the experts)."""
+    hf = llama_config(config, dtype, special_ids)
+    for llama_only in ("attention_bias", "mlp_bias"):
+        del hf[llama_only]
+    width = hidden_width(config, gated=True)
+    return {
+        **hf,
+        "architectures": ["Qwen2MoeForCausalLM"],
+        "model_type": "qwen2_moe",
+        "qkv_bias": True,  # zero biases are written: transformers 4 always builds them, 5 reads this flag
+        "use_sliding_window": False,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "num_experts": config.moe.n_experts,
+        "num_experts_per_tok": config.moe.top_k,
+        "norm_topk_prob": config.moe.normalize_top_k and config.moe.top_k > 1,
+        "moe_intermediate_size": width,
+        "shared_expert_intermediate_size": max(1, config.moe.n_shared_experts * width),
+        "router_aux_loss_coef": config.moe.balance_loss_weight,
+        "output_router_logits": False,
+    }
+
+
 # --------------------------------------------------------------------------------------------
 # Export
 
 
 def find_tokenizer(run_dir: Path, run_config: RunConfig | None) -> Path | None:
-    """The tokenizer folder of a run: RUN/tokenizer/, RUN itself, or the data config's tokenizer."""
-    candidates = [run_dir / RUN_TOKENIZER_DIR, run_dir]
-    configured = getattr(run_config.data, "tokenizer", None) if run_config is not None else None
-    if configured:  # tokenized runs name their tokenizer folder in the data config
-        candidates.insert(0, Path(configured))
+    """The tokenizer folder of a run: RUN/tokenizer/ (imported runs), the copy beside the token
+    shards of a tokenized run, or RUN itself; None for a byte-level run that has none."""
+    candidates = [run_dir / RUN_TOKENIZER_DIR]
+    tokenized = run_config is not None and run_config.data.source in ("tokens", "builtin-tokens")
+    if tokenized:
+        from attnlab.data.pretrain import token_folder  # shards keep the tokenizer their ids belong to
+        from attnlab.data.shards import TOKENIZER_FOLDER
+
+        candidates.append(token_folder(run_config.data) / TOKENIZER_FOLDER)
+    candidates.append(run_dir)
     for folder in candidates:
         if (folder / TOKENIZER_FILES[0]).is_file():
             return folder
+    if tokenized:
+        raise ConversionError(f"the tokenizer of {run_dir} is not in {candidates[1]}; pass --tokenizer DIR")
     return None
 
 
@@ -210,24 +315,32 @@ def export_model(
     tokenizer_dir: str | Path | None = None,
     overwrite: bool = False,
 ) -> Path:
-    """Write `model` as a Hugging Face Llama checkpoint: model.safetensors, config.json and, when
-    given, the tokenizer files of `tokenizer_dir` (a 256-token model without one gets the byte
-    tokenizer). Raises ConversionError, before writing anything, for architectures Llama lacks."""
+    """Write `model` as a Hugging Face Llama (or Qwen2-MoE) checkpoint: model.safetensors,
+    config.json and, when given, the tokenizer files of `tokenizer_dir` (a 256-token model without
+    one gets the byte tokenizer). Raises ConversionError, before writing anything, for
+    architectures HF lacks."""
     from safetensors.torch import save_file
 
     config = model.config
     check_exportable(config)
     if dtype not in DTYPES:
         raise ConversionError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-    state = model.state_dict()
+    state = {name: value.detach().cpu() for name, value in model.state_dict().items()}
     names = weight_names(config)
-    unmapped = sorted(set(state) - {ours for ours, _ in names} - ({"head.weight"} if config.tie_embeddings else set()))
-    if unmapped:  # a weight Llama has no place for (a future option): refuse rather than drop it
-        raise ConversionError(f"weights with no Llama counterpart: {', '.join(unmapped[:5])}")
+    tensors = {theirs: state[ours] for ours, theirs in names}
+    used = {ours for ours, _ in names} | ({"head.weight"} if config.tie_embeddings else set())
+    if config.feed_forward == "moe":
+        for index in range(config.depth):
+            layer_tensors, layer_used = moe_tensors(state, config, index)
+            tensors.update(layer_tensors)
+            used.update(layer_used)
+    unmapped = sorted(set(state) - used)
+    if unmapped:  # a weight HF has no place for (a future option): refuse rather than drop it
+        raise ConversionError(f"weights with no {hf_family(config)} counterpart: {', '.join(unmapped[:5])}")
     out_dir = Path(out_dir)
     _prepare_out_dir(out_dir, overwrite)
     # contiguous copies: safetensors refuses views and tensors that share memory
-    tensors = {theirs: state[ours].detach().to("cpu", DTYPES[dtype]).contiguous().clone() for ours, theirs in names}
+    tensors = {name: value.to(DTYPES[dtype]).contiguous().clone() for name, value in tensors.items()}
     save_file(tensors, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
 
     tokenizer_dir = Path(tokenizer_dir) if tokenizer_dir is not None else None
@@ -239,7 +352,8 @@ def export_model(
         write_byte_tokenizer(out_dir)
     else:
         log.warning("no tokenizer found for a %d-token model: exported without tokenizer files", config.num_tokens)
-    hf_config = llama_config(config, dtype, special_token_ids(tokenizer_dir))
+    make_config = qwen2_moe_config if config.feed_forward == "moe" else llama_config
+    hf_config = make_config(config, dtype, special_token_ids(tokenizer_dir))
     (out_dir / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
     log.info("exported %d tensors to %s (%s)", len(tensors), out_dir, dtype)
     return out_dir
@@ -254,7 +368,7 @@ def export_run(
     overwrite: bool = False,
 ) -> Path:
     """`attnlab export RUN --format hf --out DIR`: the run's latest checkpoint (or the given one) as a
-    Hugging Face Llama checkpoint, with the run's tokenizer when it has one."""
+    Hugging Face Llama (or Qwen2-MoE) checkpoint, with the run's tokenizer when it has one."""
     model = load_model(run_or_checkpoint, weights=weights)
     check_exportable(model.config)
     path = Path(run_or_checkpoint)
@@ -316,7 +430,7 @@ def model_config_from_llama(hf: dict[str, Any]) -> ModelConfig:
     )
 
 
-def read_hf_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
+def read_hf_weights(hf_dir: Path) -> Tensors:
     """All tensors of a checkpoint folder: model.safetensors, a sharded safetensors index, or
     pytorch_model.bin read with weights_only=True (no arbitrary objects unpickled)."""
     from safetensors.torch import load_file
@@ -325,7 +439,7 @@ def read_hf_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
         return load_file(str(hf_dir / WEIGHTS_FILE))
     if (hf_dir / SHARDED_INDEX_FILE).is_file():
         shards = sorted(set(json.loads((hf_dir / SHARDED_INDEX_FILE).read_text())["weight_map"].values()))
-        tensors: dict[str, torch.Tensor] = {}
+        tensors: Tensors = {}
         for shard in shards:
             tensors.update(load_file(str(hf_dir / shard)))
         return tensors
@@ -338,7 +452,7 @@ def read_hf_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
     raise ConversionError(f"{hf_dir} has no {WEIGHTS_FILE}, {SHARDED_INDEX_FILE} or {TORCH_WEIGHTS_FILE}")
 
 
-def state_from_llama(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def state_from_llama(config: ModelConfig, tensors: Tensors) -> Tensors:
     """attnlab state_dict (float32) from LlamaForCausalLM tensors; every tensor must be used."""
     # rotary inverse frequencies are recomputed from rope_theta; a tied lm_head is the embedding
     ignored = {name for name in tensors if name.endswith("rotary_emb.inv_freq")}
@@ -360,7 +474,13 @@ def state_from_llama(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> d
 def import_hf(hf_dir: str | Path, run_dir: str | Path, overwrite: bool = False) -> Path:
     """`attnlab import-hf DIR --out RUN`: a Llama checkpoint folder as an attnlab run directory
     (config.yaml, checkpoints/step-0000000.pt holding the weights, tokenizer/ when DIR has one),
-    loadable by `attnlab.load_model`, `attnlab sample` and `attnlab eval`."""
+    loadable by `attnlab.load_model`, `attnlab sample` and `attnlab eval`.
+
+    A model with a tokenizer and a vocabulary other than 256 becomes a tokenized run whose token
+    folder is RUN itself (`data.source: tokens`, `data.path: RUN`): RUN/tokenizer/ is where
+    tokenized runs find their tokenizer (data/pretrain.py), so `attnlab sample` encodes prompts and
+    decodes tokens with it; RUN holds no shards, so `attnlab eval` needs `--data SHARDS`. Otherwise
+    it is a byte-level run (token id = byte value, as attnlab's byte-level exports are)."""
     hf_dir, run_dir = Path(hf_dir), Path(run_dir)
     model_config = model_config_from_llama(read_hf_config(hf_dir))
     state = state_from_llama(model_config, read_hf_weights(hf_dir))
@@ -372,8 +492,10 @@ def import_hf(hf_dir: str | Path, run_dir: str | Path, overwrite: bool = False) 
         raise ConversionError(f"weights do not match config.json: {first}") from error
     # a short default training window: the model's own max_seq_len may be far longer than a CPU can train
     train = TrainConfig(seq_len=min(TrainConfig().seq_len, model_config.max_seq_len))
+    tokenized = (hf_dir / TOKENIZER_FILES[0]).is_file() and model_config.num_tokens != 256
+    data = DataConfig(source="tokens", path=str(run_dir)) if tokenized else DataConfig()
     config = RunConfig(
-        name=run_dir.name, out_dir=str(run_dir.parent), model=model_config, train=train,
+        name=run_dir.name, out_dir=str(run_dir.parent), model=model_config, train=train, data=data,
         description=f"imported from the Hugging Face checkpoint {hf_dir}",
     )
     _prepare_out_dir(run_dir, overwrite)

@@ -8,9 +8,10 @@ from attnlab.hf import DTYPES, export_run
 
 
 def register(subparsers) -> None:
-    parser = subparsers.add_parser("export", help="write a run as a Hugging Face Llama checkpoint")
+    parser = subparsers.add_parser("export", help="write a run as a Hugging Face Llama (or Qwen2-MoE) checkpoint")
     parser.add_argument("run", help="run directory (its latest checkpoint) or checkpoint file")
-    parser.add_argument("--format", choices=["hf"], default="hf", help="hf: LlamaForCausalLM, safetensors")
+    parser.add_argument("--format", choices=["hf"], default="hf",
+                        help="hf: LlamaForCausalLM (Qwen2MoeForCausalLM for MoE) in safetensors")
     parser.add_argument("--out", required=True, help="folder to write (must be empty unless --force)")
     parser.add_argument("--weights", choices=["auto", "model", "ema"], default="auto", help="auto: ema when kept")
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32", help="dtype of the saved tensors")
