@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -55,9 +56,13 @@ def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
         temporary.unlink(missing_ok=True)
 
 
-def prune_checkpoints(run_dir: Path, keep_last: int) -> None:
+def prune_checkpoints(run_dir: Path, keep_last: int, engine_folder: str | None = None) -> None:
+    """Keep the newest `keep_last` checkpoints, and of an engine's own checkpoints (RUN/<engine_folder>/
+    step-N/, written by FSDP and DeepSpeed) those of the same steps."""
     for old in list_checkpoints(run_dir)[: -max(1, keep_last)]:
         old.unlink(missing_ok=True)
+        if engine_folder is not None:
+            shutil.rmtree(Path(run_dir) / engine_folder / old.stem, ignore_errors=True)
 
 
 def read_checkpoint(path: Path) -> dict[str, Any]:

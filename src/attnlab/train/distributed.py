@@ -54,6 +54,11 @@ def init_process_group(device: torch.device) -> None:
         dist.init_process_group(backend=backend, timeout=timedelta(minutes=30))
 
 
+def engine_checkpoint_folder(run_dir: Path, engine_folder: str, step: int) -> Path:
+    """RUN/<engine>/step-NNNNNNN: where an engine that shards its state keeps that step's checkpoint."""
+    return Path(run_dir) / engine_folder / f"step-{step:07d}"
+
+
 def local_device(name: str) -> torch.device:
     """cuda:LOCAL_RANK under a launcher on a GPU machine, else the configured device."""
     if name in ("auto", "cuda") and torch.cuda.is_available():
@@ -115,38 +120,28 @@ class SingleProcess:
     def barrier(self) -> None:
         pass
 
-    # ---- checkpoint state: full (unsharded) tensors, gathered to rank 0
+    # ---- checkpoints. `checkpoint_states` is called on every rank and returns, on rank 0, the full
+    # (unsharded) states that go into the single-file checkpoint (train/checkpoint.py): "model",
+    # "optimizer" and one entry per copy (the EMA weights). Engines that shard their state also
+    # write their own checkpoint under RUN/<engine_folder>/step-N/ and resume from it.
 
-    def model_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        return model.state_dict()
+    engine_folder: str | None = None  # sub-folder of the run directory for the engine's own checkpoints
 
-    def optimizer_state(self, model: nn.Module, optimizer) -> dict[str, Any]:
-        return optimizer.state_dict()
+    def checkpoint_states(self, forward: nn.Module, model: nn.Module, optimizer, copies: dict[str, nn.Module],
+                          run_dir: Path, step: int) -> dict[str, Any] | None:
+        return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                **{name: copy.state_dict() for name, copy in copies.items()}}
 
-    def load_state(self, model: nn.Module, optimizer, model_state: dict, optimizer_state: dict) -> None:
-        model.load_state_dict(model_state)
-        optimizer.load_state_dict(optimizer_state)
-
-    def load_model_state(self, model: nn.Module, model_state: dict) -> None:
-        model.load_state_dict(model_state)
-
-    # ---- the EMA copy: laid out by prepare_copy, saved and loaded through these
-
-    def copy_state(self, module: nn.Module) -> dict[str, torch.Tensor]:
-        return self.model_state(module)
-
-    def load_copy_state(self, module: nn.Module, state: dict) -> None:
-        self.load_model_state(module, state)
+    def restore(self, forward: nn.Module, model: nn.Module, optimizer, copies: dict[str, nn.Module],
+                state: dict[str, Any], run_dir: Path, step: int) -> None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        for name, copy in copies.items():
+            copy.load_state_dict(state[name])
 
     def full_parameters(self, model: nn.Module):
         """Context in which `model.parameters()` hold their full values (ZeRO-3 gathers them)."""
         return contextlib.nullcontext()
-
-    def save_engine_checkpoint(self, forward: nn.Module, run_dir: Path, step: int) -> None:
-        """Engines with their own checkpoint format write it here (all ranks call this)."""
-
-    def load_engine_checkpoint(self, forward: nn.Module, run_dir: Path, step: int) -> None:
-        pass
 
     def close(self) -> None:
         pass
@@ -217,29 +212,41 @@ class FSDP(_ProcessGroupStrategy):
         optimizer.zero_grad(set_to_none=True)
         return float(norm)
 
-    def model_state(self, model):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    # Checkpoints through torch.distributed.checkpoint: every rank writes its own shards under
+    # RUN/fsdp/step-N/ (nothing gathered over the network); rank 0 then rebuilds the full fp32 model
+    # and EMA weights from those files for the single-file checkpoint (train/sharded.py). The
+    # optimiser state lives only in the sharded checkpoint.
 
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_model_state_dict(model, options=options)
+    engine_folder = "fsdp"
 
-    def optimizer_state(self, model, optimizer):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    def _sharded_states(self, model, optimizer, copies) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_optimizer_state_dict(model, optimizer, options=options)
+        return {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer),
+                **{name: get_model_state_dict(copy) for name, copy in copies.items()}}
 
-    def load_state(self, model, optimizer, model_state, optimizer_state):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+    def checkpoint_states(self, forward, model, optimizer, copies, run_dir, step):
+        from attnlab.train.sharded import load_full_tensors, save_sharded
 
-        options = StateDictOptions(full_state_dict=True)
-        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state,
-                       options=options)
+        folder = engine_checkpoint_folder(run_dir, self.engine_folder, step)
+        save_sharded(self._sharded_states(model, optimizer, copies), folder)
+        dist.barrier()
+        if not self.is_main:
+            return None
+        full = load_full_tensors(folder, ["model", *copies])
+        return {"optimizer": {}, **full}
 
-    def load_model_state(self, model, model_state):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    def restore(self, forward, model, optimizer, copies, state, run_dir, step):
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-        set_model_state_dict(model, model_state, options=StateDictOptions(full_state_dict=True))
+        from attnlab.train.sharded import load_sharded
+
+        sharded = self._sharded_states(model, optimizer, copies)
+        load_sharded(sharded, engine_checkpoint_folder(run_dir, self.engine_folder, step))
+        set_model_state_dict(model, sharded["model"])
+        set_optimizer_state_dict(model, optimizer, sharded["optimizer"])
+        for name, copy in copies.items():
+            set_model_state_dict(copy, sharded[name])
 
 
 @STRATEGY.register("deepspeed")
@@ -307,39 +314,34 @@ class DeepSpeed(_ProcessGroupStrategy):
     def micro_step_context(self, forward, is_last):
         return contextlib.nullcontext()
 
-    def model_state(self, model):
-        return {}  # the engine's own checkpoint holds the weights; see save_engine_checkpoint
+    # The engine writes its own checkpoint under RUN/deepspeed/step-N/ and resumes from it; rank 0
+    # rebuilds full fp32 weights from it with DeepSpeed's zero_to_fp32 for the single-file
+    # checkpoint. The EMA copy stays an ordinary full module on every rank (made before
+    # deepspeed.initialize), saved and loaded as it is; under ZeRO-3 the live weights are gathered
+    # for its update.
 
-    def optimizer_state(self, model, optimizer):
-        return {}
+    engine_folder = "deepspeed"
 
-    def load_state(self, model, optimizer, model_state, optimizer_state):
-        pass
+    def checkpoint_states(self, forward, model, optimizer, copies, run_dir, step):
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    # The EMA copy stays an ordinary full module on every rank (made before deepspeed.initialize), so
-    # it is saved and loaded as it is; under ZeRO-3 the live weights are gathered for its update.
+        folder = engine_checkpoint_folder(run_dir, self.engine_folder, step)
+        forward.save_checkpoint(str(folder.parent), tag=folder.name)
+        dist.barrier()
+        if not self.is_main:
+            return None
+        weights = get_fp32_state_dict_from_zero_checkpoint(str(folder.parent), tag=folder.name)
+        return {"model": weights, "optimizer": {}, **{name: copy.state_dict() for name, copy in copies.items()}}
 
-    def copy_state(self, module):
-        return module.state_dict()
-
-    def load_copy_state(self, module, state):
-        module.load_state_dict(state)
+    def restore(self, forward, model, optimizer, copies, state, run_dir, step):
+        folder = engine_checkpoint_folder(run_dir, self.engine_folder, step)
+        path, _ = forward.load_checkpoint(str(folder.parent), tag=folder.name)
+        if path is None:
+            raise AttnlabError(f"no DeepSpeed checkpoint {folder}")
+        for name, copy in copies.items():
+            copy.load_state_dict(state[name])
 
     def full_parameters(self, model):
         if self.ds_config.get("zero_optimization", {}).get("stage", 0) == 3:
             return self.deepspeed.zero.GatheredParameters(list(model.parameters()))
         return contextlib.nullcontext()
-
-    def save_engine_checkpoint(self, forward, run_dir, step):
-        forward.save_checkpoint(str(run_dir / "deepspeed"), tag=f"step-{step:07d}")
-
-    def load_engine_checkpoint(self, forward, run_dir, step):
-        path, _ = forward.load_checkpoint(str(run_dir / "deepspeed"), tag=f"step-{step:07d}")
-        if path is None:
-            raise AttnlabError(f"no DeepSpeed checkpoint step-{step:07d} under {run_dir / 'deepspeed'}")
-
-    def consolidated_model_state(self, run_dir: Path, step: int) -> dict[str, torch.Tensor]:
-        """Full fp32 weights rebuilt from the (possibly ZeRO-partitioned) engine checkpoint."""
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        return get_fp32_state_dict_from_zero_checkpoint(str(run_dir / "deepspeed"), tag=f"step-{step:07d}")

@@ -199,6 +199,7 @@ def train(
     forward, optimizer = strategy.wrap(model, lambda module: build_optimizer(module, tc))
     if ema is not None:
         strategy.prepare_copy(ema.model)
+    copies = {} if ema is None else {"ema": ema.model}  # saved and restored with the model
     scaler = torch.amp.GradScaler(device.type, enabled=autocast_dtype == torch.float16)
     sampler = make_sampler(corpus, tc, rank=strategy.rank, world_size=strategy.world_size)
     step = 0
@@ -206,13 +207,10 @@ def train(
     if state is not None:
         step = int(state["step"])
         train_seconds = float(state.get("train_seconds", 0.0))
-        strategy.load_state(model, optimizer, state["model"], state["optimizer"])
-        strategy.load_engine_checkpoint(forward, run_dir, step)
+        if ema is not None and state.get("ema") is None:
+            raise CheckpointError(f"{resume_from} has no EMA weights but train.ema=true")
+        strategy.restore(forward, model, optimizer, copies, state, run_dir, step)
         scaler.load_state_dict(state["scaler"])
-        if ema is not None:
-            if state.get("ema") is None:
-                raise CheckpointError(f"{resume_from} has no EMA weights but train.ema=true")
-            strategy.load_copy_state(ema.model, state["ema"])
         sampler.load_state_dict(state["sampler"])
         rng_states = state["rng"]
         if len(rng_states) != strategy.world_size:
@@ -235,28 +233,24 @@ def train(
     )
 
     def checkpoint() -> Path:
-        """Every rank takes part (gathering sharded state); rank 0 writes the file."""
+        """Every rank takes part (sharded engines write their own checkpoint); rank 0 writes the file."""
         path = checkpoint_path(run_dir, step)
-        strategy.save_engine_checkpoint(forward, run_dir, step)
-        model_state, optimizer_state = strategy.model_state(model), strategy.optimizer_state(model, optimizer)
-        ema_state = None if ema is None else strategy.copy_state(ema.model)
+        states = strategy.checkpoint_states(forward, model, optimizer, copies, run_dir, step)  # full, on rank 0
         rng_states = strategy.gather_objects(rng_state())
         strategy.barrier()
         if strategy.is_main:
-            if strategy.owns_accumulation:  # single-file weights rebuilt from the engine's checkpoint
-                model_state = strategy.consolidated_model_state(run_dir, step)
             save_checkpoint(path, {
                 "config": config_to_dict(config),
-                "model": model_state,
-                "optimizer": optimizer_state,
+                "model": states["model"],
+                "optimizer": states["optimizer"],
                 "scaler": scaler.state_dict(),
-                "ema": ema_state,
+                "ema": states.get("ema"),
                 "step": step,
                 "rng": rng_states,
                 "sampler": sampler.state_dict(),
                 "train_seconds": train_seconds,
             })
-            prune_checkpoints(run_dir, tc.keep_last)
+            prune_checkpoints(run_dir, tc.keep_last, strategy.engine_folder)
         strategy.barrier()
         return path
 
