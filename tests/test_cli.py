@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -84,3 +85,13 @@ def test_eval_reports_routing_statistics(tmp_path, capsys):
     assert main(["eval", str(tmp_path / "r"), "--json", "--windows", "2", "--batch-size", "2"]) == 0
     routing = json.loads(capsys.readouterr().out)["routing"]
     assert routing["no_routed_key_fraction"] == 0.0 and 0 < routing["largest_cluster_share"] <= 1
+
+
+def test_deepspeed_launcher_arguments(monkeypatch):
+    """`deepspeed -m attnlab.cli.main train ...` runs `... --local_rank=N train ...`."""
+    from attnlab.cli.main import take_local_rank
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert take_local_rank(["--local_rank=1", "train", "-p", "demo"]) == ["train", "-p", "demo"]
+    assert os.environ["LOCAL_RANK"] == "1"
+    assert take_local_rank(["train", "--local-rank", "2", "x=1"]) == ["train", "x=1"]

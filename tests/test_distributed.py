@@ -122,6 +122,8 @@ def test_deepspeed_zero_matches_single(root, single, single_ema, stage):
         ema = ["train.ema=true", "train.ema_decay=0.5"]
         launch(root, name, "deepspeed", f"dist.deepspeed_config={config}", *ema, "--until-step", "3")
         launch(root, name, "deepspeed", f"dist.deepspeed_config={config}", *ema, "--resume")
+    elif stage == 1:  # the arguments the `deepspeed` launcher and the seeds pass
+        launch(root, name, "deepspeed", "--deepspeed_config", str(config), "--local_rank=0")
     else:
         launch(root, name, "deepspeed", f"dist.deepspeed_config={config}")
     assert (root / "runs" / name / "deepspeed" / "step-0000006").is_dir()

@@ -30,8 +30,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def take_local_rank(argv: list[str]) -> list[str]:
+    """The `deepspeed` launcher passes `--local_rank=N` before the command; keep it as LOCAL_RANK
+    (which the launcher also exports) and drop it from the arguments."""
+    import os
+
+    kept, index = [], 0
+    while index < len(argv):
+        argument = argv[index]
+        name, has_value, value = argument.partition("=")
+        if name in ("--local_rank", "--local-rank"):
+            if not has_value:
+                index += 1
+                value = argv[index] if index < len(argv) else "0"
+            os.environ.setdefault("LOCAL_RANK", value)
+        else:
+            kept.append(argument)
+        index += 1
+    return kept
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    argv = take_local_rank(argv)
     if not argv:
         argv = ["train"]  # `attnlab` alone runs the demo, like `attnlab train`
     parser = build_parser()

@@ -27,6 +27,13 @@ def register(subparsers) -> None:
         "--until-step", type=int, default=None, metavar="N",
         help="stop with a checkpoint after step N, keeping the schedule of train.max_steps",
     )
+    parser.add_argument(
+        "--deepspeed_config", "--deepspeed-config", default=None, metavar="DS_JSON",
+        help="DeepSpeed JSON config, as the seeds pass it: the same as dist.strategy=deepspeed "
+             "dist.deepspeed_config=DS_JSON",
+    )
+    parser.add_argument("--deepspeed", action="store_true", help="accepted for DeepSpeed's own scripts; "
+                        "the config file above (or dist.* overrides) decides")
     parser.add_argument("overrides", nargs="*", metavar="key.path=value")
     parser.set_defaults(func=run)
 
@@ -36,6 +43,8 @@ def run(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
     if args.preset is None and args.config is None and not any(o.startswith("name=") for o in overrides):
         overrides.insert(0, "name=demo")
+    if args.deepspeed_config is not None:
+        overrides += ["dist.strategy=deepspeed", f"dist.deepspeed_config={args.deepspeed_config}"]
     config = load_config(source, overrides)
     result = train(config, resume=args.resume, command_line=["attnlab", *sys.argv[1:]], until_step=args.until_step)
     where = result.run_dir
