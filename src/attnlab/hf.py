@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from attnlab.config import DataConfig, ModelConfig, RunConfig, TrainConfig, config_to_dict, save_config
+from attnlab.data.tokenizer import BOS_TOKEN, byte_symbols
 from attnlab.errors import ConversionError
 from attnlab.model.layers import hidden_width
 from attnlab.model.transformer import Transformer
@@ -289,8 +290,6 @@ def write_byte_tokenizer(out_dir: Path) -> bool:
     except ImportError:
         log.warning("tokenizers is not installed: no tokenizer written; token id = byte value")
         return False
-    from attnlab.data.tokenizer import byte_symbols
-
     symbol_of, _ = byte_symbols()
     vocabulary = {symbol_of[byte]: byte for byte in range(256)}  # id b is byte b
     tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocabulary, merges=[]))
@@ -493,6 +492,9 @@ def import_hf(hf_dir: str | Path, run_dir: str | Path, overwrite: bool = False) 
     # a short default training window: the model's own max_seq_len may be far longer than a CPU can train
     train = TrainConfig(seq_len=min(TrainConfig().seq_len, model_config.max_seq_len))
     tokenized = (hf_dir / TOKENIZER_FILES[0]).is_file() and model_config.num_tokens != 256
+    if tokenized and BOS_TOKEN not in (hf_dir / TOKENIZER_FILES[0]).read_text(encoding="utf-8"):
+        log.warning("the tokenizer of %s lacks attnlab's %s: `attnlab sample` needs it to start prompts; "
+                    "load the model from Python instead", hf_dir, BOS_TOKEN)
     data = DataConfig(source="tokens", path=str(run_dir)) if tokenized else DataConfig()
     config = RunConfig(
         name=run_dir.name, out_dir=str(run_dir.parent), model=model_config, train=train, data=data,
