@@ -54,11 +54,13 @@ def our_logits(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
         return model(tokens).logits
 
 
-def write_run(run_dir: Path, model: Transformer, data: DataConfig | None = None) -> Path:
-    """A run directory as training leaves it (config.yaml aside): one checkpoint."""
+def write_run(
+    run_dir: Path, model: Transformer, data: DataConfig | None = None, ema: Transformer | None = None
+) -> Path:
+    """A run directory as training leaves it (config.yaml aside): one checkpoint, EMA weights optional."""
     config = RunConfig(name=run_dir.name, out_dir=str(run_dir.parent), model=model.config, data=data or DataConfig())
     save_checkpoint(checkpoint_path(run_dir, 7), {"config": config_to_dict(config), "model": model.state_dict(),
-                                                  "step": 7})
+                                                  "ema": None if ema is None else ema.state_dict(), "step": 7})
     return run_dir
 
 
@@ -169,6 +171,20 @@ def test_tokenized_run_without_its_tokenizer_is_refused(tmp_path):
     run_dir = write_run(tmp_path / "run", random_model(minimind_config(depth=1)), data)
     with pytest.raises(ConversionError, match="pass --tokenizer DIR"):
         export_run(run_dir, tmp_path / "hf")
+    with pytest.raises(ConversionError, match="no tokenizer.json in the tokenizer folder"):
+        export_run(run_dir, tmp_path / "hf", tokenizer_dir=tmp_path)
+
+
+def test_export_chooses_model_or_ema_weights(tmp_path):
+    from safetensors.torch import load_file
+
+    model, ema = random_model(minimind_config(depth=1), seed=0), random_model(minimind_config(depth=1), seed=1)
+    run_dir = write_run(tmp_path / "run", model, ema=ema)
+    for weights, expected in (("auto", ema), ("ema", ema), ("model", model)):
+        assert main(["export", str(run_dir), "--out", str(tmp_path / weights), "--weights", weights]) == 0
+        written = load_file(str(tmp_path / weights / "model.safetensors"))
+        assert torch.equal(written["model.layers.0.self_attn.q_proj.weight"],
+                           expected.blocks[0].attention.heads.to_q.weight)
 
 
 def test_byte_level_export_maps_bytes_to_ids(tmp_path):

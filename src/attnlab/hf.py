@@ -324,6 +324,9 @@ def export_model(
     check_exportable(config)
     if dtype not in DTYPES:
         raise ConversionError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    tokenizer_dir = Path(tokenizer_dir) if tokenizer_dir is not None else None
+    if tokenizer_dir is not None and not (tokenizer_dir / TOKENIZER_FILES[0]).is_file():
+        raise ConversionError(f"no {TOKENIZER_FILES[0]} in the tokenizer folder {tokenizer_dir}")
     state = {name: value.detach().cpu() for name, value in model.state_dict().items()}
     names = weight_names(config)
     tensors = {theirs: state[ours] for ours, theirs in names}
@@ -342,7 +345,6 @@ def export_model(
     tensors = {name: value.to(DTYPES[dtype]).contiguous().clone() for name, value in tensors.items()}
     save_file(tensors, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
 
-    tokenizer_dir = Path(tokenizer_dir) if tokenizer_dir is not None else None
     if tokenizer_dir is not None:
         for name in TOKENIZER_FILES:
             if (tokenizer_dir / name).is_file():
