@@ -328,6 +328,7 @@ def test_import_other_checkpoint_layouts(tmp_path, layout):
     ({"mlp_bias": True}, "mlp_bias"),
     ({"hidden_act": "gelu"}, "hidden_act=gelu"),
     ({"model_type": "mistral"}, "model_type 'mistral'"),
+    ({"hidden_size": None}, "config.json lacks hidden_size"),
 ])
 def test_import_refuses_unsupported_llama_options(tmp_path, capsys, change, named):
     export_model(random_model(minimind_config(depth=1)), tmp_path / "hf")

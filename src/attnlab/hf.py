@@ -399,11 +399,16 @@ def model_config_from_llama(hf: dict[str, Any]) -> ModelConfig:
     model_type = hf.get("model_type")
     if model_type != "llama":
         raise ConversionError(f"model_type {model_type!r} is not supported; only 'llama' (LlamaForCausalLM)")
-    rope = hf.get("rope_parameters") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    missing = [key for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads") if hf.get(key) is None]
+    if missing:
+        raise ConversionError(f"{CONFIG_FILE} lacks {', '.join(missing)}")
+    rope = hf.get("rope_parameters") or {}  # transformers 5; 4 writes rope_theta and rope_scaling
+    scaling = hf.get("rope_scaling") or {}
     problems = []
-    if hf.get("rope_scaling") or rope_type != "default":
-        problems.append(f"rope scaling ({hf.get('rope_scaling') or rope_type})")
+    for rope_type in (rope.get("rope_type", rope.get("type")), scaling.get("rope_type", scaling.get("type"))):
+        if rope_type not in (None, "default"):
+            problems.append(f"rope scaling ({rope_type})")
     if hf.get("attention_bias"):
         problems.append("attention_bias=true")
     if hf.get("mlp_bias"):
