@@ -1,0 +1,78 @@
+"""Per-forward costs behind the speculative decoding figures (docs/benchmarks.md): one cached
+target token, one 6-token verification forward (gamma 5 + 1) and one cached draft token, at
+batch 1 and 4, on the trained pair. The three forwards are timed in turn, round after round, so
+that a busy machine slows them alike; medians are printed as one JSON line per batch size.
+
+Also the per-token acceptance probability on validation text, alpha = E[sum_v min(p, q)] =
+1 - E[TV(p, q)] (Leviathan et al., section 3.1), and what it predicts at batch 1: tokens per step
+(1 - alpha^(gamma+1)) / (1 - alpha) and speedup = that * t(target token) / (gamma t(draft token)
++ t(verification)) (their eq. 1 and Theorem 3.8 with these measured costs, loop overhead ignored).
+
+    python bench/speculative_costs.py TARGET_RUN DRAFT_RUN [--rounds 200] [--context 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from attnlab.train.checkpoint import load_model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("target")
+    parser.add_argument("draft")
+    parser.add_argument("--rounds", type=int, default=200)
+    parser.add_argument("--context", type=int, default=200, help="tokens already in the cache")
+    parser.add_argument("--gamma", type=int, default=5)
+    args = parser.parse_args()
+    target, draft = load_model(args.target).eval(), load_model(args.draft).eval()
+    alpha = acceptance_on_validation(target, draft)
+    print(json.dumps({"acceptance_per_token": round(alpha, 4),
+                      "tokens_per_step": round((1 - alpha ** (args.gamma + 1)) / (1 - alpha), 3)}))
+    cases = {"target_1": (target, 1), f"target_{args.gamma + 1}": (target, args.gamma + 1), "draft_1": (draft, 1)}
+    for batch in (1, 4):
+        generator = torch.Generator().manual_seed(batch)
+        caches, times = {}, {name: [] for name in cases}
+        with torch.inference_mode():
+            for name, (model, _) in cases.items():
+                caches[name] = model.new_cache(batch, args.context + args.gamma + 1)
+                model(torch.randint(0, 256, (batch, args.context), generator=generator), cache=caches[name])
+            for _ in range(args.rounds):
+                for name, (model, width) in cases.items():
+                    tokens = torch.randint(0, 256, (batch, width), generator=generator)
+                    started = time.perf_counter()
+                    model(tokens, cache=caches[name])
+                    times[name].append(time.perf_counter() - started)
+                    caches[name].truncate(args.context)
+        medians = {f"{name}_ms": round(1000 * statistics.median(values), 3) for name, values in times.items()}
+        ratios = {
+            "verify_over_token": round(medians[f"target_{args.gamma + 1}_ms"] / medians["target_1_ms"], 3),
+            "draft_over_target": round(medians["draft_1_ms"] / medians["target_1_ms"], 3),
+        }
+        tokens_per_step = (1 - alpha ** (args.gamma + 1)) / (1 - alpha)
+        step_cost = args.gamma * ratios["draft_over_target"] + ratios["verify_over_token"]
+        predicted = {"predicted_speedup_batch_1": round(tokens_per_step / step_cost, 3)} if batch == 1 else {}
+        print(json.dumps({"batch_size": batch, "threads": torch.get_num_threads(), **medians, **ratios, **predicted}))
+
+
+@torch.inference_mode()
+def acceptance_on_validation(target, draft, n_windows: int = 16, seq_len: int = 256) -> float:
+    """Mean over validation positions of sum_v min(p, q), temperature 1, no filters."""
+    from attnlab.data.bytes import load_corpus
+    from attnlab.data.sampler import eval_windows
+
+    windows = eval_windows(load_corpus(target.run_config.data).val, seq_len, n_windows).long()
+    tokens = windows[:, :-1]  # [n, T]
+    p = torch.softmax(target(tokens).logits.float(), dim=-1)  # [n, T, V]
+    q = torch.softmax(draft(tokens).logits.float(), dim=-1)
+    return float(torch.minimum(p, q).sum(dim=-1).mean())
+
+
+if __name__ == "__main__":
+    main()
