@@ -95,8 +95,28 @@ def test_mixture_of_experts_exports_as_qwen2_moe(tmp_path, moe):
     assert ours.abs().max() > 1.0
     assert (ours - hf_logits(tmp_path / "hf", tokens, "Qwen2MoeForCausalLM")).abs().max() < TOLERANCE
     assert model.collect_stats()["moe_load/0"] < 1.0  # more than one expert was used
-    with pytest.raises(ConversionError, match="model_type 'qwen2_moe' is not supported"):
+    # and back: identical weights (the doubled, then halved, shared down projection included)
+    back = load_model(import_hf(tmp_path / "hf", tmp_path / "run"))
+    assert back.config.moe == model.config.moe
+    for name, value in model.state_dict().items():
+        assert torch.equal(back.state_dict()[name], value), name
+    assert torch.equal(our_logits(back, tokens), ours)
+
+
+def test_qwen2_moe_with_a_gated_shared_expert_is_refused(tmp_path):
+    """A Qwen2-MoE as transformers initialises it gates its shared expert: no attnlab equivalent."""
+    config = transformers.Qwen2MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        shared_expert_intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        num_experts=4, num_experts_per_tok=2, qkv_bias=False,
+    )
+    reference = transformers.Qwen2MoeForCausalLM(config)
+    with torch.no_grad():
+        reference.model.layers[0].mlp.shared_expert_gate.weight.normal_()
+    reference.save_pretrained(tmp_path / "hf")
+    with pytest.raises(ConversionError, match="a sigmoid-gated shared expert has no attnlab equivalent"):
         import_hf(tmp_path / "hf", tmp_path / "run")
+    assert not (tmp_path / "run").exists()
 
 
 def test_greedy_decoding_with_caches_agrees(tmp_path):

@@ -1,5 +1,5 @@
 """Hugging Face checkpoints: export an attnlab model as a Llama (or, with a mixture of experts, a
-Qwen2-MoE) checkpoint; import a Llama checkpoint as an attnlab run.
+Qwen2-MoE) checkpoint; import such a checkpoint as an attnlab run.
 
 A dense, full-attention attnlab model with RMSNorm, rotary positions, SwiGLU and bias-free linears
 (MiniMind's architecture, grouped-query attention and tied embeddings allowed) computes exactly
@@ -24,8 +24,8 @@ and need a permutation; neither side here does.) Both scale attention scores by 
 
 A mixture-of-experts feed-forward (model/moe.py) exports as `Qwen2MoeForCausalLM`, whose layers are
 Llama's but for the feed-forward: softmax top-k router, SwiGLU experts, one sigmoid-gated shared
-expert. `moe_tensors` explains how attnlab's ungated shared experts fit that exactly. Import reads
-Llama only.
+expert. `moe_tensors` explains how attnlab's ungated shared experts fit that exactly; import reads
+a Qwen2-MoE back only in that shape (zero shared-expert gate and attention biases), Llama in any.
 
 RMSNorm epsilon: attnlab's `model.norm_eps: null` means nn.RMSNorm's default, the machine epsilon
 of the input dtype; it is exported as float32's, 2^-23 ~ 1.19e-7, the value of a float32 model.
@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from attnlab.config import DataConfig, ModelConfig, RunConfig, TrainConfig, config_to_dict, save_config
+from attnlab.config import DataConfig, ModelConfig, MoEConfig, RunConfig, TrainConfig, config_to_dict, save_config
 from attnlab.data.tokenizer import BOS_TOKEN, byte_symbols
 from attnlab.errors import ConversionError
 from attnlab.model.layers import hidden_width
@@ -393,14 +393,22 @@ def read_hf_config(hf_dir: Path) -> dict[str, Any]:
         raise ConversionError(f"{path}: not valid JSON ({error.msg})") from error
 
 
-def model_config_from_llama(hf: dict[str, Any]) -> ModelConfig:
-    """The attnlab ModelConfig equal to a LlamaForCausalLM config.json; ConversionError for
-    options attnlab does not compute (rope scaling, biases, another activation, ...)."""
+IMPORTABLE = {"llama": "LlamaForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+
+
+def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    """The attnlab ModelConfig equal to a LlamaForCausalLM config.json (or a Qwen2MoeForCausalLM one
+    of the shape attnlab exports); ConversionError for options attnlab does not compute (rope
+    scaling, biases, another activation, dense layers between sparse ones, ...)."""
     model_type = hf.get("model_type")
-    if model_type != "llama":
-        raise ConversionError(f"model_type {model_type!r} is not supported; only 'llama' (LlamaForCausalLM)")
-    missing = [key for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                               "num_attention_heads") if hf.get(key) is None]
+    if model_type not in IMPORTABLE:
+        raise ConversionError(f"model_type {model_type!r} is not supported; only 'llama' (LlamaForCausalLM) "
+                              "and 'qwen2_moe' as attnlab exports it")
+    moe = model_type == "qwen2_moe"
+    required = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"]
+    required += ["moe_intermediate_size", "num_experts", "num_experts_per_tok", "shared_expert_intermediate_size"] \
+        if moe else ["intermediate_size"]
+    missing = [key for key in required if hf.get(key) is None]
     if missing:
         raise ConversionError(f"{CONFIG_FILE} lacks {', '.join(missing)}")
     rope = hf.get("rope_parameters") or {}  # transformers 5; 4 writes rope_theta and rope_scaling
@@ -415,8 +423,26 @@ def model_config_from_llama(hf: dict[str, Any]) -> ModelConfig:
         problems.append("mlp_bias=true")
     if hf.get("hidden_act", "silu") not in ("silu", "swish"):  # transformers maps both to SiLU
         problems.append(f"hidden_act={hf.get('hidden_act')} (attnlab's SwiGLU uses silu)")
+    moe_config = MoEConfig()
+    if moe:
+        width, shared_width = int(hf["moe_intermediate_size"]), int(hf["shared_expert_intermediate_size"])
+        top_k, normalize = int(hf["num_experts_per_tok"]), bool(hf.get("norm_topk_prob", False))
+        if hf.get("use_sliding_window"):
+            problems.append("use_sliding_window=true")
+        if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
+            problems.append("dense layers between sparse ones (decoder_sparse_step, mlp_only_layers)")
+        if normalize and top_k == 1:
+            problems.append("norm_topk_prob with one expert per token (attnlab keeps a lone top-1 probability)")
+        if shared_width % width and shared_width != 1:  # 1: the all-zero stand-in for no shared expert
+            problems.append(f"shared_expert_intermediate_size {shared_width} is not a multiple of {width}")
+        moe_config = MoEConfig(
+            # at top-1 attnlab never renormalises, whatever the flag: keep its default there
+            n_experts=int(hf["num_experts"]), top_k=top_k, normalize_top_k=normalize if top_k > 1 else True,
+            n_shared_experts=0 if shared_width % width else shared_width // width,
+            balance_loss_weight=float(hf.get("router_aux_loss_coef", MoEConfig().balance_loss_weight)),
+        )
     if problems:
-        raise ConversionError(f"unsupported Llama options: {'; '.join(problems)}")
+        raise ConversionError(f"unsupported {IMPORTABLE[model_type]} options: {'; '.join(problems)}")
     heads = int(hf["num_attention_heads"])
     return ModelConfig(
         num_tokens=int(hf["vocab_size"]),
@@ -430,9 +456,10 @@ def model_config_from_llama(hf: dict[str, Any]) -> ModelConfig:
         rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
         norm="rmsnorm",
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        feed_forward="swiglu",
-        ff_hidden=int(hf["intermediate_size"]),
+        feed_forward="moe" if moe else "swiglu",
+        ff_hidden=int(hf["moe_intermediate_size"] if moe else hf["intermediate_size"]),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        moe=moe_config,
     )
 
 
@@ -458,27 +485,71 @@ def read_hf_weights(hf_dir: Path) -> Tensors:
     raise ConversionError(f"{hf_dir} has no {WEIGHTS_FILE}, {SHARDED_INDEX_FILE} or {TORCH_WEIGHTS_FILE}")
 
 
-def state_from_llama(config: ModelConfig, tensors: Tensors) -> Tensors:
-    """attnlab state_dict (float32) from LlamaForCausalLM tensors; every tensor must be used."""
+def moe_state(config: ModelConfig, tensors: Tensors, index: int) -> tuple[Tensors, list[str]]:
+    """Layer `index`'s Qwen2-MoE feed-forward as attnlab MoE weights (the inverse of `moe_tensors`),
+    and the HF names used. Only the shape attnlab exports imports: a zero shared-expert gate (a
+    constant 1/2, undone by halving the down projection, exactly) and zero attention biases."""
+    ours, theirs = f"blocks.{index}.feed_forward.inner.", f"model.layers.{index}.mlp."
+    used = [theirs + "gate.weight", theirs + "shared_expert_gate.weight"]
+    used += [f"{theirs}shared_expert.{part}_proj.weight" for part in ("gate", "up", "down")]
+    used += [f"{theirs}experts.{expert}.{part}_proj.weight"
+             for expert in range(config.moe.n_experts) for part in ("gate", "up", "down")]
+    attention = f"model.layers.{index}.self_attn."
+    biases = [name for name in (f"{attention}{projection}_proj.bias" for projection in "qkv") if name in tensors]
+    used += biases
+    missing = [name for name in used if name not in tensors]
+    if missing:
+        raise ConversionError(f"weights do not match a Qwen2MoeForCausalLM of this config: missing {missing[0]}")
+    if tensors[theirs + "shared_expert_gate.weight"].any():
+        raise ConversionError("a sigmoid-gated shared expert has no attnlab equivalent (only a zero gate imports)")
+    if any(tensors[name].any() for name in biases):
+        raise ConversionError("query/key/value biases have no attnlab equivalent (only zero biases import)")
+    state = {ours + "router.weight": tensors[theirs + "gate.weight"]}  # [E, dim]
+    for expert in range(config.moe.n_experts):
+        for part in ("gate", "up", "down"):
+            state[f"{ours}experts.{expert}.{part}.weight"] = tensors[f"{theirs}experts.{expert}.{part}_proj.weight"]
+    shared = {part: tensors[f"{theirs}shared_expert.{part}_proj.weight"] for part in ("gate", "up", "down")}
+    if config.moe.n_shared_experts == 0 and any(value.any() for value in shared.values()):
+        raise ConversionError(f"layer {index}: shared_expert_intermediate_size 1 is only the all-zero stand-in")
+    width = hidden_width(config, gated=True)
+    for number in range(config.moe.n_shared_experts):
+        rows = slice(number * width, (number + 1) * width)  # this expert's hidden units in the joined one
+        state[f"{ours}shared_experts.{number}.gate.weight"] = shared["gate"][rows]  # [F, dim]
+        state[f"{ours}shared_experts.{number}.up.weight"] = shared["up"][rows]  # [F, dim]
+        state[f"{ours}shared_experts.{number}.down.weight"] = shared["down"][:, rows] / 2  # [dim, F]
+    return state, used
+
+
+def state_from_hf(config: ModelConfig, tensors: Tensors) -> Tensors:
+    """attnlab state_dict (float32) from LlamaForCausalLM or Qwen2MoeForCausalLM tensors; every
+    tensor must be used."""
     # rotary inverse frequencies are recomputed from rope_theta; a tied lm_head is the embedding
     ignored = {name for name in tensors if name.endswith("rotary_emb.inv_freq")}
     if config.tie_embeddings:
         ignored.add("lm_head.weight")
     names = weight_names(config)
     missing = [theirs for _, theirs in names if theirs not in tensors]
-    unexpected = sorted(set(tensors) - {theirs for _, theirs in names} - ignored)
+    used = {theirs for _, theirs in names}
+    state = {ours: tensors[theirs] for ours, theirs in names if theirs in tensors}
+    if config.feed_forward == "moe" and not missing:
+        for index in range(config.depth):
+            layer_state, layer_used = moe_state(config, tensors, index)
+            state.update(layer_state)
+            used.update(layer_used)
+    unexpected = sorted(set(tensors) - used - ignored)
     if missing or unexpected:
         detail = [f"missing {', '.join(missing[:3])}"] if missing else []
         detail += [f"unexpected {', '.join(unexpected[:3])}"] if unexpected else []
-        raise ConversionError(f"weights do not match a LlamaForCausalLM of this config: {'; '.join(detail)}")
-    state = {ours: tensors[theirs].to(torch.float32) for ours, theirs in names}
+        raise ConversionError(f"weights do not match a {hf_family(config)} model of this config: {'; '.join(detail)}")
+    state = {name: value.to(torch.float32) for name, value in state.items()}
     if config.tie_embeddings:
         state["head.weight"] = state["token_embedding.embed.weight"]
     return state
 
 
 def import_hf(hf_dir: str | Path, run_dir: str | Path, overwrite: bool = False) -> Path:
-    """`attnlab import-hf DIR --out RUN`: a Llama checkpoint folder as an attnlab run directory
+    """`attnlab import-hf DIR --out RUN`: a Llama (or attnlab-shaped Qwen2-MoE) checkpoint folder as an
+    attnlab run directory
     (config.yaml, checkpoints/step-0000000.pt holding the weights, tokenizer/ when DIR has one),
     loadable by `attnlab.load_model`, `attnlab sample` and `attnlab eval`.
 
@@ -488,8 +559,8 @@ def import_hf(hf_dir: str | Path, run_dir: str | Path, overwrite: bool = False) 
     decodes tokens with it; RUN holds no shards, so `attnlab eval` needs `--data SHARDS`. Otherwise
     it is a byte-level run (token id = byte value, as attnlab's byte-level exports are)."""
     hf_dir, run_dir = Path(hf_dir), Path(run_dir)
-    model_config = model_config_from_llama(read_hf_config(hf_dir))
-    state = state_from_llama(model_config, read_hf_weights(hf_dir))
+    model_config = model_config_from_hf(read_hf_config(hf_dir))
+    state = state_from_hf(model_config, read_hf_weights(hf_dir))
     model = Transformer(model_config)
     try:
         model.load_state_dict(state, strict=True)

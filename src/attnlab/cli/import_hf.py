@@ -8,7 +8,9 @@ from attnlab.hf import import_hf
 
 
 def register(subparsers) -> None:
-    parser = subparsers.add_parser("import-hf", help="make a run directory from a Hugging Face Llama checkpoint")
+    parser = subparsers.add_parser(
+        "import-hf", help="make a run directory from a Hugging Face Llama (or Qwen2-MoE) checkpoint"
+    )
     parser.add_argument("hf_dir", metavar="DIR", help="folder with config.json and model.safetensors")
     parser.add_argument("--out", required=True, help="run directory to create (must be empty unless --force)")
     parser.add_argument("--force", action="store_true", help="write into a folder that is not empty")
