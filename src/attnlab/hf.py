@@ -548,10 +548,9 @@ def state_from_hf(config: ModelConfig, tensors: Tensors) -> Tensors:
 
 
 def import_hf(hf_dir: str | Path, run_dir: str | Path, overwrite: bool = False) -> Path:
-    """`attnlab import-hf DIR --out RUN`: a Llama (or attnlab-shaped Qwen2-MoE) checkpoint folder as an
-    attnlab run directory
-    (config.yaml, checkpoints/step-0000000.pt holding the weights, tokenizer/ when DIR has one),
-    loadable by `attnlab.load_model`, `attnlab sample` and `attnlab eval`.
+    """`attnlab import-hf DIR --out RUN`: a Llama (or attnlab-shaped Qwen2-MoE) checkpoint folder as
+    an attnlab run directory (config.yaml, checkpoints/step-0000000.pt holding the weights,
+    tokenizer/ when DIR has one), loadable by `attnlab.load_model`, `attnlab sample`, `attnlab eval`.
 
     A model with a tokenizer and a vocabulary other than 256 becomes a tokenized run whose token
     folder is RUN itself (`data.source: tokens`, `data.path: RUN`): RUN/tokenizer/ is where
