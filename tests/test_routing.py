@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from attnlab.attention import gathered
 from attnlab.attention.base import naive_attention
 from attnlab.attention.routing import (
     RoutingAttention,
@@ -50,6 +51,21 @@ def test_routed_attention_equals_oracle_many_blocks():
     clusters[1, 2] = torch.randint(0, 2, (301,))  # a row with few, long clusters
     expected = naive_attention(q, k, v, oracle_mask(clusters, 16))
     torch.testing.assert_close(routed_attention(q, k, v, clusters, 16), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("chunk_key_slots", [4096, 16])
+def test_routed_attention_gradients_equal_oracle(chunk_key_slots, monkeypatch):
+    """The backward keeps only q, k, v and recomputes its gathers, in chunks of blocks or at once:
+    gradients must equal the dense oracle's."""
+    monkeypatch.setattr(gathered, "CHUNK_KEY_SLOTS", chunk_key_slots)
+    torch.manual_seed(4)
+    inputs = [x.requires_grad_() for x in torch.randn(3, 2, 2, 53, 8).unbind(0)]
+    clusters = torch.randint(0, 3, (2, 2, 53))
+    target = torch.randn(2, 2, 53, 8)
+    fused = torch.autograd.grad((routed_attention(*inputs, clusters, 3) * target).sum(), inputs)
+    dense = torch.autograd.grad((naive_attention(*inputs, oracle_mask(clusters, 3)) * target).sum(), inputs)
+    for a, b in zip(fused, dense):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 def test_routed_attention_causal_to_the_bit_at_scale():

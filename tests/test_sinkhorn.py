@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from attnlab.attention import gathered
 from attnlab.attention.base import AttentionSpec
 from attnlab.attention.sinkhorn import (
     SinkhornAttention,
@@ -50,38 +51,52 @@ def test_equals_dense_oracle(length):
         torch.testing.assert_close(attention(x), expected, atol=1e-5, rtol=1e-5)
 
 
-def bucket_attention_reference(q, k_own, v_own, k_chosen, v_chosen, chosen_weights):
-    """The scores written out: chosen buckets' scores plus their log weight, own bucket causal."""
-    bucket_size = q.shape[3]
-    own = q @ k_own.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    own = own.masked_fill(~torch.ones(bucket_size, bucket_size, dtype=torch.bool).tril(), float("-inf"))
-    chosen = q @ k_chosen.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    chosen = chosen + chosen_weights.repeat_interleave(bucket_size, dim=-1)[..., None, :]
-    probs = torch.softmax(torch.cat((chosen, own), dim=-1), dim=-1)
-    return probs @ torch.cat((v_chosen, v_own), dim=3)
+def bucket_attention_reference(q, keys, values, chosen, weights, offset, size):
+    """The scores written out densely: own bucket causal, chosen buckets plus their log weight."""
+    n_new, n_keys = q.shape[2], keys.shape[2]
+    position = offset + torch.arange(n_new)  # [T]
+    key_position = torch.arange(n_keys)  # [S]
+    bucket, key_bucket = position // size, key_position // size
+    own = (bucket[:, None] == key_bucket[None, :]) & (key_position[None, :] <= position[:, None])
+    bias = torch.where(own, 0.0, float("-inf")).expand(*q.shape[:2], -1, -1)  # [B, H, T, S]
+    query_bucket = bucket - offset // size  # row of chosen/weights
+    for slot in range(chosen.shape[-1]):
+        picked = chosen[..., slot][..., query_bucket]  # [B, H, T]
+        weight = weights[..., slot][..., query_bucket]
+        hit = (picked[..., None] == key_bucket) & weight[..., None].isfinite()
+        bias = torch.where(hit, weight[..., None].expand_as(bias), bias)
+    scores = q @ keys.transpose(-1, -2) / math.sqrt(q.shape[-1]) + bias
+    return torch.softmax(scores, dim=-1) @ values
 
 
-def test_bucket_attention_equals_written_out_scores_with_gradients():
-    """The fused path carries the sorting weight as an extra key feature: outputs and gradients
-    (the weights' included, -inf holes included) must equal the written-out scores'."""
+@pytest.mark.parametrize("offset, n_new", [(0, 23), (13, 9)])
+@pytest.mark.parametrize("chunk_key_slots", [4096, 16])
+def test_bucket_attention_equals_written_out_scores_with_gradients(offset, n_new, chunk_key_slots, monkeypatch):
+    """The fused path carries the sorting weight as an extra key feature and recomputes its
+    gathers in the backward (in chunks of buckets, or all at once): outputs and gradients (the
+    weights' included, holes included) must equal the densely written-out scores'."""
+    monkeypatch.setattr(gathered, "CHUNK_KEY_SLOTS", chunk_key_slots)
     torch.manual_seed(3)
-    batch, heads, buckets, size, dim, sortcut = 2, 3, 4, 5, 8, 2
-    q, k_own, v_own = torch.randn(3, batch, heads, buckets, size, dim).unbind(0)
-    k_chosen, v_chosen = torch.randn(2, batch, heads, buckets, sortcut * size, dim).unbind(0)
-    weights = torch.randn(batch, heads, buckets, sortcut)
-    weights[:, :, 0] = float("-inf")  # the first bucket has no past bucket
-    weights[:, :, 1, 1] = float("-inf")  # the second has one
-    inputs = [x.requires_grad_() for x in (q, k_own, v_own, k_chosen, v_chosen, weights)]
-    target = torch.randn(batch, heads, buckets, size, dim)
+    batch, heads, size, dim, sortcut = 2, 3, 5, 8, 2
+    n_keys = offset + n_new
+    first, n_buckets = offset // size, math.ceil(n_keys / size)
+    q = torch.randn(batch, heads, n_new, dim)
+    keys, values = torch.randn(2, batch, heads, n_keys, dim).unbind(0)
+    bucket = torch.arange(first, n_buckets)[:, None]  # [M, 1]
+    start = (torch.rand(batch, heads, n_buckets - first, 1) * bucket).long()
+    chosen = (start + torch.arange(sortcut)) % bucket.clamp(min=1)  # distinct past buckets
+    weights = torch.randn(batch, heads, n_buckets - first, sortcut)
+    weights = weights.masked_fill(bucket.expand_as(weights) <= torch.arange(sortcut), float("-inf"))  # holes
+    inputs = [x.requires_grad_() for x in (q, keys, values, weights)]
+    target = torch.randn(batch, heads, n_new, dim)
     results = []
     for function in (bucket_attention, bucket_attention_reference):
-        y = function(*inputs)
-        grads = torch.autograd.grad((y * target).sum(), inputs)
-        results.append((y, grads))
+        y = function(*inputs[:3], chosen, inputs[3], offset, size)
+        results.append((y, torch.autograd.grad((y * target).sum(), inputs)))
     torch.testing.assert_close(results[0][0], results[1][0], atol=1e-5, rtol=1e-5)
     for fused, written in zip(results[0][1], results[1][1]):
         torch.testing.assert_close(fused, written.nan_to_num(0.0), atol=1e-5, rtol=1e-5)
-    assert results[0][1][-1][:, :, 2:].abs().sum() > 0  # the sorting weights get a gradient
+    assert results[0][1][-1].abs().sum() > 0  # the sorting weights get a gradient
 
 
 def test_sorting_chooses_past_buckets_only():

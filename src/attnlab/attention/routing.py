@@ -40,6 +40,7 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from attnlab.attention.base import AttentionSpec, KVCache, expand_kv
+from attnlab.attention.gathered import gathered_attention
 from attnlab.attention.local import local_attention
 from attnlab.config import RoutingAttentionConfig
 from attnlab.model.reversible import is_recomputing
@@ -118,31 +119,22 @@ def routed_attention(q: Tensor, k: Tensor, v: Tensor, clusters: Tensor, window: 
     block of W slots attends to itself and the block before it through a band mask (slot i sees
     itself and the W slots before it), the previous block hidden when the block opens its cluster.
     Padding slots come after every real token of their cluster, so the band hides them from real
-    tokens. Memory O(T W) per head; torch's fused attention never saves the scores.
+    tokens. Memory O(T W) per head, and only O(T D) is kept for the backward (attention/gathered.py).
     """
-    batch, n_heads, n_queries, dim_head = q.shape
+    batch, n_heads = q.shape[:2]
     destination, source, opens_cluster = cluster_block_layout(clusters, window)
     n_blocks = opens_cluster.shape[-1]
-    blocks = source.view(batch, n_heads, n_blocks, window)
+    blocks = source.view(batch, n_heads, n_blocks, window)  # [B, R, N, W]: the token in each slot
     previous = torch.cat((blocks[:, :, :1], blocks[:, :, :-1]), dim=2)  # block 0 opens a cluster: hidden
-    key_source = torch.cat((previous, blocks), dim=-1).flatten(2)  # [B, R, N 2W]
+    key_index = torch.cat((previous, blocks), dim=-1)  # [B, R, N, 2W]: the block before, then its own
 
-    def pick(x: Tensor, index: Tensor) -> Tensor:  # rows of x [B, R, T, D] -> [B, R, len(index), D]
-        return x.gather(2, index[..., None].expand(-1, -1, -1, dim_head))
+    def make_mask(chunk: slice) -> Tensor:  # [B, R, n, W, 2W] for the blocks in chunk
+        slot = torch.arange(window, device=q.device)[:, None]  # query slot i is key column W + i
+        column = torch.arange(2 * window, device=q.device)[None, :]
+        band = (column >= slot) & (column <= slot + window)  # [W, 2W]: itself and the W slots before
+        return band & ~(opens_cluster[:, :, chunk, None, None] & (column < window))
 
-    flat = (batch, n_heads * n_blocks)
-    queries = pick(q, source).view(*flat, window, dim_head)  # [B, R N, W, D]
-    keys = pick(k, key_source).view(*flat, 2 * window, dim_head)  # [B, R N, 2W, D]
-    values = pick(v, key_source).view(*flat, 2 * window, dim_head)
-
-    slot = torch.arange(window, device=q.device)[:, None]  # query slot i is key column W + i
-    column = torch.arange(2 * window, device=q.device)[None, :]
-    band = (column >= slot) & (column <= slot + window)  # [W, 2W]: itself and the W slots before
-    mask = band & ~(opens_cluster[..., None, None] & (column < window))  # [B, R, N, W, 2W]
-    # a 4-d mask keeps torch on its fused CPU kernel (a 3-d one falls back to the math path)
-    y = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask.view(*flat, window, 2 * window),
-                                       dropout_p=dropout)
-    return pick(y.view(batch, n_heads, n_blocks * window, dim_head), destination)  # time order, [B, R, T, D]
+    return gathered_attention(q, k, v, blocks, key_index, destination, make_mask, dropout=dropout)  # [B, R, T, D]
 
 
 def routed_attention_cached(

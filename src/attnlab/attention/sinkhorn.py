@@ -39,6 +39,7 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from attnlab.attention.base import AttentionSpec, KVCache, expand_kv
+from attnlab.attention.gathered import gathered_attention
 from attnlab.attention.local import local_attention
 from attnlab.config import SinkhornAttentionConfig
 from attnlab.registry import ATTENTION
@@ -98,53 +99,48 @@ def sort_buckets(
 
 
 def bucket_attention(
-    q: Tensor, k_own: Tensor, v_own: Tensor, k_chosen: Tensor, v_chosen: Tensor, chosen_weights: Tensor,
-    dropout: float = 0.0,
+    q: Tensor, keys: Tensor, values: Tensor, chosen: Tensor, chosen_weights: Tensor, offset: int,
+    bucket_size: int, dropout: float = 0.0,
 ) -> Tensor:
-    """q, k_own, v_own [B, H, M, b, D]; k_chosen, v_chosen [B, H, M, S b, D]; chosen_weights
-    [B, H, M, S] -> [B, H, M, b, D]. Slot i of a bucket sees own slots <= i and the chosen buckets,
-    each chosen bucket's scores raised by its log sorting weight.
+    """q [B, H, T, D] at positions offset..offset+T-1; keys, values [B, H, S, D] at positions 0..;
+    chosen, chosen_weights [B, H, M, S'] for the buckets holding the queries (from offset // b on)
+    -> [B, H, T, D]. A query sees the earlier slots of its own bucket and itself, and every slot of
+    its bucket's chosen buckets, those scores raised by the bucket's log sorting weight.
 
-    Runs on torch's fused attention, which never saves the [b, (S+1) b] scores: the weight enters
-    as one extra key feature (weight * sqrt(D), against a query feature of 1), so that
-    q.k / sqrt(D) + weight comes out of the one product and its gradient reaches the sorting.
+    Runs blocked on the fused kernel (attention/gathered.py): one block per query bucket, keys
+    gathered from the chosen buckets and its own; the sorting weight enters as an extra key feature,
+    so it gets its gradient without the scores ever being kept.
     """
-    batch, n_heads, n_buckets, bucket_size, dim_head = q.shape
-    n_sortcut = chosen_weights.shape[-1]
-    valid = chosen_weights.isfinite()  # [B, H, M, S]; a bucket with fewer past buckets has holes
-    weights = chosen_weights.masked_fill(~valid, 0.0) * math.sqrt(dim_head)  # finite: no inf * 0 in backward
-    weight_feature = torch.cat((
-        weights.repeat_interleave(bucket_size, dim=-1),  # [B, H, M, S b]
-        weights.new_zeros(batch, n_heads, n_buckets, bucket_size),  # own bucket: no weight
-    ), dim=-1)[..., None].to(q.dtype)  # [B, H, M, (S+1) b, 1]
-    keys = torch.cat((torch.cat((k_chosen, k_own), dim=3), weight_feature), dim=-1)  # [B, H, M, (S+1) b, D+1]
-    queries = torch.cat((q, q.new_ones(batch, n_heads, n_buckets, bucket_size, 1)), dim=-1)  # [.., b, D+1]
-    values = torch.cat((v_chosen, v_own), dim=3)  # [B, H, M, (S+1) b, D]
+    batch, n_heads, n_new, dim_head = q.shape
+    size = bucket_size
+    first_bucket = offset // size
+    buckets = torch.arange(first_bucket, first_bucket + chosen.shape[2], device=q.device)  # [M]
+    slot = torch.arange(size, device=q.device)
+    # query slots past the queries (the last bucket's tail, the first's head) point at a real row
+    # and return nothing; key slots past the keys are later than every query of their bucket
+    query_index = (buckets[:, None] * size + slot - offset).clamp(0, n_new - 1)  # [M, b]
+    query_index = query_index.expand(batch, n_heads, -1, -1)  # [B, H, M, b]
+    chosen_rows = (chosen[..., None] * size + slot).flatten(-2)  # [B, H, M, S' b]
+    own_rows = (buckets[:, None] * size + slot).expand(batch, n_heads, -1, -1)  # [B, H, M, b]
+    key_index = torch.cat((chosen_rows, own_rows), dim=-1).clamp(max=keys.shape[2] - 1)  # [B, H, M, (S'+1) b]
+    valid = chosen_weights.isfinite()  # [B, H, M, S']; a bucket with fewer past buckets has holes
+    # score + weight = scale * (q.k + weight / scale); holes get 0 (masked), so no inf * 0 in backward
+    key_feature = torch.cat((
+        (chosen_weights.masked_fill(~valid, 0.0) * math.sqrt(dim_head)).repeat_interleave(size, dim=-1),
+        chosen_weights.new_zeros(batch, n_heads, chosen.shape[2], size),  # own bucket: no weight
+    ), dim=-1)
+    output_index = (offset - first_bucket * size + torch.arange(n_new, device=q.device)).expand(batch, n_heads, -1)
 
-    causal = torch.ones(bucket_size, bucket_size, dtype=torch.bool, device=q.device).tril()
-    chosen_columns = valid.repeat_interleave(bucket_size, dim=-1)[..., None, :]  # [B, H, M, 1, S b]
-    mask = torch.cat((
-        chosen_columns.expand(-1, -1, -1, bucket_size, -1),
-        causal.expand(batch, n_heads, n_buckets, -1, -1),
-    ), dim=-1)  # [B, H, M, b, (S+1) b]
-    flat = (batch, n_heads * n_buckets)
-    y = F.scaled_dot_product_attention(
-        queries.reshape(*flat, bucket_size, dim_head + 1),
-        keys.reshape(*flat, (n_sortcut + 1) * bucket_size, dim_head + 1),
-        values.reshape(*flat, (n_sortcut + 1) * bucket_size, dim_head),
-        attn_mask=mask.reshape(*flat, bucket_size, (n_sortcut + 1) * bucket_size),  # 4-d: the fused CPU kernel
-        dropout_p=dropout,
-        scale=1 / math.sqrt(dim_head),
-    )
-    return y.view(batch, n_heads, n_buckets, bucket_size, dim_head)
+    def make_mask(chunk: slice) -> Tensor:  # [B, H, m, b, (S'+1) b] for the buckets in chunk
+        chosen_columns = valid[:, :, chunk].repeat_interleave(size, dim=-1)[..., None, :]  # [B, H, m, 1, S' b]
+        causal = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()  # own bucket
+        return torch.cat((
+            chosen_columns.expand(-1, -1, -1, size, -1),
+            causal.expand(*chosen_columns.shape[:3], -1, -1),
+        ), dim=-1)
 
-
-def gather_buckets(x: Tensor, chosen: Tensor) -> Tensor:
-    """x [B, H, N, b, D], chosen [B, H, M, S] -> [B, H, M, S b, D]."""
-    batch, heads, n_buckets, bucket_size, dim_head = x.shape
-    index = chosen.flatten(2)[..., None, None].expand(-1, -1, -1, bucket_size, dim_head)
-    picked = x.gather(2, index)  # [B, H, M S, b, D]
-    return picked.reshape(batch, heads, chosen.shape[2], chosen.shape[3] * bucket_size, dim_head)
+    return gathered_attention(q, keys, values, query_index, key_index, output_index, make_mask,
+                              key_feature=key_feature, dropout=dropout)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -242,24 +238,12 @@ class SinkhornAttention(nn.Module):
     def _sorted(self, q, keys, values, query_means, key_means, first_bucket, offset, dropout) -> Tensor:
         """q [B, H', T, D] at positions offset..; keys, values [B, H', >= offset+T (bucket-padded), D]."""
         config, size = self.config, self.config.bucket_size
-        n_new = q.shape[2]
         chosen, weights = sort_buckets(
             query_means, key_means, config.n_sortcut, config.sinkhorn_iter, config.temperature,
             gumbel=self.training,
         )
         chosen, weights = chosen[:, :, first_bucket:], weights[:, :, first_bucket:]  # buckets with queries
-        n_buckets = key_means.shape[2]
-        pad = n_buckets * size - keys.shape[2]
-        keys = rearrange(F.pad(keys, (0, 0, 0, pad)), "b h (n s) d -> b h n s d", s=size)  # right padding only
-        values = rearrange(F.pad(values, (0, 0, 0, pad)), "b h (n s) d -> b h n s d", s=size)
-        start = offset - first_bucket * size  # queries start this far into their first bucket
-        q = F.pad(q, (0, 0, start, (n_buckets - first_bucket) * size - start - n_new))
-        q = rearrange(q, "b h (m s) d -> b h m s d", s=size)  # [B, H', M, b, D]
-        y = bucket_attention(
-            q, keys[:, :, first_bucket:], values[:, :, first_bucket:],
-            gather_buckets(keys, chosen), gather_buckets(values, chosen), weights, dropout,
-        )
-        return rearrange(y, "b h m s d -> b h (m s) d")[:, :, start : start + n_new]
+        return bucket_attention(q, keys, values, chosen, weights, offset, size, dropout)  # [B, H', T, D]
 
     def new_cache(self, batch: int, max_len: int, device=None, dtype=None) -> SinkhornCache:
         spec = self.spec
