@@ -70,7 +70,7 @@ class NSAAttentionConfig:
     num_selected: int = 4  # selected blocks per query, the initial and the current block included (n)
     use_diff_topk: bool = False  # straight-through gates so the selection scores get gradients (seed 002)
     separate_branch_kv: bool = False  # own key/value projections for each of the three branches
-    backend: Literal["torch", "flex"] = "torch"  # torch: the memory-lean reference; flex: FlexAttention
+    backend: Literal["torch", "flex", "triton"] = "torch"  # torch reference; flex: FlexAttention; triton kernels
     query_chunk_size: int = 256  # queries processed together; bounds the selected and compressed scores
 
 

@@ -50,7 +50,8 @@ from einops import rearrange
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from attnlab.attention.base import AttentionSpec, KVCache
+from attnlab.attention.base import AttentionSpec, KVCache, sdpa
+from attnlab.attention.kernels import nsa_flex, nsa_triton
 from attnlab.attention.local import local_attention
 from attnlab.config import NSAAttentionConfig
 from attnlab.errors import ConfigError
@@ -65,6 +66,63 @@ def n_complete_blocks(n_tokens: int, block: int, stride: int) -> int:
     return 0 if n_tokens < block else (n_tokens - block) // stride + 1
 
 
+def compressed_visibility(positions: Tensor, n_blocks: int, config: NSAAttentionConfig) -> Tensor:
+    """[C, 1 + N]: the memory slot, then the compressed blocks complete at each query position."""
+    block_end = torch.arange(n_blocks, device=positions.device) * config.compress_stride
+    block_end = block_end + config.compress_block_size - 1  # last token of each block
+    visible = block_end[None, :] <= positions[:, None]  # [C, N]
+    return F.pad(visible, (1, 0), value=True)  # the memory slot is always visible
+
+
+def compressed_probabilities(q: Tensor, keys: Tensor, visible: Tensor) -> Tensor:
+    """q [B, H, C, D], keys [B, G, 1 + N, D], visible [C, 1 + N] -> probabilities [B, G, R, C, 1 + N] (eq. 7-8)."""
+    q = rearrange(q, "b (g r) c d -> b g r c d", g=keys.shape[1])
+    scores = torch.matmul(q, keys[:, :, None].transpose(-1, -2)) / math.sqrt(q.shape[-1])  # [B, G, R, C, 1+N]
+    return torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+
+
+def block_importance(probs: Tensor, config: NSAAttentionConfig, n_selection_blocks: int) -> Tensor:
+    """Probabilities of compressed blocks [B, G, R, C, N] -> importance of selection blocks [B, G, C, M].
+
+    Eq. 10: summed over the group's query heads. Eq. 9: a compressed block counts for every
+    stride-long unit it covers (block i covers units i .. i + l/d - 1); a selection block sums its units.
+    """
+    importance = probs.sum(dim=2)  # [B, G, C, N]
+    batch, n_groups, n_queries, n_blocks = importance.shape
+    stride = config.compress_stride
+    units_per_compress, units_per_select = config.compress_block_size // stride, config.selection_block_size // stride
+    n_units = n_selection_blocks * units_per_select
+    importance = F.pad(importance, (0, max(0, n_units - n_blocks)))[..., :n_units]  # [B, G, C, U]
+    per_unit = importance
+    for shift in range(1, units_per_compress):
+        per_unit = per_unit + F.pad(importance, (shift, 0))[..., :n_units]
+    return per_unit.view(batch, n_groups, n_queries, n_selection_blocks, units_per_select).sum(-1)
+
+
+def choose_blocks(
+    importance: Tensor, positions: Tensor, config: NSAAttentionConfig
+) -> tuple[Tensor, Tensor]:
+    """Top `num_selected` causal selection blocks per query and group, the initial and the query's
+    own block forced in. importance [B, G, C, M] -> indices, valid [B, G, C, n]: valid blocks
+    ascending first, then invalid padding (fewer than n blocks exist yet)."""
+    n_selection_blocks = importance.shape[-1]
+    selection_block = torch.arange(n_selection_blocks, device=importance.device)
+    current = positions // config.selection_block_size
+    causal = selection_block[None, :] * config.selection_block_size <= positions[:, None]  # [C, M]
+    forced = (selection_block[None, :] == 0) | (selection_block[None, :] == current[:, None])
+    ranking = importance.detach().masked_fill(~causal, float("-inf")).masked_fill(forced, float("inf"))
+    n_take = min(config.num_selected, n_selection_blocks)
+    top_scores, indices = ranking.topk(n_take, dim=-1, sorted=False)  # [B, G, C, n]
+    valid = top_scores > float("-inf")
+    if n_take < config.num_selected:  # fewer blocks than n exist: pad with invalid slots
+        pad = config.num_selected - n_take
+        indices, valid = F.pad(indices, (0, pad)), F.pad(valid, (0, pad), value=False)
+    # canonical order: valid blocks ascending, then the invalid ones
+    indices = torch.where(valid, indices, indices + n_selection_blocks).sort(dim=-1).values
+    valid = indices < n_selection_blocks
+    return torch.where(valid, indices, indices - n_selection_blocks), valid
+
+
 def compressed_attention_chunk(
     q: Tensor,
     keys: Tensor,
@@ -73,58 +131,49 @@ def compressed_attention_chunk(
     config: NSAAttentionConfig,
     n_selection_blocks: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Compressed branch and block selection for a chunk of queries.
+    """Compressed branch and block selection for a chunk of queries, differentiable end to end
+    (the straight-through path needs the selection scores' gradient).
 
     q [B, H, C, D] (no rotary) at absolute `positions` [C]; keys, values [B, G, 1 + N, D], the
     memory slot first, then compressed blocks 0..N-1. Returns the branch output [B, H, C, D], the
     selected block indices [B, G, C, n] (ascending, valid ones first), their validity [B, G, C, n] and
     their selection scores [B, G, C, n] (differentiable; used by the straight-through gates).
     """
-    batch, n_heads, n_queries, dim_head = q.shape
-    n_groups, n_blocks = keys.shape[1], keys.shape[2] - 1
-    block, stride = config.compress_block_size, config.compress_stride
-    q = rearrange(q, "b (g r) c d -> b g r c d", g=n_groups)
-    scores = torch.einsum("bgrcd,bgnd->bgrcn", q, keys) / math.sqrt(dim_head)  # [B, G, R, C, 1+N]
-    block_end = torch.arange(n_blocks, device=q.device) * stride + block - 1  # last token of each block
-    visible = block_end[None, :] <= positions[:, None]  # [C, N]
-    visible = F.pad(visible, (1, 0), value=True)  # the memory slot is always visible
-    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)  # eq. 7-8
-    output = torch.einsum("bgrcn,bgnd->bgrcd", probs, values)
-
-    # eq. 9-10: importance of selection blocks, summed over the group's query heads
-    importance = probs[..., 1:].sum(dim=2)  # [B, G, C, N]
-    units_per_compress, units_per_select = block // stride, config.selection_block_size // stride
-    n_units = n_selection_blocks * units_per_select
-    importance = F.pad(importance, (0, max(0, n_units - n_blocks)))[..., :n_units]  # [B, G, C, U]
-    per_unit = importance
-    for shift in range(1, units_per_compress):  # block i covers units i .. i + l/d - 1
-        per_unit = per_unit + F.pad(importance, (shift, 0))[..., :n_units]
-    importance = per_unit.reshape(batch, n_groups, n_queries, n_selection_blocks, units_per_select).sum(-1)
-
-    selection_block = torch.arange(n_selection_blocks, device=q.device)
-    current = positions // config.selection_block_size
-    causal = selection_block[None, :] * config.selection_block_size <= positions[:, None]  # [C, M]
-    forced = (selection_block[None, :] == 0) | (selection_block[None, :] == current[:, None])
-    ranking = importance.detach().masked_fill(~causal, float("-inf")).masked_fill(forced, float("inf"))
-    n_take = min(config.num_selected, n_selection_blocks)
-    top_scores, indices = ranking.topk(n_take, dim=-1)  # [B, G, C, n]
-    valid = top_scores > float("-inf")
-    if n_take < config.num_selected:  # fewer blocks than n exist: pad with invalid slots
-        pad = config.num_selected - n_take
-        indices, valid = F.pad(indices, (0, pad)), F.pad(valid, (0, pad), value=False)
-    # canonical order: valid blocks ascending, then the invalid ones
-    order = torch.where(valid, indices, indices + n_selection_blocks).argsort(dim=-1)
-    indices, valid = indices.gather(-1, order), valid.gather(-1, order)
+    visible = compressed_visibility(positions, keys.shape[2] - 1, config)
+    probs = compressed_probabilities(q, keys, visible)  # [B, G, R, C, 1+N]
+    output = torch.matmul(probs, values[:, :, None])  # [B, G, R, C, D]
+    importance = block_importance(probs[..., 1:], config, n_selection_blocks)  # [B, G, C, M]
+    indices, valid = choose_blocks(importance, positions, config)
     selected_scores = importance.gather(-1, indices)  # [B, G, C, n]
     return rearrange(output, "b g r c d -> b (g r) c d"), indices, valid, selected_scores
 
 
+def compressed_attention_fast(
+    q: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    positions: Tensor,
+    config: NSAAttentionConfig,
+    n_selection_blocks: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """As compressed_attention_chunk without selection scores (no straight-through): the output by
+    torch's fused attention, which saves only its output and log-sum-exp for backward, and the
+    selection computed once, without autograd. -> output [B, H, C, D], indices, valid [B, G, C, n]."""
+    visible = compressed_visibility(positions, keys.shape[2] - 1, config)
+    with torch.no_grad():
+        probs = compressed_probabilities(q, keys, visible)
+        importance = block_importance(probs[..., 1:], config, n_selection_blocks)
+        indices, valid = choose_blocks(importance, positions, config)
+    output = sdpa(q, keys.to(q.dtype), values.to(q.dtype), mask=visible, causal=False, dropout=0.0)
+    return output, indices, valid
+
+
 def _gather_blocks(blocked: Tensor, indices: Tensor) -> Tensor:
-    """blocked [B, G, M, l', D], indices [B, G, C, n] -> [B, G, C, n * l', D] (index_select)."""
+    """blocked [B, G, M, l', D] (contiguous), indices [B, G, C, n] -> [B, G, C, n * l', D] (index_select)."""
     batch, n_groups, n_blocks, block, dim_head = blocked.shape
     base = (torch.arange(batch * n_groups, device=indices.device) * n_blocks).view(batch, n_groups, 1, 1)
     flat = (indices + base).reshape(-1)
-    rows = blocked.reshape(batch * n_groups * n_blocks, block * dim_head).index_select(0, flat)
+    rows = blocked.view(batch * n_groups * n_blocks, block * dim_head).index_select(0, flat)
     return rows.view(batch, n_groups, indices.shape[2], indices.shape[3] * block, dim_head)
 
 
@@ -138,99 +187,103 @@ def _scatter_blocks(grad_blocked: Tensor, indices: Tensor, grad_rows: Tensor) ->
     )
 
 
+def _blocked(tensor: Tensor, block: int) -> Tensor:
+    """[B, G, S, D] -> contiguous [B, G, M, l', D], zero-padded to whole blocks."""
+    padded = F.pad(tensor, (0, 0, 0, -tensor.shape[2] % block))
+    return rearrange(padded, "b g (m s) d -> b g m s d", s=block).contiguous()
+
+
 def _selected_chunk(q, k_blocked, v_blocked, indices, valid, gates, positions, block):
-    """Scores, probabilities' log-sum-exp and output of one chunk. q [B, G, R, C, D]."""
+    """Gathered keys/values, probabilities, gate, log-sum-exp and output of one chunk of queries.
+
+    q [B, G, C, R, D] (query-major, so every product below is a plain batched matmul over B G C);
+    indices, valid [B, G, C, n]; gates [B, G, C, n] or None; positions [C].
+    """
     keys = _gather_blocks(k_blocked, indices)  # [B, G, C, n l', D]
     values = _gather_blocks(v_blocked, indices)
     key_position = (indices[..., None] * block + torch.arange(block, device=q.device)).flatten(-2)  # [B,G,C,nl']
     allowed = valid.repeat_interleave(block, dim=-1) & (key_position <= positions[:, None])
-    scores = torch.einsum("bgrcd,bgckd->bgrck", q, keys) / math.sqrt(q.shape[-1])
-    scores = scores.masked_fill(~allowed[:, :, None], float("-inf"))
-    log_sum = torch.logsumexp(scores, dim=-1, keepdim=True)  # [B, G, R, C, 1]; never empty (own block)
-    probs = torch.exp(scores - log_sum)
-    gate = None if gates is None else gates.repeat_interleave(block, dim=-1)[:, :, None]  # [B, G, 1, C, nl']
+    scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(1 / math.sqrt(q.shape[-1]))  # [B, G, C, R, n l']
+    scores.masked_fill_(~allowed[:, :, :, None], float("-inf"))
+    log_sum = torch.logsumexp(scores, dim=-1, keepdim=True)  # [B, G, C, R, 1]; never empty (own block)
+    probs = scores.sub_(log_sum).exp_()
+    gate = None if gates is None else gates.repeat_interleave(block, dim=-1)[:, :, :, None]  # [B, G, C, 1, nl']
     weighted = probs if gate is None else probs * gate
-    output = torch.einsum("bgrck,bgckd->bgrcd", weighted, values)
+    output = torch.matmul(weighted, values)  # [B, G, C, R, D]
     return keys, values, probs, gate, log_sum, output
 
 
 class SelectedBlockAttention(torch.autograd.Function):
     """Attention of each query to the tokens (at or before it) of its selected blocks.
 
-    q [B, H, T, D] at absolute `positions` [T]; k, v [B, G, S, D]; indices, valid [B, G, T, n];
-    gates [B, G, T, n] or None (multiply each block's values). Forward and backward run over query
-    chunks; the backward recomputes the gathered keys/values and scatters their gradients.
+    q [B, G, T, R, D] (query heads grouped, query-major) at absolute `positions` [T]; k, v [B, G, S, D];
+    indices, valid [B, G, T, n]; gates [B, G, T, n] or None (multiply each block's values).
+    -> [B, G, T, R, D]. Forward and backward run over query chunks; the backward recomputes the
+    gathered keys/values and scatters their gradients (flash-attention style, with the saved
+    log-sum-exp), so only q, k, v, the indices, the output and the log-sum-exp are kept.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, indices, valid, gates, positions, block: int, chunk: int):  # noqa: D102
-        n_groups = k.shape[1]
-        n_keys = k.shape[2]
-        pad = -n_keys % block
-        k_blocked = rearrange(F.pad(k, (0, 0, 0, pad)), "b g (m s) d -> b g m s d", s=block)
-        v_blocked = rearrange(F.pad(v, (0, 0, 0, pad)), "b g (m s) d -> b g m s d", s=block)
-        q_grouped = rearrange(q, "b (g r) t d -> b g r t d", g=n_groups)
-        outputs, log_sums = [], []
+        k_blocked, v_blocked = _blocked(k, block), _blocked(v, block)  # [B, G, M, l', D]
+        output = torch.empty_like(q)
+        log_sum = q.new_empty(*q.shape[:-1], 1)  # [B, G, T, R, 1]
         for start in range(0, q.shape[2], chunk):
             part = slice(start, start + chunk)
-            *_, log_sum, output = _selected_chunk(
-                q_grouped[:, :, :, part], k_blocked, v_blocked, indices[:, :, part], valid[:, :, part],
+            *_, log_sum[:, :, part], output[:, :, part] = _selected_chunk(
+                q[:, :, part], k_blocked, v_blocked, indices[:, :, part], valid[:, :, part],
                 None if gates is None else gates[:, :, part], positions[part], block,
             )
-            outputs.append(output)
-            log_sums.append(log_sum)
-        output, log_sum = torch.cat(outputs, dim=3), torch.cat(log_sums, dim=3)  # [B, G, R, T, D], [.., 1]
         ctx.save_for_backward(q, k, v, indices, valid, gates, positions, output, log_sum)
         ctx.block, ctx.chunk = block, chunk
-        return rearrange(output, "b g r t d -> b (g r) t d")
+        return output
 
     @staticmethod
     def backward(ctx, grad_output):  # noqa: D102
         q, k, v, indices, valid, gates, positions, output, log_sum = ctx.saved_tensors
         block, chunk = ctx.block, ctx.chunk
-        n_groups, n_keys, dim_head = k.shape[1], k.shape[2], k.shape[3]
-        pad = -n_keys % block
-        k_blocked = rearrange(F.pad(k, (0, 0, 0, pad)), "b g (m s) d -> b g m s d", s=block)
-        v_blocked = rearrange(F.pad(v, (0, 0, 0, pad)), "b g (m s) d -> b g m s d", s=block)
-        q_grouped = rearrange(q, "b (g r) t d -> b g r t d", g=n_groups)
-        grad_grouped = rearrange(grad_output, "b (g r) t d -> b g r t d", g=n_groups)
-        grad_q = torch.empty_like(q_grouped)
+        n_keys, dim_head = k.shape[2], k.shape[3]
+        k_blocked, v_blocked = _blocked(k, block), _blocked(v, block)
+        grad_q = torch.empty_like(q)
         grad_k_blocked, grad_v_blocked = torch.zeros_like(k_blocked), torch.zeros_like(v_blocked)
         grad_gates = None if gates is None else torch.empty_like(gates)
         scale = 1 / math.sqrt(dim_head)
         for start in range(0, q.shape[2], chunk):
             part = slice(start, start + chunk)
-            q_part, grad_part = q_grouped[:, :, :, part], grad_grouped[:, :, :, part]
+            q_part, grad_part = q[:, :, part], grad_output[:, :, part]
             keys, values, probs, gate, _, _ = _selected_chunk(
                 q_part, k_blocked, v_blocked, indices[:, :, part], valid[:, :, part],
                 None if gates is None else gates[:, :, part], positions[part], block,
             )
-            # flash-attention backward with the saved log-sum-exp (probs recomputed exactly)
+            # flash-attention backward with the probabilities recomputed exactly
             weighted = probs if gate is None else probs * gate
-            grad_values = torch.einsum("bgrck,bgrcd->bgckd", weighted, grad_part)
+            grad_values = torch.matmul(weighted.transpose(-1, -2), grad_part)  # [B, G, C, n l', D]
             _scatter_blocks(grad_v_blocked, indices[:, :, part], grad_values)
-            grad_weighted = torch.einsum("bgrcd,bgckd->bgrck", grad_part, values)  # dL/d(probs * gate)
+            grad_weighted = torch.matmul(grad_part, values.transpose(-1, -2))  # dL/d(probs * gate) [B,G,C,R,nl']
             grad_probs = grad_weighted if gate is None else grad_weighted * gate
             if grad_gates is not None:
-                per_key = (grad_weighted * probs).sum(dim=2)  # [B, G, C, n l']
+                per_key = (grad_weighted * probs).sum(dim=3)  # [B, G, C, n l']
                 grad_gates[:, :, part] = per_key.unflatten(-1, (-1, block)).sum(-1)
-            delta = (grad_part * output[:, :, :, part]).sum(dim=-1, keepdim=True)  # [B, G, R, C, 1]
-            grad_scores = probs * (grad_probs - delta) * scale
-            grad_q[:, :, :, part] = torch.einsum("bgrck,bgckd->bgrcd", grad_scores, keys)
-            grad_keys = torch.einsum("bgrck,bgrcd->bgckd", grad_scores, q_part)
+            delta = (grad_part * output[:, :, part]).sum(dim=-1, keepdim=True)  # [B, G, C, R, 1]
+            grad_scores = grad_probs.sub_(delta).mul_(probs).mul_(scale)
+            grad_q[:, :, part] = torch.matmul(grad_scores, keys)
+            grad_keys = torch.matmul(grad_scores.transpose(-1, -2), q_part)  # [B, G, C, n l', D]
             _scatter_blocks(grad_k_blocked, indices[:, :, part], grad_keys)
         grad_k = rearrange(grad_k_blocked, "b g m s d -> b g (m s) d")[:, :, :n_keys]
         grad_v = rearrange(grad_v_blocked, "b g m s d -> b g (m s) d")[:, :, :n_keys]
-        grad_q = rearrange(grad_q, "b g r t d -> b (g r) t d")
         return grad_q, grad_k, grad_v, None, None, grad_gates, None, None, None
 
 
 def selected_attention(q, k, v, indices, valid, gates, positions, block: int, chunk: int) -> Tensor:
-    """See SelectedBlockAttention. -> [B, H, T, D]. Runs in q's dtype (autocast off inside)."""
+    """See SelectedBlockAttention; here q [B, H, T, D] -> [B, H, T, D]. Runs in q's dtype (autocast
+    off inside)."""
+    n_groups = k.shape[1]
     k, v = k.to(q.dtype), v.to(q.dtype)
     gates = None if gates is None else gates.to(q.dtype)
+    grouped = rearrange(q, "b (g r) t d -> b g t r d", g=n_groups).contiguous()
     with torch.autocast(q.device.type, enabled=False):
-        return SelectedBlockAttention.apply(q, k, v, indices, valid, gates, positions, block, chunk)
+        output = SelectedBlockAttention.apply(grouped, k, v, indices, valid, gates, positions, block, chunk)
+    return rearrange(output, "b g t r d -> b (g r) t d")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -331,6 +384,8 @@ class NativeSparseAttention(nn.Module):
     def __init__(self, spec: AttentionSpec, config: NSAAttentionConfig) -> None:
         super().__init__()
         check_config(config, spec)
+        if config.backend == "triton":
+            nsa_triton.check_installed()
         self.spec, self.config = spec, config
         heads, groups, dim_head = spec.n_heads, spec.n_kv_heads, spec.dim_head
         n_kv_sets = 3 if config.separate_branch_kv else 1
@@ -407,6 +462,8 @@ class NativeSparseAttention(nn.Module):
         # compressed branch and selection, chunk by chunk (recomputed in backward: memory per chunk)
         outputs, indices, valid, scores = [], [], [], []
         chunk = config.query_chunk_size
+        # the selection scores need a gradient only for straight-through top-k in training
+        straight_through = config.use_diff_topk and torch.is_grad_enabled() and q_plain.requires_grad
         for start in range(0, n_queries, chunk):
             part = slice(start, start + chunk)
             chunk_positions = positions[part]
@@ -415,16 +472,16 @@ class NativeSparseAttention(nn.Module):
             n_selection = last // config.selection_block_size + 1
             args = (q_plain[:, :, part], all_k[:, :, : 1 + n_visible], all_v[:, :, : 1 + n_visible],
                     chunk_positions, config, n_selection)
-            if torch.is_grad_enabled() and q_plain.requires_grad:
+            if straight_through:
                 result = checkpoint(compressed_attention_chunk, *args, use_reentrant=False)
             else:
-                result = compressed_attention_chunk(*args)
+                result = (*compressed_attention_fast(*args), None)
             for collected, value in zip((outputs, indices, valid, scores), result, strict=True):
                 collected.append(value)
         out_cmp = torch.cat(outputs, dim=2)  # [B, H, T, D]
         indices, valid = torch.cat(indices, dim=2), torch.cat(valid, dim=2)  # [B, G, T, n]
         gates = None
-        if config.use_diff_topk:
+        if straight_through:
             score = torch.cat(scores, dim=2)
             gates = (1 + score - score.detach()).to(q.dtype)  # straight-through: exactly 1 forward
 
@@ -436,7 +493,7 @@ class NativeSparseAttention(nn.Module):
         k_win, v_win = self._branch(tensors, "win")
         window = config.sliding_window_size
         first = max(0, n_keys - n_queries - (window - 1))
-        out_win = local_attention(q, k_win[:, :, first:], v_win[:, :, first:], window)
+        out_win = self._sliding(q, k_win[:, :, first:], v_win[:, :, first:])
 
         if cache is not None and n_queries == 1:
             cache.kv_tokens_loaded = kv_tokens_loaded(config, offset, n_blocks, indices[0, 0, 0], valid[0, 0, 0])
@@ -445,10 +502,27 @@ class NativeSparseAttention(nn.Module):
         y = gate[0] * out_cmp + gate[1] * out_slc + gate[2] * out_win
         return self.to_out(rearrange(y, "b h t d -> b t (h d)"))
 
+    # -- back-ends: one semantics, tested against the torch path (tests/test_nsa_kernels.py)
+
     def _selected(self, q, k, v, indices, valid, gates, positions) -> Tensor:
-        return selected_attention(
-            q, k, v, indices, valid, gates, positions, self.config.selection_block_size, self.config.query_chunk_size
-        )
+        backend, block = self.config.backend, self.config.selection_block_size
+        if backend == "triton":
+            return nsa_triton.selected_attention(q, k, v, indices, valid, gates, positions, block)
+        if backend == "flex" and gates is None:  # flex has no per-block value gates: straight-through uses torch
+            self._check_flex(q)
+            return nsa_flex.selected_attention(q, k, v, indices, valid, positions, block)
+        return selected_attention(q, k, v, indices, valid, gates, positions, block, self.config.query_chunk_size)
+
+    def _sliding(self, q, k, v) -> Tensor:
+        if self.config.backend == "flex":
+            self._check_flex(q)
+            return nsa_flex.sliding_attention(q, k, v, self.config.sliding_window_size)
+        return local_attention(q, k, v, self.config.sliding_window_size)
+
+    @staticmethod
+    def _check_flex(q: Tensor) -> None:
+        if q.device.type == "cpu" and torch.is_grad_enabled() and q.requires_grad:
+            raise ConfigError("nsa backend=flex has no backward on CPU; train with backend=torch (flex: inference)")
 
     def new_cache(self, batch: int, max_len: int, device=None, dtype=None) -> NSACache:
         names = (["k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win"] if self.config.separate_branch_kv

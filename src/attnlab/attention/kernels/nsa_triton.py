@@ -1,0 +1,236 @@
+"""Triton kernels for NSA's selected branch, forward and backward (same semantics as
+attention/nsa.py's SelectedBlockAttention, which the tests compare against).
+
+One program per (batch, key/value group, query): it loads the R query heads of the group together
+(they share the selection, eq. 10), walks the query's n selected blocks of `block` keys, and keeps an
+online softmax (flash attention) over them; keys after the query are masked. The backward program
+recomputes the probabilities from the saved log-sum-exp and adds the key/value gradients of each
+block with atomic adds (several queries select the same block). The selection block need not equal
+the compression block, and any R >= 1 works: R, the block and the head width are padded to powers
+of two (at least 16, tl.dot's minimum) and masked.
+
+Straight-through gates (use_diff_topk) multiply each selected block's values: the kernel takes them
+and returns their gradient, as the torch path does.
+
+Triton is imported lazily: attnlab imports without it. Runs on CUDA, or on CPU tensors under
+TRITON_INTERPRET=1 (the tests), where it is slow and meant for small checks only.
+
+Legend: B batch, G key/value heads, R query heads per group, T queries, S keys, D head width,
+n selected blocks per query, l' selection block.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+from torch import Tensor
+
+from attnlab.errors import ConfigError
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def check_installed() -> None:
+    """Raise a one-line ConfigError unless triton can be imported."""
+    try:
+        import triton  # noqa: F401
+    except ImportError as error:
+        raise ConfigError("nsa backend=triton needs triton (pip install triton); use backend=torch") from error
+
+
+def check_available(device: torch.device) -> None:
+    """Raise a one-line ConfigError unless Triton can run on this device."""
+    check_installed()
+    if device.type != "cuda" and not interpreting():
+        raise ConfigError(
+            f"nsa backend=triton runs on CUDA tensors (got {device.type}); use backend=torch, "
+            "or TRITON_INTERPRET=1 for a slow CPU check"
+        )
+
+
+def _padded(size: int) -> int:
+    return max(16, 1 << (size - 1).bit_length())
+
+
+@functools.cache
+def _kernels():
+    """Define the kernels on first use (so importing attnlab does not import triton)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def forward_kernel(
+        q_ptr, k_ptr, v_ptr, indices_ptr, valid_ptr, gates_ptr, out_ptr, lse_ptr,
+        n_queries, n_keys, offset, scale,
+        HEADS_PER_GROUP: tl.constexpr, N_SELECTED: tl.constexpr, BLOCK: tl.constexpr, DIM: tl.constexpr,
+        R_PAD: tl.constexpr, BLOCK_PAD: tl.constexpr, DIM_PAD: tl.constexpr, HAS_GATES: tl.constexpr,
+    ):
+        # program = (b, g, t); q, out [B, G, T, R, D]; k, v [B, G, S, D]; indices [B, G, T, n]; lse [B, G, T, R]
+        query = tl.program_id(0)
+        batch_group = tl.program_id(1)
+        position = query + offset
+        heads = tl.arange(0, R_PAD)
+        dims = tl.arange(0, DIM_PAD)
+        tokens = tl.arange(0, BLOCK_PAD)
+        head_ok = heads < HEADS_PER_GROUP
+        dim_ok = dims < DIM
+        row = (batch_group * n_queries + query) * HEADS_PER_GROUP
+        q = tl.load(q_ptr + (row + heads)[:, None] * DIM + dims[None, :],
+                    mask=head_ok[:, None] & dim_ok[None, :], other=0.0)  # [R, D]
+        running_max = tl.full((R_PAD,), float("-inf"), tl.float32)
+        running_sum = tl.zeros((R_PAD,), tl.float32)
+        accumulator = tl.zeros((R_PAD, DIM_PAD), tl.float32)
+        selection = (batch_group * n_queries + query) * N_SELECTED
+        for slot in range(N_SELECTED):
+            block_index = tl.load(indices_ptr + selection + slot)
+            valid_flag = tl.load(valid_ptr + selection + slot).to(tl.int32)
+            key = block_index * BLOCK + tokens  # [l']
+            key_ok = (tokens < BLOCK) & (key <= position) & (key < n_keys) & ((tokens * 0 + valid_flag) != 0)
+            key_rows = batch_group * n_keys + key
+            k = tl.load(k_ptr + key_rows[:, None] * DIM + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :],
+                        other=0.0)  # [l', D]
+            v = tl.load(v_ptr + key_rows[:, None] * DIM + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :],
+                        other=0.0)
+            scores = tl.dot(q, tl.trans(k)) * scale  # [R, l']
+            scores = tl.where(key_ok[None, :], scores, float("-inf"))
+            new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+            safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)  # no key seen yet: keep exp finite
+            correction = tl.exp(running_max - safe_max)
+            probs = tl.exp(scores - safe_max[:, None])  # [R, l']
+            running_sum = running_sum * correction + tl.sum(probs, axis=1)
+            if HAS_GATES:
+                probs = probs * tl.load(gates_ptr + selection + slot)
+            accumulator = accumulator * correction[:, None] + tl.dot(probs.to(v.dtype), v)
+            running_max = new_max
+        output = accumulator / running_sum[:, None]
+        tl.store(out_ptr + (row + heads)[:, None] * DIM + dims[None, :], output.to(out_ptr.dtype.element_ty),
+                 mask=head_ok[:, None] & dim_ok[None, :])
+        tl.store(lse_ptr + row + heads, running_max + tl.log(running_sum), mask=head_ok)
+
+    @triton.jit
+    def backward_kernel(
+        q_ptr, k_ptr, v_ptr, indices_ptr, valid_ptr, gates_ptr, out_ptr, lse_ptr, grad_out_ptr,
+        grad_q_ptr, grad_k_ptr, grad_v_ptr, grad_gates_ptr,
+        n_queries, n_keys, offset, scale,
+        HEADS_PER_GROUP: tl.constexpr, N_SELECTED: tl.constexpr, BLOCK: tl.constexpr, DIM: tl.constexpr,
+        R_PAD: tl.constexpr, BLOCK_PAD: tl.constexpr, DIM_PAD: tl.constexpr, HAS_GATES: tl.constexpr,
+    ):
+        # grad_k, grad_v [B, G, S, D] fp32, accumulated atomically; grad_q [B, G, T, R, D]; grad_gates [B, G, T, n]
+        query = tl.program_id(0)
+        batch_group = tl.program_id(1)
+        position = query + offset
+        heads = tl.arange(0, R_PAD)
+        dims = tl.arange(0, DIM_PAD)
+        tokens = tl.arange(0, BLOCK_PAD)
+        head_ok = heads < HEADS_PER_GROUP
+        dim_ok = dims < DIM
+        row = (batch_group * n_queries + query) * HEADS_PER_GROUP
+        row_mask = head_ok[:, None] & dim_ok[None, :]
+        q = tl.load(q_ptr + (row + heads)[:, None] * DIM + dims[None, :], mask=row_mask, other=0.0).to(tl.float32)
+        grad_out = tl.load(grad_out_ptr + (row + heads)[:, None] * DIM + dims[None, :], mask=row_mask,
+                           other=0.0).to(tl.float32)
+        out = tl.load(out_ptr + (row + heads)[:, None] * DIM + dims[None, :], mask=row_mask, other=0.0).to(tl.float32)
+        lse = tl.load(lse_ptr + row + heads, mask=head_ok, other=0.0)
+        delta = tl.sum(grad_out * out, axis=1)  # [R]
+        grad_q = tl.zeros((R_PAD, DIM_PAD), tl.float32)
+        selection = (batch_group * n_queries + query) * N_SELECTED
+        for slot in range(N_SELECTED):
+            block_index = tl.load(indices_ptr + selection + slot)
+            valid_flag = tl.load(valid_ptr + selection + slot).to(tl.int32)
+            key = block_index * BLOCK + tokens
+            key_ok = (tokens < BLOCK) & (key <= position) & (key < n_keys) & ((tokens * 0 + valid_flag) != 0)
+            key_rows = batch_group * n_keys + key
+            key_mask = key_ok[:, None] & dim_ok[None, :]
+            k = tl.load(k_ptr + key_rows[:, None] * DIM + dims[None, :], mask=key_mask, other=0.0).to(tl.float32)
+            v = tl.load(v_ptr + key_rows[:, None] * DIM + dims[None, :], mask=key_mask, other=0.0).to(tl.float32)
+            scores = tl.dot(q, tl.trans(k)) * scale  # [R, l']
+            probs = tl.exp(scores - lse[:, None])
+            probs = tl.where(key_ok[None, :] & head_ok[:, None], probs, 0.0)
+            grad_weighted = tl.dot(grad_out, tl.trans(v))  # dL/d(probs * gate) [R, l']
+            if HAS_GATES:
+                gate = tl.load(gates_ptr + selection + slot).to(tl.float32)
+                tl.store(grad_gates_ptr + selection + slot, tl.sum(tl.sum(grad_weighted * probs, axis=1), axis=0))
+                weighted = probs * gate
+                grad_probs = grad_weighted * gate
+            else:
+                weighted = probs
+                grad_probs = grad_weighted
+            grad_scores = probs * (grad_probs - delta[:, None]) * scale  # [R, l']
+            grad_q += tl.dot(grad_scores, k)
+            grad_k = tl.dot(tl.trans(grad_scores), q)  # [l', D]
+            grad_v = tl.dot(tl.trans(weighted), grad_out)
+            tl.atomic_add(grad_k_ptr + key_rows[:, None] * DIM + dims[None, :], grad_k, mask=key_mask)
+            tl.atomic_add(grad_v_ptr + key_rows[:, None] * DIM + dims[None, :], grad_v, mask=key_mask)
+        tl.store(grad_q_ptr + (row + heads)[:, None] * DIM + dims[None, :], grad_q.to(grad_q_ptr.dtype.element_ty),
+                 mask=row_mask)
+
+    return forward_kernel, backward_kernel
+
+
+class TritonSelectedAttention(torch.autograd.Function):
+    """q [B, G, T, R, D] at positions offset..offset+T-1; k, v [B, G, S, D]; indices, valid [B, G, T, n];
+    gates [B, G, T, n] or None. -> [B, G, T, R, D]."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, indices, valid, gates, offset: int, block: int):  # noqa: D102
+        forward_kernel, _ = _kernels()
+        batch, n_groups, n_queries, heads_per_group, dim_head = q.shape
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        indices, valid = indices.contiguous().to(torch.int32), valid.contiguous().to(torch.int8)
+        gates = None if gates is None else gates.contiguous()
+        output = torch.empty_like(q)
+        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)  # [B, G, T, R]
+        grid = (n_queries, batch * n_groups)
+        sizes = _sizes(heads_per_group, indices.shape[-1], block, dim_head, gates is not None)
+        forward_kernel[grid](
+            q, k, v, indices, valid, q if gates is None else gates, output, lse,
+            n_queries, k.shape[2], offset, 1 / math.sqrt(dim_head), **sizes,
+        )
+        ctx.save_for_backward(q, k, v, indices, valid, gates, output, lse)
+        ctx.offset, ctx.block = offset, block
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):  # noqa: D102
+        _, backward_kernel = _kernels()
+        q, k, v, indices, valid, gates, output, lse = ctx.saved_tensors
+        batch, n_groups, n_queries, heads_per_group, dim_head = q.shape
+        grad_q = torch.empty_like(q)
+        grad_k = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+        grad_v = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+        grad_gates = None if gates is None else torch.zeros(gates.shape, dtype=torch.float32, device=gates.device)
+        sizes = _sizes(heads_per_group, indices.shape[-1], ctx.block, dim_head, gates is not None)
+        backward_kernel[(n_queries, batch * n_groups)](
+            q, k, v, indices, valid, q if gates is None else gates, output, lse, grad_output.contiguous(),
+            grad_q, grad_k, grad_v, grad_q if grad_gates is None else grad_gates,
+            n_queries, k.shape[2], ctx.offset, 1 / math.sqrt(dim_head), **sizes,
+        )
+        grad_gates = None if grad_gates is None else grad_gates.to(gates.dtype)
+        return grad_q, grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, grad_gates, None, None
+
+
+def _sizes(heads_per_group: int, n_selected: int, block: int, dim_head: int, has_gates: bool) -> dict:
+    return dict(
+        HEADS_PER_GROUP=heads_per_group, N_SELECTED=n_selected, BLOCK=block, DIM=dim_head,
+        R_PAD=_padded(heads_per_group), BLOCK_PAD=_padded(block), DIM_PAD=_padded(dim_head), HAS_GATES=has_gates,
+    )
+
+
+def selected_attention(q, k, v, indices, valid, gates, positions, block: int) -> Tensor:
+    """The selected branch by the Triton kernels: q [B, H, T, D] at consecutive `positions` [T],
+    k, v [B, G, S, D], indices, valid, gates [B, G, T, n] (gates may be None). -> [B, H, T, D]."""
+    from einops import rearrange
+
+    check_available(q.device)
+    n_groups = k.shape[1]
+    offset = int(positions[0]) if positions.numel() else 0
+    k, v = k.to(q.dtype), v.to(q.dtype)
+    gates = None if gates is None else gates.to(q.dtype)
+    grouped = rearrange(q, "b (g r) t d -> b g t r d", g=n_groups)
+    output = TritonSelectedAttention.apply(grouped, k, v, indices, valid, gates, offset, block)
+    return rearrange(output, "b g t r d -> b (g r) t d")
