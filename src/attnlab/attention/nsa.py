@@ -213,6 +213,16 @@ def _selected_chunk(q, k_blocked, v_blocked, indices, valid, gates, positions, b
     return keys, values, probs, gate, log_sum, output
 
 
+def _outer_sum(a: Tensor, b: Tensor) -> Tensor:
+    """a [.., R, K], b [.., R, D] -> sum over r of a[r] outer b[r], [.., K, D]. The same as
+    a^T @ b, but R (query heads per group) is tiny and batched matmuls with an inner dimension of
+    2-4 are many times slower on CPU than R fused multiply-adds."""
+    total = a[..., 0, :, None] * b[..., 0, None, :]
+    for head in range(1, a.shape[-2]):
+        total.addcmul_(a[..., head, :, None], b[..., head, None, :])
+    return total
+
+
 class SelectedBlockAttention(torch.autograd.Function):
     """Attention of each query to the tokens (at or before it) of its selected blocks.
 
@@ -257,7 +267,7 @@ class SelectedBlockAttention(torch.autograd.Function):
             )
             # flash-attention backward with the probabilities recomputed exactly
             weighted = probs if gate is None else probs * gate
-            grad_values = torch.matmul(weighted.transpose(-1, -2), grad_part)  # [B, G, C, n l', D]
+            grad_values = _outer_sum(weighted, grad_part)  # [B, G, C, n l', D]
             _scatter_blocks(grad_v_blocked, indices[:, :, part], grad_values)
             grad_weighted = torch.matmul(grad_part, values.transpose(-1, -2))  # dL/d(probs * gate) [B,G,C,R,nl']
             grad_probs = grad_weighted if gate is None else grad_weighted * gate
@@ -267,7 +277,7 @@ class SelectedBlockAttention(torch.autograd.Function):
             delta = (grad_part * output[:, :, part]).sum(dim=-1, keepdim=True)  # [B, G, C, R, 1]
             grad_scores = grad_probs.sub_(delta).mul_(probs).mul_(scale)
             grad_q[:, :, part] = torch.matmul(grad_scores, keys)
-            grad_keys = torch.matmul(grad_scores.transpose(-1, -2), q_part)  # [B, G, C, n l', D]
+            grad_keys = _outer_sum(grad_scores, q_part)  # [B, G, C, n l', D]
             _scatter_blocks(grad_k_blocked, indices[:, :, part], grad_keys)
         grad_k = rearrange(grad_k_blocked, "b g m s d -> b g (m s) d")[:, :, :n_keys]
         grad_v = rearrange(grad_v_blocked, "b g m s d -> b g (m s) d")[:, :, :n_keys]
