@@ -1,5 +1,6 @@
-"""Hugging Face Llama export and import (attnlab.hf): transformers computes the logits attnlab
-computes, in both directions; architectures Llama lacks are refused with one line."""
+"""Hugging Face export and import (attnlab.hf): transformers' LlamaForCausalLM (and, for a mixture
+of experts, Qwen2MoeForCausalLM) computes the logits attnlab computes, in both directions; export
+then import is bit-identical; architectures and options without an equivalent are refused in one line."""
 
 from __future__ import annotations
 
