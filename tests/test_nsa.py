@@ -210,3 +210,19 @@ def test_decode_reports_tokens_loaded():
         own = t % 4 + 1  # tokens of the current block at or before t
         selected = own if t < 4 else own + 4  # the initial block is the other selection
         assert count == 1 + n_blocks + selected + min(3, t + 1), (t, count)
+
+
+def test_bench_decode_reports_tokens_loaded():
+    """`attnlab bench decode` reports the per-step count for NSA (mean over layers), nothing for full."""
+    from attnlab.bench.measure import measure_decode
+    from attnlab.bench.runner import decode_table
+
+    values = dict(dim=16, depth=2, heads=2, dim_head=8, kv_heads=1, attention=dict(kind="nsa", nsa=dict(
+        compress_block_size=4, compress_stride=4, selection_block_size=4, num_selected=2, sliding_window_size=3)))
+    nsa = measure_decode(values, context=40, new_tokens=3, use_cache=True)
+    full = measure_decode({**values, "attention": {"kind": "full"}}, context=40, new_tokens=3, use_cache=True)
+    # positions 40-42: memory slot + 10 blocks + (1-3 own + 4 initial) selected + window 3, mean 20
+    assert nsa["kv_tokens_loaded"] == 1 + 10 + 6 + 3
+    assert full["kv_tokens_loaded"] is None
+    table = decode_table([nsa, full])
+    assert "kv tokens loaded/step" in table and f"| {nsa['kv_tokens_loaded']:.0f} |" in table

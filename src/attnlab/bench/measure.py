@@ -139,6 +139,7 @@ def measure_decode(
         model = model.to({"bf16": torch.bfloat16, "fp16": torch.float16}[dtype])
     sequence = torch.randint(0, config.num_tokens, (1, length), device=torch_device)
     times = []
+    loaded = []  # key/value tokens one query read per layer and step, where the cache reports it (NSA)
     if use_cache:
         cache = model.new_cache(1, length)
         model(sequence[:, :context], cache=cache)
@@ -148,6 +149,9 @@ def measure_decode(
             model(sequence[:, position : position + 1], cache=cache)
             _synchronize(torch_device)
             times.append(time.perf_counter() - started)
+            counts = [getattr(layer, "kv_tokens_loaded", None) for layer in cache.layers]
+            if None not in counts:
+                loaded.append(sum(counts) / len(counts))
     else:
         for position in range(context, length):
             _synchronize(torch_device)
@@ -159,6 +163,7 @@ def measure_decode(
     return {
         "kind": "decode", "attention": config.attention.kind, "context": context, "cache": use_cache,
         "ms_per_token": median * 1e3, "tokens_per_s": 1 / median, "new_tokens": new_tokens,
+        "kv_tokens_loaded": statistics.mean(loaded) if loaded else None,  # paper NSA's Table 4 quantity
         **environment(torch_device, dtype),
     }
 

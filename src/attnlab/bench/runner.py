@@ -73,12 +73,15 @@ def train_table(results: list[dict[str, Any]]) -> str:
 def decode_table(results: list[dict[str, Any]]) -> str:
     cached = {(r["attention"], r["context"]): r for r in results if r["cache"]}
     uncached = {(r["attention"], r["context"]): r for r in results if not r["cache"]}
-    lines = ["| attention | context | cached (ms/token) | no cache (ms/token) | cache speedup |",
-             "|---|---:|---:|---:|---:|"]
+    lines = ["| attention | context | cached (ms/token) | no cache (ms/token) | cache speedup "
+             "| kv tokens loaded/step |", "|---|---:|---:|---:|---:|---:|"]
     for key in sorted(cached.keys() | uncached.keys()):
         with_cache, without = cached.get(key), uncached.get(key)
         a = f"{with_cache['ms_per_token']:.2f}" if with_cache else "-"
         b = f"{without['ms_per_token']:.2f}" if without else "-"
         speedup = f"{without['ms_per_token'] / with_cache['ms_per_token']:.1f}x" if with_cache and without else "-"
-        lines.append(f"| {key[0]} | {key[1]} | {a} | {b} | {speedup} |")
+        # per query and layer, as the cache reports it (NSA); a full-attention cache reads all `context` keys
+        count = with_cache.get("kv_tokens_loaded") if with_cache else None
+        loaded = "-" if count is None else f"{count:.0f}"
+        lines.append(f"| {key[0]} | {key[1]} | {a} | {b} | {speedup} | {loaded} |")
     return "\n".join(lines)
