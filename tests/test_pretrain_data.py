@@ -259,7 +259,11 @@ def test_minimind_presets_reproduce_the_seed():
 # The demo pipeline, end to end at a tiny size
 
 
-def test_minimind_demo_pipeline_end_to_end(tmp_path, capsys, caplog):
+def test_minimind_demo_pipeline_end_to_end(tmp_path, capsys, caplog, monkeypatch):
+    from attnlab.data import pretrain
+
+    every_source = pretrain.stdlib_sources()
+    monkeypatch.setattr(pretrain, "stdlib_sources", lambda: every_source[:200])  # tiny: fewer documents
     tiny = [f"out_dir={tmp_path / 'runs'}", "data.vocab_size=300", "model.num_tokens=300", "model.dim=32",
             "model.depth=1", "model.dim_head=8", "model.ff_hidden=64", "train.max_steps=4", "train.eval_every=2",
             "train.sample_every=4", "train.sample_length=8", "train.save_every=4", "log.progress=false"]
@@ -269,7 +273,7 @@ def test_minimind_demo_pipeline_end_to_end(tmp_path, capsys, caplog):
     assert [r["step"] for r in records if "val_bpb" in r] == [0, 2, 4]
     assert "<|im_start|>" in caplog.text  # the sample was decoded with the tokenizer
     caplog.clear()
-    assert main(["train", "-p", "minimind-demo", "name=second", *tiny]) == 0
+    assert main(["data", "info", "-p", "minimind-demo", *tiny]) == 0  # a second run finds every stage done
     for stage in ("built-in jsonl corpus: cached", "tokenizer: cached", "token shards: cached"):
         assert stage in caplog.text, stage
     capsys.readouterr()

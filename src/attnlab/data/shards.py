@@ -13,9 +13,9 @@ the shards is already the packed stream (documents separated by end tokens) and 
 its last token is exactly `tokenizer.encode(text)`.
 
 Streaming: input lines are read in batches, parsed and tokenized by a pool of worker processes
-(in input order), and a shard is written as soon as it holds `shard_tokens` tokens, so memory is
-bounded by one shard plus the batches in flight whatever the corpus size. A document never spans
-two shards (a document longer than `shard_tokens` gets a shard of its own).
+(in input order, at most two batches per worker read ahead), and a shard is written as soon as it
+holds `shard_tokens` tokens, so memory is bounded by one shard plus the batches in flight whatever
+the corpus size. A document never spans two shards (a document longer than `shard_tokens` gets a shard of its own).
 
 Legend: V vocabulary size, N tokens, D documents.
 """
@@ -29,6 +29,7 @@ import multiprocessing
 import os
 import shutil
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -133,6 +134,18 @@ def _jobs(inputs: list[Path], batch_lines: int, skip_bad: bool, dtype: str) -> I
             yield str(path), batch, skip_bad, dtype
 
 
+def _in_order(pool, jobs: Iterator[tuple], max_in_flight: int) -> Iterator:
+    """Results of `jobs` run on `pool`, in input order, with at most `max_in_flight` batches read
+    ahead (Pool.imap would read the whole input ahead and queue every result: not bounded)."""
+    pending: deque = deque()
+    for job in jobs:
+        pending.append(pool.apply_async(_tokenize_batch, (job,)))
+        if len(pending) >= max_in_flight:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
+
+
 @dataclass
 class PrepareResult:
     out_dir: Path
@@ -180,7 +193,7 @@ def prepare_token_shards(
         # fork: the workers share the parent's imports; the parent has not encoded anything, so the
         # tokenizers library's own threads are not yet running when it forks
         pool = multiprocessing.get_context("fork").Pool(workers, _start_worker, (str(tokenizer_dir),))
-        results = pool.imap(_tokenize_batch, jobs, chunksize=1)  # in input order, a few batches ahead
+        results = _in_order(pool, jobs, max_in_flight=2 * workers)
     try:
         for documents, batch_skipped, n_bytes in results:
             for reason in batch_skipped.examples:
