@@ -40,7 +40,6 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from attnlab.attention.base import AttentionSpec, KVCache, expand_kv
-from attnlab.attention.gathered import gathered_attention
 from attnlab.attention.local import local_attention
 from attnlab.config import RoutingAttentionConfig
 from attnlab.model.reversible import is_recomputing
@@ -111,30 +110,150 @@ def cluster_block_layout(clusters: Tensor, window: int) -> tuple[Tensor, Tensor,
     return destination, source, opens_cluster[..., :n_blocks]
 
 
+CHUNK_SLOTS = 4096  # query slots per head computed at once: bounds the transient mask and gathers
+
+
+def _band_masks(window: int, dtype: torch.dtype, device) -> tuple[Tensor, Tensor]:
+    """Additive masks [W, 2W] of a block's queries over the block before it and its own: slot i sees
+    itself and the W slots before it; in a block that opens its cluster, none of the block before."""
+    slot = torch.arange(window, device=device)[:, None]  # query slot i is key column W + i
+    column = torch.arange(2 * window, device=device)[None, :]
+    band = (column >= slot) & (column <= slot + window)  # [W, 2W]
+    opening = band & (column >= window)
+
+    def additive(allowed: Tensor) -> Tensor:
+        return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
+
+    return additive(band), additive(opening)
+
+
+def _chunks(n_blocks: int, window: int) -> list[slice]:
+    size = max(1, CHUNK_SLOTS // window)
+    return [slice(start, min(start + size, n_blocks)) for start in range(0, n_blocks, size)]
+
+
+def _slot_tensors(q: Tensor, k: Tensor, v: Tensor, slot_source: Tensor, window: int):
+    """Gather the layout: queries [B R, N, W, D] (the N blocks), keys and values [B R, (N+1) W, D]
+    (one block in front, always hidden: block 0 opens a cluster)."""
+    batch, n_heads, n_slots = slot_source.shape
+    queries = _pick(q, slot_source[..., window:]).view(batch * n_heads, -1, window, q.shape[-1])
+    keys = _pick(k, slot_source).view(batch * n_heads, n_slots, k.shape[-1])
+    values = _pick(v, slot_source).view(batch * n_heads, n_slots, v.shape[-1])
+    return queries, keys, values
+
+
+def _windows(x: Tensor, chunk: slice, window: int) -> Tensor:
+    """Keys of the blocks in chunk, each its previous block then its own: an overlapping view
+    [B R, n, 2W, D] of x [B R, (N+1) W, D], no copy."""
+    return x[:, chunk.start * window : (chunk.stop + 1) * window].unfold(1, 2 * window, window).transpose(-1, -2)
+
+
+def _pick(x: Tensor, index: Tensor) -> Tensor:
+    """Rows of x [B, R, T, D] at index [B, R, n] -> [B, R, n, D]."""
+    return x.gather(2, index[..., None].expand(-1, -1, -1, x.shape[-1]))
+
+
+def _banded_forward(queries, keys, values, opens_cluster, window):
+    """The fused kernel, chunk by chunk -> out [B R, N, W, D], log-sum-exp [B R, N, W]."""
+    band, opening = _band_masks(window, queries.dtype, queries.device)
+    opens = opens_cluster.flatten(0, 1)[..., None, None]  # [B R, N, 1, 1]
+    outs, logsumexps = [], []
+    for chunk in _chunks(queries.shape[1], window):
+        mask = torch.where(opens[:, chunk], opening, band)  # [B R, n, W, 2W]
+        out, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            queries[:, chunk], _windows(keys, chunk, window), _windows(values, chunk, window), 0.0, False,
+            attn_mask=mask,
+        )
+        outs.append(out)
+        logsumexps.append(logsumexp)
+    return torch.cat(outs, dim=1), torch.cat(logsumexps, dim=1)
+
+
+class _BandedRoutedAttention(torch.autograd.Function):
+    """Forward on the fused kernel; keeps only q, k, v, y and the log-sum-exp (what torch keeps for
+    full attention), and gathers the layout again in the backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, slot_source, destination, opens_cluster, window):
+        queries, keys, values = _slot_tensors(q, k, v, slot_source, window)
+        out, logsumexp = _banded_forward(queries, keys, values, opens_cluster, window)
+        y = _pick(out.view(*q.shape[:2], -1, q.shape[-1]), destination)  # time order, [B, R, T, D]
+        ctx.save_for_backward(q, k, v, slot_source, destination, opens_cluster, y, logsumexp)
+        ctx.window = window
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        q, k, v, slot_source, destination, opens_cluster, y, logsumexp = ctx.saved_tensors
+        window = ctx.window
+        queries, keys, values = _slot_tensors(q, k, v, slot_source, window)
+        batch, n_heads, n_tokens, dim_head = q.shape
+        n_blocks = queries.shape[1]
+
+        def to_slots(x: Tensor) -> Tensor:  # [B, R, T, D] -> [B R, N, W, D]; zero in padding slots
+            slots = x.new_zeros(batch, n_heads, n_blocks * window, dim_head)
+            slots.scatter_(2, destination[..., None].expand(-1, -1, -1, dim_head), x)
+            return slots.view(batch * n_heads, n_blocks, window, dim_head)
+
+        # padding slots get zero output gradient, so they add exactly nothing to any gradient
+        grad_out, out = to_slots(grad_y.contiguous().to(y.dtype)), to_slots(y)
+        band, opening = _band_masks(window, queries.dtype, queries.device)
+        opens = opens_cluster.flatten(0, 1)[..., None, None]
+        grad_queries = torch.empty_like(queries)
+        grad_keys, grad_values = torch.zeros_like(keys), torch.zeros_like(values)  # [B R, (N+1) W, D]
+        for chunk in _chunks(n_blocks, window):
+            mask = torch.where(opens[:, chunk], opening, band)
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                grad_out[:, chunk], queries[:, chunk], _windows(keys, chunk, window),
+                _windows(values, chunk, window), out[:, chunk], logsumexp[:, chunk], 0.0, False, attn_mask=mask,
+            )
+            grad_queries[:, chunk] = dq
+            previous = slice(chunk.start * window, chunk.stop * window)  # as the block before
+            own = slice((chunk.start + 1) * window, (chunk.stop + 1) * window)
+            for grad_slots, grad_windows in ((grad_keys, dk), (grad_values, dv)):
+                grad_slots[:, previous] += grad_windows[:, :, :window].reshape(batch * n_heads, -1, dim_head)
+                grad_slots[:, own] += grad_windows[:, :, window:].reshape(batch * n_heads, -1, dim_head)
+
+        def to_rows(grad: Tensor, like: Tensor, index: Tensor) -> Tensor:  # scatter-add back to time order
+            grad = grad.reshape(batch, n_heads, -1, dim_head).to(like.dtype)
+            return torch.zeros_like(like).scatter_add_(2, index[..., None].expand_as(grad), grad)
+
+        return (
+            to_rows(grad_queries, q, slot_source[..., window:]), to_rows(grad_keys, k, slot_source),
+            to_rows(grad_values, v, slot_source), None, None, None, None,
+        )
+
+
 def routed_attention(q: Tensor, k: Tensor, v: Tensor, clusters: Tensor, window: int, dropout: float = 0.0) -> Tensor:
     """Parallel routed attention over a whole sequence. q, k, v [B, R, T, D], clusters [B, R, T]
     -> [B, R, T, D]; token t sees itself and the last `window` earlier tokens of its cluster.
 
     Computed like local attention, on the cluster-aligned layout of `cluster_block_layout`: each
-    block of W slots attends to itself and the block before it through a band mask (slot i sees
-    itself and the W slots before it), the previous block hidden when the block opens its cluster.
+    block of W slots attends to the block before it and itself through a band mask (slot i sees
+    itself and the W slots before it), the block before hidden when the block opens its cluster.
     Padding slots come after every real token of their cluster, so the band hides them from real
-    tokens. Memory O(T W) per head, and only O(T D) is kept for the backward (attention/gathered.py).
+    tokens. Keys are an overlapping view of the layout (no copy per block). Training on the CPU
+    keeps only q, k, v, y and the log-sum-exp for the backward, as torch's full attention does.
     """
-    batch, n_heads = q.shape[:2]
+    batch, n_heads, _, dim_head = q.shape
     destination, source, opens_cluster = cluster_block_layout(clusters, window)
-    n_blocks = opens_cluster.shape[-1]
-    blocks = source.view(batch, n_heads, n_blocks, window)  # [B, R, N, W]: the token in each slot
-    previous = torch.cat((blocks[:, :, :1], blocks[:, :, :-1]), dim=2)  # block 0 opens a cluster: hidden
-    key_index = torch.cat((previous, blocks), dim=-1)  # [B, R, N, 2W]: the block before, then its own
-
-    def make_mask(chunk: slice) -> Tensor:  # [B, R, n, W, 2W] for the blocks in chunk
-        slot = torch.arange(window, device=q.device)[:, None]  # query slot i is key column W + i
-        column = torch.arange(2 * window, device=q.device)[None, :]
-        band = (column >= slot) & (column <= slot + window)  # [W, 2W]: itself and the W slots before
-        return band & ~(opens_cluster[:, :, chunk, None, None] & (column < window))
-
-    return gathered_attention(q, k, v, blocks, key_index, destination, make_mask, dropout=dropout)  # [B, R, T, D]
+    slot_source = F.pad(source, (window, 0))  # [B, R, (N+1) W]: one hidden block in front
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if needs_grad and dropout == 0.0 and q.device.type == "cpu":
+        if torch.is_autocast_enabled("cpu"):  # the kernel runs in the inputs' dtype, as autocast would pick
+            dtype = torch.get_autocast_dtype("cpu")
+            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        return _BandedRoutedAttention.apply(q, k, v, slot_source, destination, opens_cluster, window)
+    # inference, dropout, other devices: the same layout through torch's attention (and autograd)
+    queries, keys, values = _slot_tensors(q, k, v, slot_source, window)
+    every_block = slice(0, queries.shape[1])
+    band, opening = _band_masks(window, queries.dtype, queries.device)
+    mask = torch.where(opens_cluster.flatten(0, 1)[..., None, None], opening, band)  # [B R, N, W, 2W]
+    out = F.scaled_dot_product_attention(
+        queries, _windows(keys, every_block, window), _windows(values, every_block, window),
+        attn_mask=mask, dropout_p=dropout,
+    )
+    return _pick(out.reshape(batch, n_heads, -1, dim_head), destination)  # time order, [B, R, T, D]
 
 
 def routed_attention_cached(
