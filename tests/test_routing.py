@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from attnlab.attention import routing
-from attnlab.attention.base import naive_attention
+from attnlab.attention.base import RotaryEmbedding, naive_attention
 from attnlab.attention.routing import (
     RoutingAttention,
+    commitment_loss,
     routed_attention,
     routed_attention_cached,
     routing_stats,
@@ -66,6 +68,34 @@ def test_routed_attention_gradients_equal_oracle(chunk_slots, monkeypatch):
     dense = torch.autograd.grad((naive_attention(*inputs, oracle_mask(clusters, 3)) * target).sum(), inputs)
     for a, b in zip(fused, dense):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_rotary_inside_equals_rotary_before():
+    """Keys may come in before their rotary positions (so one copy serves attention and the
+    commitment loss): output and gradients equal rotating first."""
+    torch.manual_seed(5)
+    rotary = RotaryEmbedding(8, max_seq_len=64)
+    q, k, v = (x.requires_grad_() for x in torch.randn(3, 2, 2, 41, 8).unbind(0))
+    clusters = torch.randint(0, 3, (2, 2, 41))
+    target = torch.randn(2, 2, 41, 8)
+    inside = routed_attention(q, k, v, clusters, 4, rotary=partial(rotary, offset=3))
+    before = routed_attention(q, rotary(k, 3), v, clusters, 4)
+    torch.testing.assert_close(inside, before, atol=1e-6, rtol=1e-6)
+    for a, b in zip(torch.autograd.grad((inside * target).sum(), (q, k, v)),
+                    torch.autograd.grad((before * target).sum(), (q, k, v))):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_commitment_loss_gradient_equals_autograd():
+    torch.manual_seed(6)
+    keys = torch.randn(2, 3, 17, 8, dtype=torch.float64, requires_grad=True)
+    centroids = F.normalize(torch.randn(3, 4, 8, dtype=torch.float64), dim=-1)
+    clusters = torch.randint(0, 4, (2, 3, 17))
+    loss = commitment_loss(keys, centroids, clusters)
+    chosen = centroids[torch.arange(3)[:, None], clusters]
+    expected = (F.normalize(keys, dim=-1) - chosen).pow(2).sum(-1).mean()
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(torch.autograd.grad(loss, keys)[0], torch.autograd.grad(expected, keys)[0])
 
 
 def test_routed_attention_causal_to_the_bit_at_scale(monkeypatch):

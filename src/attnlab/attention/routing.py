@@ -33,6 +33,8 @@ P slots of the block layout, N = P / W blocks.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -56,11 +58,34 @@ def assign_clusters(routing: Tensor, centroids: Tensor) -> Tensor:
     return similarity.argmax(dim=-1)
 
 
-def commitment_loss(routing: Tensor, centroids: Tensor, clusters: Tensor) -> Tensor:
-    """Mean squared distance of each routing vector to its (fixed) centroid, section 4.1."""
-    heads = torch.arange(centroids.shape[0], device=routing.device)[:, None]  # [R, 1]
-    chosen = centroids.detach()[heads, clusters]  # [B, R, T, D]
-    return (routing - chosen).pow(2).sum(-1).mean()
+class _Commitment(torch.autograd.Function):
+    """Section 4.1's commitment loss, mean ||k / |k| - c||^2, keeping only the keys for the backward
+    (autograd would also keep the normalised keys and their difference to the centroids)."""
+
+    @staticmethod
+    def forward(ctx, keys, centroids, clusters):
+        routing = F.normalize(keys, dim=-1)  # [B, R, T, D]
+        heads = torch.arange(centroids.shape[0], device=keys.device)[:, None]  # [R, 1]
+        loss = (routing - centroids[heads, clusters]).pow(2).sum(-1).mean()
+        ctx.save_for_backward(keys, centroids, clusters)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        keys, centroids, clusters = ctx.saved_tensors
+        norm = keys.norm(dim=-1, keepdim=True).clamp(min=1e-12)  # as F.normalize
+        routing = keys / norm
+        heads = torch.arange(centroids.shape[0], device=keys.device)[:, None]
+        grad_routing = (routing - centroids[heads, clusters]) * (2 * grad_loss / clusters.numel())
+        # through k / |k|: the part of the gradient along the routing vector vanishes
+        grad_keys = (grad_routing - (grad_routing * routing).sum(-1, keepdim=True) * routing) / norm
+        return grad_keys, None, None
+
+
+def commitment_loss(keys: Tensor, centroids: Tensor, clusters: Tensor) -> Tensor:
+    """Mean squared distance of each routing vector (the normalised key [B, R, T, D]) to its fixed
+    centroid (centroids [R, C, D], clusters [B, R, T]), section 4.1."""
+    return _Commitment.apply(keys, centroids.detach().clone(), clusters)
 
 
 def cluster_statistics(routing: Tensor, clusters: Tensor, n_clusters: int) -> tuple[Tensor, Tensor]:
@@ -171,22 +196,31 @@ def _banded_forward(queries, keys, values, opens_cluster, window):
 
 class _BandedRoutedAttention(torch.autograd.Function):
     """Forward on the fused kernel; keeps only q, k, v, y and the log-sum-exp (what torch keeps for
-    full attention), and gathers the layout again in the backward."""
+    full attention), and gathers the layout again in the backward. Keys come in before their
+    rotary positions (`rotary`: keys -> rotated keys, or None) and are rotated here, so that the
+    one copy kept serves the commitment loss too."""
 
     @staticmethod
-    def forward(ctx, q, k, v, slot_source, destination, opens_cluster, window):
-        queries, keys, values = _slot_tensors(q, k, v, slot_source, window)
+    def forward(ctx, q, k, v, slot_source, destination, opens_cluster, window, rotary):
+        rotated = k if rotary is None else rotary(k)
+        queries, keys, values = _slot_tensors(q, rotated, v, slot_source, window)
         out, logsumexp = _banded_forward(queries, keys, values, opens_cluster, window)
         y = _pick(out.view(*q.shape[:2], -1, q.shape[-1]), destination)  # time order, [B, R, T, D]
+        # laid out [B, T, R, D] as torch's fused attention lays out its output: merging the heads
+        # for the output projection is then a view, and autograd keeps one copy of y, not two
+        y = y.transpose(1, 2).contiguous().transpose(1, 2)
         ctx.save_for_backward(q, k, v, slot_source, destination, opens_cluster, y, logsumexp)
-        ctx.window = window
+        ctx.window, ctx.rotary = window, rotary
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
         q, k, v, slot_source, destination, opens_cluster, y, logsumexp = ctx.saved_tensors
-        window = ctx.window
-        queries, keys, values = _slot_tensors(q, k, v, slot_source, window)
+        window, rotary = ctx.window, ctx.rotary
+        with torch.enable_grad():  # rotate the keys again, to carry their gradient back through it
+            unrotated = k.detach().requires_grad_(rotary is not None)
+            rotated = unrotated if rotary is None else rotary(unrotated)
+        queries, keys, values = _slot_tensors(q, rotated.detach(), v, slot_source, window)
         batch, n_heads, n_tokens, dim_head = q.shape
         n_blocks = queries.shape[1]
 
@@ -218,15 +252,22 @@ class _BandedRoutedAttention(torch.autograd.Function):
             grad = grad.reshape(batch, n_heads, -1, dim_head).to(like.dtype)
             return torch.zeros_like(like).scatter_add_(2, index[..., None].expand_as(grad), grad)
 
+        grad_k = to_rows(grad_keys, k, slot_source)  # with respect to the rotated keys
+        if rotary is not None:
+            (grad_k,) = torch.autograd.grad(rotated, unrotated, grad_k)
         return (
-            to_rows(grad_queries, q, slot_source[..., window:]), to_rows(grad_keys, k, slot_source),
-            to_rows(grad_values, v, slot_source), None, None, None, None,
+            to_rows(grad_queries, q, slot_source[..., window:]), grad_k, to_rows(grad_values, v, slot_source),
+            None, None, None, None, None,
         )
 
 
-def routed_attention(q: Tensor, k: Tensor, v: Tensor, clusters: Tensor, window: int, dropout: float = 0.0) -> Tensor:
+def routed_attention(
+    q: Tensor, k: Tensor, v: Tensor, clusters: Tensor, window: int, dropout: float = 0.0,
+    rotary: Callable[[Tensor], Tensor] | None = None,
+) -> Tensor:
     """Parallel routed attention over a whole sequence. q, k, v [B, R, T, D], clusters [B, R, T]
     -> [B, R, T, D]; token t sees itself and the last `window` earlier tokens of its cluster.
+    rotary: applied to k first (None: k is used as given).
 
     Computed like local attention, on the cluster-aligned layout of `cluster_block_layout`: each
     block of W slots attends to the block before it and itself through a band mask (slot i sees
@@ -243,7 +284,8 @@ def routed_attention(q: Tensor, k: Tensor, v: Tensor, clusters: Tensor, window: 
         if torch.is_autocast_enabled("cpu"):  # the kernel runs in the inputs' dtype, as autocast would pick
             dtype = torch.get_autocast_dtype("cpu")
             q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-        return _BandedRoutedAttention.apply(q, k, v, slot_source, destination, opens_cluster, window)
+        return _BandedRoutedAttention.apply(q, k, v, slot_source, destination, opens_cluster, window, rotary)
+    k = k if rotary is None else rotary(k)
     # inference, dropout, other devices: the same layout through torch's attention (and autograd)
     queries, keys, values = _slot_tensors(q, k, v, slot_source, window)
     every_block = slice(0, queries.shape[1])
@@ -361,12 +403,14 @@ class RoutingAttention(nn.Module):
         k = expand_kv(rearrange(self.to_k(x), "b t (g d) -> b g t d", d=spec.dim_head), spec.n_heads)
         v = expand_kv(rearrange(self.to_v(x), "b t (g d) -> b g t d", d=spec.dim_head), spec.n_heads)
         # route on keys before rotary positions: content, not position, picks the cluster
-        routing = F.normalize(k[:, self.n_local :].float(), dim=-1)  # [B, R, T, D]
-        clusters = assign_clusters(routing, self.centroids)  # [B, R, T]
+        with torch.no_grad():  # the gradient reaches the keys through the commitment loss only
+            routing = F.normalize(k[:, self.n_local :].float(), dim=-1)  # [B, R, T, D]
+            clusters = assign_clusters(routing, self.centroids)  # [B, R, T]
         self.aux_losses = {}
         if self.training and self.n_routed:
             weight = self.config.commitment_weight
-            self.aux_losses = {"commitment": weight * commitment_loss(routing, self.centroids, clusters)}
+            loss = commitment_loss(k[:, self.n_local :].float(), self.centroids, clusters)
+            self.aux_losses = {"commitment": weight * loss}
             if not is_recomputing():  # a reversible layer's recomputation must not count twice
                 with torch.no_grad():
                     sums, counts = cluster_statistics(routing, clusters, self.n_clusters)
@@ -374,6 +418,7 @@ class RoutingAttention(nn.Module):
                     self.centroid_counts += counts
         if self.record_statistics:
             self.last_clusters = clusters
+        unrotated_k = k
         if spec.rotary is not None:
             q, k = spec.rotary(q, offset), spec.rotary(k, offset)
         if cache is not None:
@@ -385,11 +430,14 @@ class RoutingAttention(nn.Module):
             parts.append(local_attention(q[:, :local], k[:, :local], v[:, :local], window, dropout))
         if self.n_routed:
             if cache is None:
-                parts.append(routed_attention(q[:, routed], k[:, routed], v[:, routed], clusters, window, dropout))
+                # keys before rotary go in: the copy autograd keeps is the commitment loss's too
+                rotary = None if spec.rotary is None else partial(spec.rotary, offset=offset)
+                parts.append(routed_attention(q[:, routed], unrotated_k[:, routed], v[:, routed], clusters, window,
+                                              dropout, rotary))
             else:
                 parts.append(routed_attention_cached(q[:, routed], k[:, routed], v[:, routed], clusters, window))
-        y = torch.cat(parts, dim=1)  # [B, H, T, D]
-        return self.to_out(rearrange(y, "b h t d -> b t (h d)"))
+        y = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]  # [B, H, T, D]
+        return self.to_out(rearrange(y, "b h t d -> b t (h d)"))  # a view when y is laid out [B, T, H, D]
 
     @torch.no_grad()
     def update_centroids(self) -> None:
