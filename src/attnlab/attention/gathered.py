@@ -1,15 +1,15 @@
 """Blocked attention over gathered rows, with the gathers recomputed in the backward.
 
-Routing and Sinkhorn attention both lay their queries out in blocks and give each block of
-queries its own short list of keys (same-cluster blocks, chosen buckets). Gathering keys and values
+Sinkhorn attention lays its queries out in blocks (buckets) and gives each block of queries its
+own short list of keys (its chosen buckets and itself). Gathering keys and values
 into that layout copies them about twice, and autograd would keep those copies, and the scores'
 mask, for the backward: at 4096 tokens that is several times what torch's fused attention keeps
 for full attention (q, k, v, output and one log-sum-exp per query). `gathered_attention` keeps
 only that: the ungathered q, k, v, the output in time order, the log-sum-exp and the small index
 tensors; the backward gathers again, rebuilds the mask and calls the fused kernel's backward.
 
-Deliberate departure from DESIGN.md's "shared only when three variants need it": two variants
-need it, and one custom autograd function is easier to trust than two copies.
+Used by Sinkhorn attention; routing attention has its own, local-attention-shaped variant of the
+same idea (attention/routing.py), whose keys are an overlapping view rather than a gather.
 
 Legend: B batch, H heads, T query rows, S key rows, D head width, N blocks, Q query slots per
 block, K key slots per block, U output rows.
@@ -77,6 +77,9 @@ class _GatheredAttention(torch.autograd.Function):
             outs.append(out[..., : v.shape[-1]].reshape(batch, n_heads, -1, v.shape[-1]))  # [B, H, n Q, D]
             logsumexps.append(logsumexp.reshape(batch, n_heads, -1))  # [B, H, n Q]
         y = _pick(torch.cat(outs, dim=2), output_index)  # [B, H, U, D]
+        # laid out [B, U, H, D] as torch's fused attention lays out its output: merging the heads
+        # for the output projection is then a view, and autograd keeps one copy of y, not two
+        y = y.transpose(1, 2).contiguous().transpose(1, 2)
         logsumexp = torch.cat(logsumexps, dim=2)  # [B, H, N Q]
         ctx.save_for_backward(q, k, v, key_feature, query_index, key_index, output_index, y, logsumexp)
         ctx.make_mask, ctx.scale = make_mask, scale

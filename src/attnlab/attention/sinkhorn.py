@@ -232,8 +232,8 @@ class SinkhornAttention(nn.Module):
         if local < spec.n_heads:
             parts.append(self._sorted(q[:, local:], keys[:, local:], values[:, local:], query_means[:, local:],
                                       key_means[:, local:], first_bucket, offset, dropout))
-        y = torch.cat(parts, dim=1)  # [B, H, T, D]
-        return self.to_out(rearrange(y, "b h t d -> b t (h d)"))
+        y = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]  # [B, H, T, D]
+        return self.to_out(rearrange(y, "b h t d -> b t (h d)"))  # a view when y is laid out [B, T, H, D]
 
     def _sorted(self, q, keys, values, query_means, key_means, first_bucket, offset, dropout) -> Tensor:
         """q [B, H', T, D] at positions offset..; keys, values [B, H', >= offset+T (bucket-padded), D]."""
