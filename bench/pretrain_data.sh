@@ -24,3 +24,17 @@ for run in 1 2 3; do
     echo "    wall $(echo "$(date +%s.%N) - $start" | bc) s"
   done
 done
+# where the time goes: one in-process prepare (1 worker) of the 1.9 MB corpus under cProfile
+echo "--- profile, $(uptime)"
+PYTHON=${PYTHON:-.venv/bin/python}
+$PYTHON - "$JSONL" "$WORK" <<'PY'
+import cProfile, pstats, sys
+from pathlib import Path
+from attnlab.data.shards import prepare_token_shards
+jsonl, work = Path(sys.argv[1]), Path(sys.argv[2])
+cProfile.run("prepare_token_shards([jsonl], work / 'tok', work / 'profiled', workers=1)", str(work / "prepare.prof"))
+stats = pstats.Stats(str(work / "prepare.prof"))
+total = stats.total_tt
+encode = sum(v[3] for k, v in stats.stats.items() if k[2] == "<method 'encode_batch' of 'tokenizers.Tokenizer' objects>")
+print(f"total {total:.2f} s, of which tokenizers' encode_batch {encode:.2f} s ({100 * encode / total:.0f}%)")
+PY
