@@ -135,7 +135,7 @@ def cluster_block_layout(clusters: Tensor, window: int) -> tuple[Tensor, Tensor,
     return destination, source, opens_cluster[..., :n_blocks]
 
 
-CHUNK_SLOTS = 4096  # query slots per head computed at once: bounds the transient mask and gathers
+CHUNK_SLOTS = 1024  # query slots per head computed at once: bounds the transient mask and gathers
 
 
 def _band_masks(window: int, dtype: torch.dtype, device) -> tuple[Tensor, Tensor]:
@@ -178,87 +178,90 @@ def _pick(x: Tensor, index: Tensor) -> Tensor:
     return x.gather(2, index[..., None].expand(-1, -1, -1, x.shape[-1]))
 
 
-def _banded_forward(queries, keys, values, opens_cluster, window):
-    """The fused kernel, chunk by chunk -> out [B R, N, W, D], log-sum-exp [B R, N, W]."""
-    band, opening = _band_masks(window, queries.dtype, queries.device)
-    opens = opens_cluster.flatten(0, 1)[..., None, None]  # [B R, N, 1, 1]
-    outs, logsumexps = [], []
-    for chunk in _chunks(queries.shape[1], window):
-        mask = torch.where(opens[:, chunk], opening, band)  # [B R, n, W, 2W]
-        out, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            queries[:, chunk], _windows(keys, chunk, window), _windows(values, chunk, window), 0.0, False,
-            attn_mask=mask,
-        )
-        outs.append(out)
-        logsumexps.append(logsumexp)
-    return torch.cat(outs, dim=1), torch.cat(logsumexps, dim=1)
-
-
 class _BandedRoutedAttention(torch.autograd.Function):
     """Forward on the fused kernel; keeps only q, k, v, y and the log-sum-exp (what torch keeps for
-    full attention), and gathers the layout again in the backward. Keys come in before their
-    rotary positions (`rotary`: keys -> rotated keys, or None) and are rotated here, so that the
-    one copy kept serves the commitment loss too."""
+    full attention), and gathers the layout again in the backward. Both run a few blocks at a time
+    (`CHUNK_SLOTS`), writing straight to time order, so the transient copies stay small. Keys come
+    in before their rotary positions (`rotary`: keys -> rotated keys, or None) and are rotated here,
+    so that the one copy kept serves the commitment loss too."""
 
     @staticmethod
     def forward(ctx, q, k, v, slot_source, destination, opens_cluster, window, rotary):
+        batch, n_heads, n_tokens, dim_head = q.shape
         rotated = k if rotary is None else rotary(k)
-        queries, keys, values = _slot_tensors(q, rotated, v, slot_source, window)
-        out, logsumexp = _banded_forward(queries, keys, values, opens_cluster, window)
-        y = _pick(out.view(*q.shape[:2], -1, q.shape[-1]), destination)  # time order, [B, R, T, D]
-        # laid out [B, T, R, D] as torch's fused attention lays out its output: merging the heads
-        # for the output projection is then a view, and autograd keeps one copy of y, not two
-        y = y.transpose(1, 2).contiguous().transpose(1, 2)
-        ctx.save_for_backward(q, k, v, slot_source, destination, opens_cluster, y, logsumexp)
+        slots = slot_source[..., window:]  # [B, R, P]: the token in each slot
+        real = destination.gather(-1, slots) == torch.arange(slots.shape[-1], device=q.device)  # not padding
+        band, opening = _band_masks(window, q.dtype, q.device)
+        opens = opens_cluster.flatten(0, 1)[..., None, None]  # [B R, N, 1, 1]
+        # y laid out [B, T, R, D] as torch's fused attention lays out its output: merging the heads for
+        # the output projection is then a view (autograd keeps one copy); row T takes padding slots
+        y = q.new_empty(batch, n_tokens + 1, n_heads, dim_head).transpose(1, 2)  # [B, R, T+1, D]
+        logsumexps = []
+        for chunk in _chunks(opens_cluster.shape[-1], window):
+            queries, keys, values, query_index = _chunk_tensors(q, rotated, v, slot_source, chunk, window)
+            out, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                queries, keys, values, 0.0, False, attn_mask=torch.where(opens[:, chunk], opening, band),
+            )
+            target = query_index.masked_fill(~real[..., chunk.start * window : chunk.stop * window], n_tokens)
+            y.scatter_(2, target[..., None].expand(-1, -1, -1, dim_head), out.reshape(batch, n_heads, -1, dim_head))
+            logsumexps.append(logsumexp)
+        y = y[:, :, :n_tokens]  # [B, R, T, D]
+        ctx.save_for_backward(q, k, v, slot_source, real, opens_cluster, y, torch.cat(logsumexps, dim=1))
         ctx.window, ctx.rotary = window, rotary
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        q, k, v, slot_source, destination, opens_cluster, y, logsumexp = ctx.saved_tensors
+        q, k, v, slot_source, real, opens_cluster, y, logsumexp = ctx.saved_tensors
         window, rotary = ctx.window, ctx.rotary
+        batch, n_heads, n_tokens, dim_head = q.shape
         with torch.enable_grad():  # rotate the keys again, to carry their gradient back through it
             unrotated = k.detach().requires_grad_(rotary is not None)
             rotated = unrotated if rotary is None else rotary(unrotated)
-        queries, keys, values = _slot_tensors(q, rotated.detach(), v, slot_source, window)
-        batch, n_heads, n_tokens, dim_head = q.shape
-        n_blocks = queries.shape[1]
-
-        def to_slots(x: Tensor) -> Tensor:  # [B, R, T, D] -> [B R, N, W, D]; zero in padding slots
-            slots = x.new_zeros(batch, n_heads, n_blocks * window, dim_head)
-            slots.scatter_(2, destination[..., None].expand(-1, -1, -1, dim_head), x)
-            return slots.view(batch * n_heads, n_blocks, window, dim_head)
-
-        # padding slots get zero output gradient, so they add exactly nothing to any gradient
-        grad_out, out = to_slots(grad_y.contiguous().to(y.dtype)), to_slots(y)
-        band, opening = _band_masks(window, queries.dtype, queries.device)
+        band, opening = _band_masks(window, q.dtype, q.device)
         opens = opens_cluster.flatten(0, 1)[..., None, None]
-        grad_queries = torch.empty_like(queries)
-        grad_keys, grad_values = torch.zeros_like(keys), torch.zeros_like(values)  # [B R, (N+1) W, D]
-        for chunk in _chunks(n_blocks, window):
-            mask = torch.where(opens[:, chunk], opening, band)
+        grad_q, grad_rotated, grad_v = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+        def add(grad: Tensor, index: Tensor, part: Tensor) -> None:  # scatter-add a chunk into time order
+            part = part.reshape(batch, n_heads, -1, dim_head)
+            grad.scatter_add_(2, index[..., None].expand(-1, -1, -1, dim_head), part)
+
+        for chunk in _chunks(opens_cluster.shape[-1], window):
+            queries, keys, values, query_index = _chunk_tensors(q, rotated.detach(), v, slot_source, chunk, window)
+            shape = queries.shape  # [B R, n, W, D]
+            padding = ~real[..., chunk.start * window : chunk.stop * window, None]
+            # padding slots get zero output gradient, so they add exactly nothing to any gradient
+            grad_out = _pick(grad_y, query_index).masked_fill_(padding, 0.0).view(shape)
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                grad_out[:, chunk], queries[:, chunk], _windows(keys, chunk, window),
-                _windows(values, chunk, window), out[:, chunk], logsumexp[:, chunk], 0.0, False, attn_mask=mask,
+                grad_out, queries, keys, values, _pick(y, query_index).view(shape), logsumexp[:, chunk], 0.0, False,
+                attn_mask=torch.where(opens[:, chunk], opening, band),
             )
-            grad_queries[:, chunk] = dq
-            previous = slice(chunk.start * window, chunk.stop * window)  # as the block before
-            own = slice((chunk.start + 1) * window, (chunk.stop + 1) * window)
-            for grad_slots, grad_windows in ((grad_keys, dk), (grad_values, dv)):
-                grad_slots[:, previous] += grad_windows[:, :, :window].reshape(batch * n_heads, -1, dim_head)
-                grad_slots[:, own] += grad_windows[:, :, window:].reshape(batch * n_heads, -1, dim_head)
-
-        def to_rows(grad: Tensor, like: Tensor, index: Tensor) -> Tensor:  # scatter-add back to time order
-            grad = grad.reshape(batch, n_heads, -1, dim_head).to(like.dtype)
-            return torch.zeros_like(like).scatter_add_(2, index[..., None].expand_as(grad), grad)
-
-        grad_k = to_rows(grad_keys, k, slot_source)  # with respect to the rotated keys
+            add(grad_q, query_index, dq)
+            # key column j < W of block n is slot (n-1) W + j, column W + j is slot n W + j; each token
+            # gets exactly two such terms, and their sum does not depend on which chunk adds first
+            as_previous = slot_source[..., chunk.start * window : chunk.stop * window]
+            as_own = slot_source[..., (chunk.start + 1) * window : (chunk.stop + 1) * window]
+            for grad, windows in ((grad_rotated, dk), (grad_v, dv)):
+                add(grad, as_previous, windows[:, :, :window])
+                add(grad, as_own, windows[:, :, window:])
+        grad_k = grad_rotated
         if rotary is not None:
-            (grad_k,) = torch.autograd.grad(rotated, unrotated, grad_k)
-        return (
-            to_rows(grad_queries, q, slot_source[..., window:]), grad_k, to_rows(grad_values, v, slot_source),
-            None, None, None, None, None,
-        )
+            (grad_k,) = torch.autograd.grad(rotated, unrotated, grad_rotated)
+        return grad_q, grad_k, grad_v, None, None, None, None, None
+
+
+def _chunk_tensors(q: Tensor, k: Tensor, v: Tensor, slot_source: Tensor, chunk: slice, window: int):
+    """The blocks in chunk: queries [B R, n, W, D], keys and values [B R, n, 2W, D] (each block's
+    previous block then its own: an overlapping view, no copy per block), and the token of each
+    query slot [B, R, n W]."""
+    batch, n_heads = q.shape[:2]
+    query_index = slot_source[..., (chunk.start + 1) * window : (chunk.stop + 1) * window]  # [B, R, n W]
+    key_index = slot_source[..., chunk.start * window : (chunk.stop + 1) * window]  # [B, R, (n+1) W]
+    queries = _pick(q, query_index).view(batch * n_heads, -1, window, q.shape[-1])
+    keys = _pick(k, key_index).flatten(0, 1)  # [B R, (n+1) W, D]
+    values = _pick(v, key_index).flatten(0, 1)
+    every = slice(0, queries.shape[1])
+    return queries, _windows(keys, every, window), _windows(values, every, window), query_index
 
 
 def routed_attention(
