@@ -234,6 +234,7 @@ def speculative_generate(
         if prompt_length > 1:
             target(prompt[:, :-1], cache=target_cache)
             draft(prompt[:, :-1], cache=draft_cache)
+        start = prompt_length  # first slot: every row has committed the tokens before it
         while True:
             done = lengths >= goal
             if end_token is not None:
@@ -242,8 +243,8 @@ def speculative_generate(
                 done |= ((sequence == end_token) & generated & committed).any(dim=1)
             if bool(done.all()):
                 break
-            start = int(lengths.min())  # first slot: every row has committed the tokens before it
             # both caches hold (at most) the first start - 1 tokens, committed by every row
+            n_ahead = int(lengths.max()) - start  # slots the leading row has committed (0: rows level)
             known = start + slots < lengths[:, None]  # [B, W-1] slots a row has already committed
             # Draft tokens are written straight into `sequence` past each row's committed length
             # (nothing there is committed), so the window is a view: no copies, no concatenation.
@@ -255,7 +256,9 @@ def speculative_generate(
             for slot in range(width - 1):
                 draft_probs.append(probs)  # q at this slot [B, V]
                 proposed = sample_from(probs, generator)  # [B]
-                window[:, slot] = torch.where(known[:, slot], window[:, slot], proposed)
+                if slot < n_ahead:  # some row has committed this slot already: it keeps its token
+                    proposed = torch.where(known[:, slot], window[:, slot], proposed)
+                window[:, slot] = proposed
                 if slot < width - 2:
                     probs = _next_probs(draft, window[:, slot : slot + 1], draft_cache, sampling)
             draft_probs = torch.stack(draft_probs, dim=1)  # [B, W-1, V]
@@ -267,14 +270,15 @@ def speculative_generate(
             # 3. accept/reject per row; the accepted slots are already in place, commit the next token
             accepted, next_token = accept_reject(target_probs, draft_probs, window, known, generator)
             sequence[rows, start + accepted] = next_token
-            n_known = known.sum(dim=1)  # [B]
-            n_drafted += (width - 1 - n_known).sum()
-            n_accepted += (accepted - n_known).sum()
+            n_known = known.sum() if n_ahead else 0  # known slots are neither drafted nor counted
+            n_drafted += batch * (width - 1) - n_known
+            n_accepted += accepted.sum() - n_known
             lengths = start + accepted + 1
             n_steps += 1
 
             # roll both caches back to the shortest committed prefix minus its last token
-            common = int(lengths.min()) - 1
+            start = int(lengths.min())
+            common = start - 1
             target_cache.truncate(common)
             draft_cache.truncate(min(common, draft_cache.length))
     finally:
