@@ -25,6 +25,15 @@ if [[ $part == all || $part == train ]]; then
             --out "$out/nsa-train-$run.jsonl" --markdown "$out/nsa-train-$run.md"
         uptime
     done
+    # the step-time ratio with both models stepping in turn in one process (same load for both)
+    for run in ${NSA_THREADS:-2 2-passive 1}; do
+        threads=${run%-passive}
+        settings=(OMP_NUM_THREADS="$threads")
+        if [[ $run == *-passive ]]; then settings+=(OMP_WAIT_POLICY=PASSIVE); fi
+        uptime
+        env "${settings[@]}" python bench/nsa_interleaved.py --seq-len 4096 --steps 3 | tee -a "$out/nsa-interleaved.jsonl"
+    done
+    uptime
     # where the time goes: the same NSA with the parameter-free mean compressor instead of the MLP
     OMP_NUM_THREADS=1 attnlab bench train --attention nsa --threads 1 --set "${nsa[@]}" attention.nsa.compressor=mean \
         --seq-len 4096 --batch-size 1 --steps 3 --warmup 1 \
