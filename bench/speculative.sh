@@ -4,6 +4,8 @@
 # time the target's own cached decoding against speculative decoding (gamma 5) at batch 1 and 4,
 # with the load average written before and after every figure. Outputs JSON lines in $OUT.
 #   RUNS=dir (trained pair, reused when present)  OUT=dir  REPEATS=n  STEPS=n  TRAIN_THREADS=n
+#   THREADS=n (default 2; on a machine busier than its cores, 1: two OpenMP threads that must
+#   meet at a barrier make each small forward many times slower there)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 runs=${RUNS:-runs/bench-speculative}
@@ -23,16 +25,16 @@ if ! ls "$draft"/checkpoints/* >/dev/null 2>&1; then
         --draft-preset spec-small-draft out_dir="$runs" train.max_steps="$steps" log.progress=false
 fi
 
-export OMP_NUM_THREADS=2
+export OMP_NUM_THREADS=${THREADS:-2}
 stamp() { echo "{\"date\": \"$(date -u +%FT%TZ)\", \"uptime\": \"$(uptime | sed 's/.*load average: //')\"}"; }
 {
     stamp
-    $python bench/speculative_costs.py "$target" "$draft"
+    $python bench/speculative_costs.py "$target" "$draft" --rounds "${ROUNDS:-200}"
     stamp
 } | tee "$out/costs.jsonl"
 : > "$out/decode.jsonl"
-for batch in 1 4; do
-    for temperature in 1 0; do
+for temperature in 1 0; do
+    for batch in 1 4; do
         stamp | tee -a "$out/decode.jsonl"
         $attnlab speculative --target "$target" --draft "$draft" --gamma 5 --prime-from-val \
             --max-new-tokens 256 --batch-size "$batch" --temperature "$temperature" \
