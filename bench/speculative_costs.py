@@ -3,8 +3,9 @@ target token, one 6-token verification forward (gamma 5 + 1) and one cached draf
 batch 1 and 4, on the trained pair. The three forwards are timed in turn, round after round, so
 that a busy machine slows them alike; medians are printed as one JSON line per batch size.
 
-Also the per-token acceptance probability on validation text, alpha = E[sum_v min(p, q)] =
-1 - E[TV(p, q)] (Leviathan et al., section 3.1), and what it predicts at batch 1: tokens per step
+Also the per-token acceptance probability alpha = E[sum_v min(p, q)] = 1 - E[TV(p, q)]
+(Leviathan et al., section 3.1) on validation text and on the target's own temperature-1
+continuations of validation primes, and what the first predicts at batch 1: tokens per step
 (1 - alpha^(gamma+1)) / (1 - alpha) and speedup = that * t(target token) / (gamma t(draft token)
 + t(verification)) (their eq. 1 and Theorem 3.8 with these measured costs, loop overhead ignored).
 
@@ -33,8 +34,11 @@ def main() -> None:
     args = parser.parse_args()
     target, draft = load_model(args.target).eval(), load_model(args.draft).eval()
     alpha = acceptance_on_validation(target, draft)
+    own = acceptance_on_own_samples(target, draft)
     print(json.dumps({"acceptance_per_token": round(alpha, 4),
-                      "tokens_per_step": round((1 - alpha ** (args.gamma + 1)) / (1 - alpha), 3)}))
+                      "tokens_per_step": round((1 - alpha ** (args.gamma + 1)) / (1 - alpha), 3),
+                      "acceptance_per_token_on_target_samples": round(own, 4),
+                      "tokens_per_step_on_target_samples": round((1 - own ** (args.gamma + 1)) / (1 - own), 3)}))
     cases = {"target_1": (target, 1), f"target_{args.gamma + 1}": (target, args.gamma + 1), "draft_1": (draft, 1)}
     for batch in (1, 4):
         generator = torch.Generator().manual_seed(batch)
@@ -59,6 +63,21 @@ def main() -> None:
         step_cost = args.gamma * ratios["draft_over_target"] + ratios["verify_over_token"]
         predicted = {"predicted_speedup_batch_1": round(tokens_per_step / step_cost, 3)} if batch == 1 else {}
         print(json.dumps({"batch_size": batch, "threads": torch.get_num_threads(), **medians, **ratios, **predicted}))
+
+
+@torch.inference_mode()
+def acceptance_on_own_samples(target, draft, n_rows: int = 8, prime: int = 128, n_new: int = 256) -> float:
+    """sum_v min(p, q) at the positions of the target's own temperature-1 continuations of
+    validation primes: the text speculative decoding actually verifies."""
+    from attnlab.data.bytes import load_corpus
+    from attnlab.data.sampler import eval_windows
+    from attnlab.generate.sampling import generate
+
+    primes = eval_windows(load_corpus(target.run_config.data).val, prime, n_rows, seed=0)[:, :prime].long()
+    tokens = generate(target, primes, n_new, generator=torch.Generator().manual_seed(0))[:, :-1]  # [n, T + N - 1]
+    p = torch.softmax(target(tokens).logits[:, prime - 1 :].float(), dim=-1)  # [n, N, V]
+    q = torch.softmax(draft(tokens).logits[:, prime - 1 :].float(), dim=-1)
+    return float(torch.minimum(p, q).sum(dim=-1).mean())
 
 
 @torch.inference_mode()
