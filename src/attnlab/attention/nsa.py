@@ -32,8 +32,11 @@ Memory (the torch path): queries run in chunks of `query_chunk_size`. The select
 chunk's chosen blocks from a block view of the keys (index_select) and its custom backward
 recomputes them and scatters gradients with index_add, saving only q, k, v, the indices, the output
 and the log-sum-exp: O(T * n * l' * D) transient, O(T * D) saved. The compressed branch's
-T x (T / d) probabilities live one chunk at a time (recomputed in backward by checkpointing).
-No T x T tensor, no T x blocks x block x D tensor.
+T x (T / d) probabilities live one chunk at a time: its custom backward recomputes them from the
+saved log-sum-exp (with straight-through top-k, whose selection scores need a gradient, each
+chunk is checkpointed instead). No T x T tensor, no T x blocks x block x D tensor.
+
+Back-ends (`backend`): torch (here), flex and triton (attention/kernels/), one semantics.
 
 Legend: B batch, T queries, S keys (cached + new), H query heads, G key/value heads, R = H / G query
 heads per group, D head width, C chunk of queries, N compressed blocks, M selection blocks,
@@ -50,7 +53,7 @@ from einops import rearrange
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from attnlab.attention.base import AttentionSpec, KVCache, sdpa
+from attnlab.attention.base import AttentionSpec, KVCache
 from attnlab.attention.kernels import nsa_flex, nsa_triton
 from attnlab.attention.local import local_attention
 from attnlab.config import NSAAttentionConfig
@@ -148,6 +151,46 @@ def compressed_attention_chunk(
     return rearrange(output, "b g r c d -> b (g r) c d"), indices, valid, selected_scores
 
 
+class CompressedChunkAttention(torch.autograd.Function):
+    """Compressed branch and selection of one chunk of queries, without straight-through scores.
+
+    q [B, H, C, D] (no rotary) at `positions` [C]; keys, values [B, G, 1 + N, D]. -> output
+    [B, H, C, D], indices, valid [B, G, C, n]. The probabilities serve both the output and the
+    selection; backward recomputes them from the saved log-sum-exp (flash-attention style), so a
+    chunk keeps O(C * D) for backward and never its C x (1 + N) scores or mask.
+    """
+
+    @staticmethod
+    def forward(ctx, q, keys, values, positions, config: NSAAttentionConfig, n_selection_blocks: int):  # noqa: D102
+        visible = compressed_visibility(positions, keys.shape[2] - 1, config)  # [C, 1 + N]
+        q_grouped = rearrange(q, "b (g r) c d -> b g r c d", g=keys.shape[1])
+        scores = torch.matmul(q_grouped, keys[:, :, None].transpose(-1, -2)) / math.sqrt(q.shape[-1])
+        scores.masked_fill_(~visible, float("-inf"))  # [B, G, R, C, 1 + N]
+        log_sum = torch.logsumexp(scores, dim=-1, keepdim=True)  # the memory slot: never empty
+        probs = scores.sub_(log_sum).exp_()  # eq. 7-8
+        output = torch.matmul(probs, values[:, :, None])  # [B, G, R, C, D]
+        importance = block_importance(probs[..., 1:], config, n_selection_blocks)  # [B, G, C, M]
+        indices, valid = choose_blocks(importance, positions, config)
+        ctx.save_for_backward(q_grouped, keys, values, visible, output, log_sum)
+        ctx.mark_non_differentiable(indices, valid)
+        return rearrange(output, "b g r c d -> b (g r) c d"), indices, valid
+
+    @staticmethod
+    def backward(ctx, grad_output, _grad_indices, _grad_valid):  # noqa: D102
+        q_grouped, keys, values, visible, output, log_sum = ctx.saved_tensors
+        scale = 1 / math.sqrt(q_grouped.shape[-1])
+        scores = torch.matmul(q_grouped, keys[:, :, None].transpose(-1, -2)).mul_(scale)
+        probs = scores.sub_(log_sum).exp_().masked_fill_(~visible, 0.0)  # [B, G, R, C, 1 + N], recomputed
+        grad_output = rearrange(grad_output, "b (g r) c d -> b g r c d", g=keys.shape[1])
+        grad_values = torch.matmul(probs.transpose(-1, -2), grad_output).sum(dim=2)  # [B, G, 1 + N, D]
+        grad_probs = torch.matmul(grad_output, values[:, :, None].transpose(-1, -2))
+        delta = (grad_output * output).sum(dim=-1, keepdim=True)  # [B, G, R, C, 1]
+        grad_scores = grad_probs.sub_(delta).mul_(probs).mul_(scale)
+        grad_q = rearrange(torch.matmul(grad_scores, keys[:, :, None]), "b g r c d -> b (g r) c d")
+        grad_keys = torch.matmul(grad_scores.transpose(-1, -2), q_grouped).sum(dim=2)
+        return grad_q, grad_keys, grad_values, None, None, None
+
+
 def compressed_attention_fast(
     q: Tensor,
     keys: Tensor,
@@ -156,16 +199,11 @@ def compressed_attention_fast(
     config: NSAAttentionConfig,
     n_selection_blocks: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """As compressed_attention_chunk without selection scores (no straight-through): the output by
-    torch's fused attention, which saves only its output and log-sum-exp for backward, and the
-    selection computed once, without autograd. -> output [B, H, C, D], indices, valid [B, G, C, n]."""
-    visible = compressed_visibility(positions, keys.shape[2] - 1, config)
-    with torch.no_grad():
-        probs = compressed_probabilities(q, keys, visible)
-        importance = block_importance(probs[..., 1:], config, n_selection_blocks)
-        indices, valid = choose_blocks(importance, positions, config)
-    output = sdpa(q, keys.to(q.dtype), values.to(q.dtype), mask=visible, causal=False, dropout=0.0)
-    return output, indices, valid
+    """As compressed_attention_chunk without selection scores (no straight-through), by
+    CompressedChunkAttention in q's dtype. -> output [B, H, C, D], indices, valid [B, G, C, n]."""
+    keys, values = keys.to(q.dtype), values.to(q.dtype)
+    with torch.autocast(q.device.type, enabled=False):
+        return CompressedChunkAttention.apply(q, keys, values, positions, config, n_selection_blocks)
 
 
 def _gather_blocks(blocked: Tensor, indices: Tensor) -> Tensor:
