@@ -47,6 +47,10 @@ if [[ $part == all || $part == decode ]]; then
         --context 1024 4096 8192 --new-tokens 16 --no-uncached \
         --out "$out/nsa-decode.jsonl" --markdown "$out/nsa-decode.md"
     uptime
+    OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS=2 attnlab bench decode --attention full nsa --set "${nsa[@]}" \
+        --context 1024 4096 8192 --new-tokens 16 --no-uncached \
+        --out "$out/nsa-decode-passive.jsonl" --markdown "$out/nsa-decode-passive.md"
+    uptime
 fi
 
 if [[ $part == all || $part == quality ]]; then
