@@ -19,3 +19,19 @@ def test_flex_routed_equals_torch(n_tokens, window, n_clusters):
     clusters[0, 0] = 0  # one head with a single cluster: the window alone limits it
     got = flex_routed_attention(q, k, v, clusters, window)
     torch.testing.assert_close(got, routed_attention(q, k, v, clusters, window), atol=1e-5, rtol=1e-5)
+
+
+def test_model_with_flex_routing_equals_torch():
+    from tests.variants import variant_config
+
+    from attnlab.model.transformer import Transformer
+
+    torch.manual_seed(0)
+    reference = Transformer(variant_config("routing")).eval()  # layers mix local and routed heads
+    flex_config = variant_config("routing")
+    flex_config.attention.routing.backend = "flex"
+    flex = Transformer(flex_config).eval()
+    flex.load_state_dict(reference.state_dict())
+    tokens = torch.randint(0, reference.config.num_tokens, (2, 45))
+    with torch.no_grad():
+        torch.testing.assert_close(flex(tokens).logits, reference(tokens).logits, atol=1e-5, rtol=1e-5)

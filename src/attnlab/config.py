@@ -46,6 +46,7 @@ class RoutingAttentionConfig:
     n_local_heads: int | tuple[int, ...] = 0  # heads using the local window, one int or one per layer
     ema_decay: float = 0.999  # centroid moving-average decay, applied once per optimiser step
     commitment_weight: float = 1e-4  # weight of the k-means commitment loss (seed 000's default)
+    backend: Literal["torch", "flex"] = "torch"  # flex: FlexAttention same-cluster band (GPU; forward-only on CPU)
 
 
 # ---- sinkhorn (owned by attention/sinkhorn.py)

@@ -57,7 +57,8 @@ def local_attention(q: Tensor, k: Tensor, v: Tensor, window: int, dropout: float
         q.reshape(*flat, window, dim_head),
         k.reshape(*flat, 2 * window, dim_head),
         v.reshape(*flat, 2 * window, dim_head),
-        mask=mask.expand(n_heads, -1, -1, -1).reshape(n_heads * n_blocks, window, 2 * window),
+        # a 4-D mask keeps SDPA on its fused CPU kernel (a 3-D one sends it to the slower math path)
+        mask=mask.expand(n_heads, -1, -1, -1).reshape(1, n_heads * n_blocks, window, 2 * window),
         causal=False,
         dropout=dropout,
     )

@@ -42,8 +42,10 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from attnlab.attention.base import AttentionSpec, KVCache, expand_kv
+from attnlab.attention.kernels.flex_routing import flex_routed_attention
 from attnlab.attention.local import local_attention
 from attnlab.config import RoutingAttentionConfig
+from attnlab.errors import ConfigError
 from attnlab.model.reversible import is_recomputing
 from attnlab.registry import ATTENTION
 
@@ -396,6 +398,8 @@ class RoutingAttention(nn.Module):
         self.register_buffer("centroid_counts", torch.zeros(self.n_routed, self.n_clusters), persistent=False)
         self.aux_losses: dict[str, Tensor] = {}
         self.record_statistics = False  # routing_stats() turns this on to read `last_clusters`
+        if config.backend == "flex" and spec.dropout > 0:
+            raise ConfigError("attention.routing.backend=flex has no attention dropout; set model.attention.dropout=0")
         self.last_clusters: Tensor | None = None
 
     def forward(self, x: Tensor, cache: RoutingCache | None = None) -> Tensor:
@@ -432,7 +436,9 @@ class RoutingAttention(nn.Module):
         if self.n_local:
             parts.append(local_attention(q[:, :local], k[:, :local], v[:, :local], window, dropout))
         if self.n_routed:
-            if cache is None:
+            if cache is None and self.config.backend == "flex":  # kernels/flex_routing.py
+                parts.append(flex_routed_attention(q[:, routed], k[:, routed], v[:, routed], clusters, window))
+            elif cache is None:
                 # keys before rotary go in: the copy autograd keeps is the commitment loss's too
                 rotary = None if spec.rotary is None else partial(spec.rotary, offset=offset)
                 parts.append(routed_attention(q[:, routed], unrotated_k[:, routed], v[:, routed], clusters, window,
