@@ -57,6 +57,7 @@ class SinkhornAttentionConfig:
     sinkhorn_iter: int = 5  # row/column normalisation rounds of the sorting matrix
     temperature: float = 0.75  # divides the sorting logits (and Gumbel noise) before normalising
     n_local_heads: int = 0  # heads using the local window of bucket_size instead of sorted buckets
+    backend: Literal["torch", "flex"] = "torch"  # flex: FlexAttention bucket mask + weight (GPU; forward-only on CPU)
 
 
 # ---- nsa (owned by attention/nsa.py)

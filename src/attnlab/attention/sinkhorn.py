@@ -40,8 +40,10 @@ from torch import Tensor, nn
 
 from attnlab.attention.base import AttentionSpec, KVCache, expand_kv
 from attnlab.attention.gathered import gathered_attention
+from attnlab.attention.kernels.flex_sinkhorn import flex_bucket_attention
 from attnlab.attention.local import local_attention
 from attnlab.config import SinkhornAttentionConfig
+from attnlab.errors import ConfigError
 from attnlab.registry import ATTENTION
 
 MASKED = -1e4  # finite "minus infinity" for the sorting matrix: keeps Sinkhorn's gradients finite
@@ -202,6 +204,8 @@ class SinkhornAttention(nn.Module):
         self.to_v = nn.Linear(spec.dim, inner_kv, bias=False)
         self.to_out = nn.Linear(inner_q, spec.dim, bias=False)
         self.aux_losses: dict[str, Tensor] = {}
+        if config.backend == "flex" and spec.dropout > 0:
+            raise ConfigError("attention.sinkhorn.backend=flex has no attention dropout; set model.attention.dropout=0")
 
     def forward(self, x: Tensor, cache: SinkhornCache | None = None) -> Tensor:
         spec, config, local = self.spec, self.config, self.n_local
@@ -243,6 +247,8 @@ class SinkhornAttention(nn.Module):
             gumbel=self.training,
         )
         chosen, weights = chosen[:, :, first_bucket:], weights[:, :, first_bucket:]  # buckets with queries
+        if config.backend == "flex" and offset == 0:  # a whole sequence: kernels/flex_sinkhorn.py
+            return flex_bucket_attention(q, keys[:, :, : q.shape[2]], values[:, :, : q.shape[2]], chosen, weights, size)
         return bucket_attention(q, keys, values, chosen, weights, offset, size, dropout)  # [B, H', T, D]
 
     def new_cache(self, batch: int, max_len: int, device=None, dtype=None) -> SinkhornCache:
