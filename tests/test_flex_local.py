@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.variants import variant_config
+from tests.variants import flex_twin, variant_config
 
 from attnlab.errors import ConfigError
 from attnlab.model.transformer import Transformer
@@ -13,26 +13,16 @@ from attnlab.model.transformer import Transformer
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # flex's "compile me" note on CPU
 
 
-def pair(**overrides):
-    torch.manual_seed(0)
-    reference = Transformer(variant_config("local", **overrides)).eval()
-    flex_config = variant_config("local", **overrides)
-    flex_config.attention.local.backend = "flex"
-    flex = Transformer(flex_config).eval()
-    flex.load_state_dict(reference.state_dict())
-    return reference, flex
-
-
 @pytest.mark.parametrize("length", [5, 21, 40])
 def test_flex_forward_equals_torch(length):
-    reference, flex = pair()  # window 8, 4 query heads over 2 key/value heads
+    reference, flex = flex_twin("local", "local")  # window 8, 4 query heads over 2 key/value heads
     tokens = torch.randint(0, reference.config.num_tokens, (2, length))
     with torch.no_grad():
         torch.testing.assert_close(flex(tokens).logits, reference(tokens).logits, atol=1e-5, rtol=1e-5)
 
 
 def test_flex_through_the_cache_in_chunks():
-    reference, flex = pair()
+    reference, flex = flex_twin("local", "local")
     tokens = torch.randint(0, reference.config.num_tokens, (1, 30))
     cache = flex.new_cache(1, 30)
     with torch.no_grad():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tests.variants import flex_twin
 
 from attnlab.attention.kernels.flex_routing import flex_routed_attention
 from attnlab.attention.routing import routed_attention
@@ -22,16 +23,7 @@ def test_flex_routed_equals_torch(n_tokens, window, n_clusters):
 
 
 def test_model_with_flex_routing_equals_torch():
-    from tests.variants import variant_config
-
-    from attnlab.model.transformer import Transformer
-
-    torch.manual_seed(0)
-    reference = Transformer(variant_config("routing")).eval()  # layers mix local and routed heads
-    flex_config = variant_config("routing")
-    flex_config.attention.routing.backend = "flex"
-    flex = Transformer(flex_config).eval()
-    flex.load_state_dict(reference.state_dict())
+    reference, flex = flex_twin("routing", "routing")  # layers mix local and routed heads
     tokens = torch.randint(0, reference.config.num_tokens, (2, 45))
     with torch.no_grad():
         torch.testing.assert_close(flex(tokens).logits, reference(tokens).logits, atol=1e-5, rtol=1e-5)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tests.variants import flex_twin
 
 from attnlab.attention.kernels.flex_sinkhorn import flex_bucket_attention
 from attnlab.attention.sinkhorn import bucket_attention, bucket_means, sort_buckets
@@ -21,16 +22,7 @@ def test_flex_bucket_attention_equals_torch(n_tokens, bucket, n_sortcut):
 
 
 def test_model_with_flex_sinkhorn_equals_torch():
-    from tests.variants import variant_config
-
-    from attnlab.model.transformer import Transformer
-
-    torch.manual_seed(0)
-    reference = Transformer(variant_config("sinkhorn")).eval()  # a local head and sorted heads
-    flex_config = variant_config("sinkhorn")
-    flex_config.attention.sinkhorn.backend = "flex"
-    flex = Transformer(flex_config).eval()
-    flex.load_state_dict(reference.state_dict())
+    reference, flex = flex_twin("sinkhorn", "sinkhorn")  # a local head and sorted heads
     tokens = torch.randint(0, reference.config.num_tokens, (2, 45))  # not a multiple of the bucket
     with torch.no_grad():
         torch.testing.assert_close(flex(tokens).logits, reference(tokens).logits, atol=1e-5, rtol=1e-5)

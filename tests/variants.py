@@ -49,3 +49,19 @@ SPARSE = ["local", "routing", "sinkhorn-reversible", "nsa"]
 def variant_config(name: str, **overrides: Any) -> ModelConfig:
     values = {**BASE, **VARIANTS[name], **overrides}
     return config_from_dict(values, ModelConfig)
+
+
+def flex_twin(name: str, section: str):
+    """Two models with the same weights, in eval mode: variant `name` as is (the torch path) and with
+    `attention.<section>.backend = "flex"`."""
+    import torch
+
+    from attnlab.model.transformer import Transformer
+
+    torch.manual_seed(0)
+    reference = Transformer(variant_config(name)).eval()
+    flex_config = variant_config(name)
+    getattr(flex_config.attention, section).backend = "flex"
+    flex = Transformer(flex_config).eval()
+    flex.load_state_dict(reference.state_dict())
+    return reference, flex
