@@ -15,7 +15,8 @@ from attnlab.train.checkpoint import load_model
 
 
 def register(subparsers) -> None:
-    parser = subparsers.add_parser("sample", help="generate text from a trained run, streamed")
+    parser = subparsers.add_parser("sample", help="generate text from a trained run, streamed (a tokenized "
+                                   "run stops at its end token)")
     parser.add_argument("run", help="run directory or checkpoint file")
     parser.add_argument("--prompt", default="", help="text to continue")
     parser.add_argument("--max-new-tokens", type=int, default=256)
@@ -45,6 +46,8 @@ def run(args: argparse.Namespace) -> int:
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     sys.stdout.write(args.prompt)
     for token, _ in stream(model, prompt, args.max_new_tokens, sampling, not args.no_cache, generator):
+        if tokenizer is not None and int(token[0]) == tokenizer.eos_id:
+            break  # the document ends here: tokenized runs are trained with an end token
         sys.stdout.write(decoder.decode(token_bytes(int(token[0]))))
         sys.stdout.flush()
     sys.stdout.write(decoder.decode(b"", final=True) + "\n")
