@@ -288,9 +288,15 @@ def test_minimind_demo_pipeline_end_to_end(tmp_path, capsys, caplog, monkeypatch
     tokenizer = load_corpus(load_config("minimind-demo", tiny).data).tokenizer
     word, rest = tokenizer.encode(" word"), tokenizer.encode(" after")
     steps = [*word, tokenizer.eos_id, *rest]
-    monkeypatch.setattr(sample_command, "stream", lambda *a, **k: ((torch.tensor([t]), None) for t in steps))
-    assert main(["sample", run, "--prompt", "Say", "--max-new-tokens", "12"]) == 0
+    with monkeypatch.context() as patch:
+        patch.setattr(sample_command, "stream", lambda *a, **k: ((torch.tensor([t]), None) for t in steps))
+        assert main(["sample", run, "--prompt", "Say", "--max-new-tokens", "12"]) == 0
     assert capsys.readouterr().out == "Say word\n"  # generation stops at the end token
+    for prime in (["--prime-from-val", "--batch-size", "2"], ["--prompt", "Return the"]):  # primes are documents
+        assert main(["speculative", "--target", run, "--early-exit", "1", *prime, "--max-new-tokens", "6",
+                     "--temperature", "0", "--json"]) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert report["base"]["text"] == report["speculative"]["text"]  # greedy: the same tokens
     assert main(["eval", run, "--json", "--windows", "4", "--batch-size", "2"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["bits_per_byte"] < report["bits_per_token"]  # a token is more than one byte

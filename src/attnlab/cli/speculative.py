@@ -92,18 +92,28 @@ def timed(function: Callable[[], object], device: torch.device) -> tuple[object,
     return result, time.perf_counter() - started
 
 
-def build_prompt(args: argparse.Namespace, target) -> torch.Tensor:
-    """[batch, T] prompt tokens: the text repeated per row, or one validation window per row."""
+def build_prompt(args: argparse.Namespace, target, tokenizer) -> torch.Tensor:
+    """[batch, T] prompt tokens: the text repeated per row, or one validation prime per row (a window
+    of byte data; the beginning of a document of tokenized data, all cut to the shortest)."""
     if args.prime_from_val:
         from attnlab.data.bytes import load_corpus
-        from attnlab.data.sampler import eval_windows
+        from attnlab.data.sampler import eval_windows, prime_tokens
 
         corpus = load_corpus(target.run_config.data)
+        if hasattr(corpus.val, "prime"):  # tokenized documents
+            primes = [prime_tokens(corpus.val, args.prime_length, seed=args.seed + row)
+                      for row in range(args.batch_size)]
+            length = min(len(prime) for prime in primes)
+            return torch.stack([prime[:length] for prime in primes]).long().to(args.device)
         windows = eval_windows(corpus.val, args.prime_length, args.batch_size, seed=args.seed)
         return windows[:, : args.prime_length].long().to(args.device)
-    from attnlab.data.bytes import encode_text
+    text = args.prompt if args.prompt is not None else ""
+    if tokenizer is not None:  # documents start with BOS in training (data/pretrain.py), so prompts do too
+        tokens = [tokenizer.bos_id, *tokenizer.encode(text)]
+    else:
+        from attnlab.data.bytes import encode_text
 
-    tokens = encode_text(args.prompt if args.prompt is not None else "") or [ord("\n")]
+        tokens = encode_text(text) or [ord("\n")]
     return torch.tensor([tokens] * args.batch_size, device=args.device)
 
 
@@ -125,7 +135,11 @@ def run(args: argparse.Namespace) -> int:
         if draft.config.num_tokens != target.config.num_tokens:
             raise AttnlabError("draft and target must share a vocabulary (model.num_tokens)")
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
-    prompt = build_prompt(args, target)  # [B, T]
+    from attnlab.data.pretrain import tokenizer_for
+
+    tokenizer = tokenizer_for(target.run_config.data)  # None: a byte-level run
+    decode = decode_bytes if tokenizer is None else tokenizer.decode
+    prompt = build_prompt(args, target, tokenizer)  # [B, T]
     n_new = args.max_new_tokens
 
     def base(seed: int) -> torch.Tensor:
@@ -162,15 +176,15 @@ def run(args: argparse.Namespace) -> int:
         "prompt_tokens": prompt_length,
         "sampling": {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p},
         "repeats": args.repeats,
-        "prompt": decode_bytes(prompt[0].tolist()),
+        "prompt": decode(prompt[0].tolist()),
         "base": {
-            "text": decode_bytes(first_base[0, prompt_length:].tolist()),
+            "text": decode(first_base[0, prompt_length:].tolist()),
             "ms": 1000 * base_seconds,
             "ms_all": [1000 * seconds for seconds in base_times],
             "tokens_per_s": n_tokens / base_seconds,
         },
         "speculative": {
-            "text": decode_bytes(first_result.tokens[0, prompt_length:].tolist()),
+            "text": decode(first_result.tokens[0, prompt_length:].tolist()),
             "ms": 1000 * speculative_seconds,
             "ms_all": [1000 * seconds for seconds in speculative_times],
             "tokens_per_s": n_tokens / speculative_seconds,
