@@ -3,9 +3,9 @@ skips every key block outside the band (torch.nn.attention.flex_attention, torch
 
 Same semantics as attention/local.py's `local_attention` (tests/test_flex_local.py): the queries
 are the last T of the S keys, query i (key position S - T + i) sees keys S - T + i - window < j <=
-S - T + i. On CUDA the kernel is compiled once per shape (block masks are cached per shape too);
-elsewhere FlexAttention runs its eager reference, forward only on CPU in torch 2.13, so CPU
-training uses the torch path.
+S - T + i. On CUDA the kernel is compiled once per shape (kernels/flex.py; block masks are cached
+per shape too); elsewhere FlexAttention runs its eager reference, forward only on CPU in torch
+2.13, so CPU training uses the torch path.
 
 Legend: B batch, T queries, S keys, H query heads, G key/value heads, D head width.
 """
@@ -17,9 +17,7 @@ import functools
 import torch
 from torch import Tensor
 
-# every (T, S) shape is one compiled graph; a dynamo cache too small would make it fall back to
-# eager silently once a model sees more shapes than the default limit (8)
-DYNAMO_CACHE_SIZE = 256
+from attnlab.attention.kernels.flex import flex_kernel
 
 
 @functools.lru_cache(maxsize=64)
@@ -35,21 +33,8 @@ def sliding_window_block_mask(window: int, n_queries: int, n_keys: int, device: 
     return create_block_mask(band, B=None, H=None, Q_LEN=n_queries, KV_LEN=n_keys, device=device)
 
 
-@functools.cache
-def _kernel(device_type: str):
-    from torch.nn.attention.flex_attention import flex_attention
-
-    if device_type != "cuda":
-        return flex_attention
-    import torch._dynamo
-
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, DYNAMO_CACHE_SIZE)
-    return torch.compile(flex_attention, dynamic=False)
-
-
 def flex_local_attention(q: Tensor, k: Tensor, v: Tensor, window: int) -> Tensor:
     """q [B, H, T, D], the last T of the keys k, v [B, G, S, D] -> [B, H, T, D]."""
     n_queries, n_keys = q.shape[2], k.shape[2]
     block_mask = sliding_window_block_mask(window, n_queries, n_keys, q.device)
-    kernel = _kernel(q.device.type)
-    return kernel(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
+    return flex_kernel(q.device.type)(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from attnlab.attention.kernels.flex_local import _kernel
+from attnlab.attention.kernels.flex import flex_kernel
 
 
 def flex_routed_attention(q: Tensor, k: Tensor, v: Tensor, clusters: Tensor, window: int) -> Tensor:
@@ -35,5 +35,5 @@ def flex_routed_attention(q: Tensor, k: Tensor, v: Tensor, clusters: Tensor, win
 
     block_mask = create_block_mask(same_cluster_band, B=batch, H=n_heads, Q_LEN=n_tokens, KV_LEN=n_tokens,
                                    device=q.device)
-    y_sorted = _kernel(q.device.type)(sorted_q, sorted_k, sorted_v, block_mask=block_mask)  # [B, R, T, D]
+    y_sorted = flex_kernel(q.device.type)(sorted_q, sorted_k, sorted_v, block_mask=block_mask)  # [B, R, T, D]
     return torch.empty_like(y_sorted).scatter_(2, index, y_sorted)  # back to time order

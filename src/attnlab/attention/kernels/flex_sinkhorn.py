@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from attnlab.attention.kernels.flex_local import _kernel
+from attnlab.attention.kernels.flex import flex_kernel
 
 
 def flex_bucket_attention(q: Tensor, k: Tensor, v: Tensor, chosen: Tensor, chosen_weights: Tensor,
@@ -44,4 +44,4 @@ def flex_bucket_attention(q: Tensor, k: Tensor, v: Tensor, chosen: Tensor, chose
         return score + torch.where(query_bucket == key_bucket, 0.0, weight).to(score.dtype)
 
     block_mask = create_block_mask(visible, B=batch, H=n_heads, Q_LEN=n_tokens, KV_LEN=n_tokens, device=q.device)
-    return _kernel(q.device.type)(q, k, v, score_mod=add_sorting_weight, block_mask=block_mask)
+    return flex_kernel(q.device.type)(q, k, v, score_mod=add_sorting_weight, block_mask=block_mask)

@@ -18,30 +18,14 @@ Legend: B batch, H query heads, G key/value heads, T queries, S keys, D head wid
 
 from __future__ import annotations
 
-import functools
 import warnings
 
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnlab.attention.kernels.flex import flex_kernel
+
 LENGTH_BUCKET = 128  # queries and keys are padded to a multiple of this before compiled calls
-RECOMPILE_LIMIT = 256  # dynamo cache entries per function: one per length bucket, far above what runs use
-
-
-@functools.cache
-def _flex_attention(compiled: bool):
-    from torch.nn.attention.flex_attention import flex_attention
-
-    if not compiled:
-        return flex_attention
-    import torch._dynamo
-
-    # one compiled graph per length bucket; never fall back to eager because the cache is full
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, RECOMPILE_LIMIT)
-    torch._dynamo.config.accumulated_cache_size_limit = max(
-        torch._dynamo.config.accumulated_cache_size_limit, RECOMPILE_LIMIT
-    )
-    return torch.compile(flex_attention, dynamic=False)
 
 
 def _masked_attention(q: Tensor, k: Tensor, v: Tensor, mask_mod, batch_dependent: bool) -> Tensor:
@@ -62,7 +46,7 @@ def _masked_attention(q: Tensor, k: Tensor, v: Tensor, mask_mod, batch_dependent
     )
     with warnings.catch_warnings():  # eager on CPU is deliberate (see the module docstring)
         warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
-        output = _flex_attention(compiled)(q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1])
+        output = flex_kernel(q.device.type)(q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1])
     return output[:, :, :n_queries]
 
 
