@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from attnlab.cli.main import main
-from attnlab.config import PRESET_DIR, DataConfig, TrainConfig, load_config
+from attnlab.config import DataConfig, TrainConfig, load_config
 from attnlab.data.bytes import load_corpus
 from attnlab.data.pretrain import PaddedDocumentSampler, load_token_corpus
 from attnlab.data.sampler import RandomWindowSampler, make_sampler
@@ -231,13 +231,8 @@ def test_cli_prepare_and_errors(folder, tokenizer_dir, capsys):
 
 
 @pytest.mark.parametrize("name", ["minimind-pretrain", "minimind-moe", "minimind-demo"])
-def test_minimind_parameter_count_matches_header(name):
-    header = (PRESET_DIR / f"{name}.yaml").read_text()
-    stated = int(re.search(r"^# .*Parameters: ([\d,]+)", header, re.MULTILINE).group(1).replace(",", ""))
+def test_minimind_presets_are_minimind_shaped(name):  # their parameter counts: test_presets.py
     config = load_config(name)
-    with torch.device("meta"):
-        model = Transformer(config.model)
-    assert model.num_parameters() == stated
     assert (config.model.norm, config.model.position, config.model.tie_embeddings) == ("rmsnorm", "rotary", True)
     assert config.model.n_kv_heads < config.model.heads  # GQA
     assert config.data.source in ("tokens", "builtin-tokens") and config.data.layout == "padded"
