@@ -206,23 +206,24 @@ def compressed_attention_fast(
         return CompressedChunkAttention.apply(q, keys, values, positions, config, n_selection_blocks)
 
 
-def _gather_blocks(blocked: Tensor, indices: Tensor) -> Tensor:
-    """blocked [B, G, M, l', D] (contiguous), indices [B, G, C, n] -> [B, G, C, n * l', D] (index_select)."""
+def _block_rows(blocked: Tensor, indices: Tensor) -> tuple[Tensor, Tensor]:
+    """blocked [B, G, M, l', D] as rows [B G M, l' D] (a view), and indices [B, G, C, n] as row numbers [B G C n]."""
     batch, n_groups, n_blocks, block, dim_head = blocked.shape
     base = (torch.arange(batch * n_groups, device=indices.device) * n_blocks).view(batch, n_groups, 1, 1)
-    flat = (indices + base).reshape(-1)
-    rows = blocked.view(batch * n_groups * n_blocks, block * dim_head).index_select(0, flat)
-    return rows.view(batch, n_groups, indices.shape[2], indices.shape[3] * block, dim_head)
+    return blocked.view(batch * n_groups * n_blocks, block * dim_head), (indices + base).reshape(-1)
+
+
+def _gather_blocks(blocked: Tensor, indices: Tensor) -> Tensor:
+    """blocked [B, G, M, l', D] (contiguous), indices [B, G, C, n] -> [B, G, C, n * l', D] (index_select)."""
+    batch, n_groups, _, block, dim_head = blocked.shape
+    rows, flat = _block_rows(blocked, indices)
+    return rows.index_select(0, flat).view(batch, n_groups, indices.shape[2], indices.shape[3] * block, dim_head)
 
 
 def _scatter_blocks(grad_blocked: Tensor, indices: Tensor, grad_rows: Tensor) -> None:
     """Add grad_rows [B, G, C, n * l', D] into grad_blocked [B, G, M, l', D] at indices (index_add)."""
-    batch, n_groups, n_blocks, block, dim_head = grad_blocked.shape
-    base = (torch.arange(batch * n_groups, device=indices.device) * n_blocks).view(batch, n_groups, 1, 1)
-    flat = (indices + base).reshape(-1)
-    grad_blocked.view(batch * n_groups * n_blocks, block * dim_head).index_add_(
-        0, flat, grad_rows.reshape(-1, block * dim_head)
-    )
+    rows, flat = _block_rows(grad_blocked, indices)
+    rows.index_add_(0, flat, grad_rows.reshape(-1, rows.shape[1]))
 
 
 def _blocked(tensor: Tensor, block: int) -> Tensor:
