@@ -157,17 +157,14 @@ class Transformer(nn.Module):
         if targets is not None and loss_mask is not None:
             targets = targets.masked_fill(loss_mask == 0, IGNORE_INDEX)
         chunk = self.config.loss_chunk_size
-        if targets is not None and chunk > 0:  # loss without the full logits (model/loss.py)
-            output = ModelOutput(logits=None, aux_losses=self.collect_aux_losses())
-            lm_loss = chunked_linear_cross_entropy(x, self.head.weight, targets, chunk)
-        else:
-            logits = self.head(x)  # [B, T, V]
-            output = ModelOutput(logits=logits, aux_losses=self.collect_aux_losses())
+        chunked_loss = targets is not None and chunk > 0  # the loss without the full logits (model/loss.py)
+        logits = None if chunked_loss else self.head(x)  # [B, T, V]
+        output = ModelOutput(logits=logits, aux_losses=self.collect_aux_losses())
         if targets is not None:
-            if chunk <= 0:
-                lm_loss = F.cross_entropy(
-                    logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX
-                )
+            if chunked_loss:
+                lm_loss = chunked_linear_cross_entropy(x, self.head.weight, targets, chunk)
+            else:
+                lm_loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
             output.lm_loss = lm_loss
             output.loss = lm_loss + sum(output.aux_losses.values(), torch.zeros((), device=lm_loss.device))
         return output

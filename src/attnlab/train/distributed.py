@@ -105,6 +105,7 @@ class SingleProcess:
         clip = self.config.train.grad_clip
         scaler.unscale_(optimizer)
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else math.inf)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a sharded DTensor
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
@@ -201,16 +202,6 @@ class FSDP(_ProcessGroupStrategy):
             fully_shard(block)
         fully_shard(module)
         return module
-
-    def step(self, forward, optimizer, scaler, model):
-        clip = self.config.train.grad_clip
-        scaler.unscale_(optimizer)
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else math.inf)
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-        return float(norm)
 
     # Checkpoints through torch.distributed.checkpoint: every rank writes its own shards under
     # RUN/fsdp/step-N/ (nothing gathered over the network); rank 0 then rebuilds the full fp32 model
@@ -310,9 +301,6 @@ class DeepSpeed(_ProcessGroupStrategy):
     def step(self, forward, optimizer, scaler, model):
         norm = forward.get_global_grad_norm()
         return float(norm) if norm is not None else float("nan")
-
-    def micro_step_context(self, forward, is_last):
-        return contextlib.nullcontext()
 
     # The engine writes its own checkpoint under RUN/deepspeed/step-N/ and resumes from it; rank 0
     # rebuilds full fp32 weights from it with DeepSpeed's zero_to_fp32 for the single-file
