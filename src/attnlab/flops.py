@@ -6,7 +6,8 @@ Counted, for one token of a training step (forward + backward = 3 x forward):
                                                          included; MoE experts scaled by top_k / n_experts)
             + 4 * sum over layers of H * D * K_layer     scores q.k and the weighted sum of values
 
-K_layer is the number of keys a query is scored against, by attention type, for a sequence of T:
+K_layer is the number of keys a query is scored against (each attention class's `keys_per_query`), for a
+sequence of T:
 
     full      T                          PaLM's convention (arXiv 2204.02311, appendix B): causal
                                          kernels skip half, but MFU is quoted against this count
@@ -27,6 +28,7 @@ import torch
 from torch import nn
 
 from attnlab.config import ModelConfig
+from attnlab.registry import ATTENTION
 
 # dense bf16 tensor-core peaks, FLOP/s, by a substring of torch.cuda.get_device_name()
 GPU_BF16_PEAK = {
@@ -41,32 +43,16 @@ GPU_BF16_PEAK = {
 
 
 def keys_per_query(config: ModelConfig, seq_len: int, layer_index: int) -> float:
-    """Mean number of keys one query head of layer `layer_index` scores (see the module docstring)."""
-    attention, heads = config.attention, config.heads
-    kind = attention.kind
-    if kind == "full":
-        return float(seq_len)
-    if kind == "local":
-        return float(min(attention.local.window_size, seq_len))
-    if kind == "routing":
-        from attnlab.attention.routing import local_heads_of_layer
+    """Mean number of keys one query head of layer `layer_index` scores: each attention class's
+    own `keys_per_query` (see the module docstring)."""
+    import attnlab.attention  # noqa: F401  (registers the variants)
 
-        routing = attention.routing
-        n_local = local_heads_of_layer(routing.n_local_heads, layer_index)
-        local_keys = min(routing.window_size, seq_len)
-        routed_keys = min(routing.window_size + 1, seq_len)
-        return (n_local * local_keys + (heads - n_local) * routed_keys) / heads
-    if kind == "sinkhorn":
-        sinkhorn = attention.sinkhorn
-        bucket = min(sinkhorn.bucket_size, seq_len)
-        sorted_keys = min(bucket * (1 + sinkhorn.n_sortcut), seq_len)
-        return (sinkhorn.n_local_heads * bucket + (heads - sinkhorn.n_local_heads) * sorted_keys) / heads
-    if kind == "nsa":
-        nsa = attention.nsa
-        compressed = seq_len / nsa.compress_stride
-        selected = min(nsa.num_selected * nsa.selection_block_size, seq_len)
-        return compressed + selected + min(nsa.sliding_window_size, seq_len)
-    raise ValueError(f"no FLOP count for attention kind {kind!r}")
+    kind = config.attention.kind
+    attention_class = ATTENTION.get(kind)
+    if not hasattr(attention_class, "keys_per_query"):
+        raise ValueError(f"no FLOP count for attention kind {kind!r}")
+    variant_config = getattr(config.attention, kind, None)
+    return attention_class.keys_per_query(variant_config, seq_len, config.heads, layer_index)
 
 
 def active_linear_parameters(config: ModelConfig) -> float:

@@ -50,6 +50,11 @@ class FullCache(KVCache):
 class FullAttention(nn.Module):
     config_class = FullAttentionConfig
 
+    @staticmethod
+    def keys_per_query(config: FullAttentionConfig | None, seq_len: int, n_heads: int, layer_index: int) -> float:
+        """Keys a query is scored against, for the FLOP count (flops.py): T, PaLM's convention."""
+        return float(seq_len)
+
     def __init__(self, spec: AttentionSpec, config: FullAttentionConfig | None = None) -> None:
         super().__init__()
         self.spec = spec

@@ -103,6 +103,11 @@ class LocalCache(KVCache):
 class LocalAttention(nn.Module):
     config_class = LocalAttentionConfig
 
+    @staticmethod
+    def keys_per_query(config: LocalAttentionConfig, seq_len: int, n_heads: int, layer_index: int) -> float:
+        """Keys a query is scored against, for the FLOP count (flops.py)."""
+        return float(min(config.window_size, seq_len))
+
     def __init__(self, spec: AttentionSpec, config: LocalAttentionConfig) -> None:
         super().__init__()
         self.spec, self.config = spec, config

@@ -430,6 +430,13 @@ class NSACache(KVCache):
 class NativeSparseAttention(nn.Module):
     config_class = NSAAttentionConfig
 
+    @staticmethod
+    def keys_per_query(config: NSAAttentionConfig, seq_len: int, n_heads: int, layer_index: int) -> float:
+        """Keys a query is scored against, for the FLOP count (flops.py): compressed blocks, the
+        selected blocks' tokens and the sliding window."""
+        selected = min(config.num_selected * config.selection_block_size, seq_len)
+        return seq_len / config.compress_stride + selected + min(config.sliding_window_size, seq_len)
+
     def __init__(self, spec: AttentionSpec, config: NSAAttentionConfig) -> None:
         super().__init__()
         check_config(config, spec)

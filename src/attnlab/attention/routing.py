@@ -378,6 +378,14 @@ class RoutingAttention(nn.Module):
 
     config_class = RoutingAttentionConfig
 
+    @staticmethod
+    def keys_per_query(config: RoutingAttentionConfig, seq_len: int, n_heads: int, layer_index: int) -> float:
+        """Keys a query is scored against, for the FLOP count (flops.py), averaged over the layer's
+        heads: local heads their window, routed heads itself and the last window of its cluster."""
+        n_local = local_heads_of_layer(config.n_local_heads, layer_index)
+        local_keys, routed_keys = min(config.window_size, seq_len), min(config.window_size + 1, seq_len)
+        return (n_local * local_keys + (n_heads - n_local) * routed_keys) / n_heads
+
     def __init__(self, spec: AttentionSpec, config: RoutingAttentionConfig) -> None:
         super().__init__()
         self.spec, self.config = spec, config

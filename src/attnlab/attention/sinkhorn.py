@@ -192,6 +192,14 @@ class SinkhornAttention(nn.Module):
 
     config_class = SinkhornAttentionConfig
 
+    @staticmethod
+    def keys_per_query(config: SinkhornAttentionConfig, seq_len: int, n_heads: int, layer_index: int) -> float:
+        """Keys a query is scored against, for the FLOP count (flops.py), averaged over the heads:
+        local heads a bucket, sorted heads their own bucket and the n_sortcut chosen ones."""
+        bucket = min(config.bucket_size, seq_len)
+        sorted_keys = min(bucket * (1 + config.n_sortcut), seq_len)
+        return (config.n_local_heads * bucket + (n_heads - config.n_local_heads) * sorted_keys) / n_heads
+
     def __init__(self, spec: AttentionSpec, config: SinkhornAttentionConfig) -> None:
         super().__init__()
         self.spec, self.config = spec, config
