@@ -259,7 +259,8 @@ def test_minimind_demo_pipeline_end_to_end(tmp_path, capsys, caplog, monkeypatch
 
     every_source = pretrain.stdlib_sources()
     monkeypatch.setattr(pretrain, "stdlib_sources", lambda: every_source[:200])  # tiny: fewer documents
-    tiny = [f"out_dir={tmp_path / 'runs'}", "data.vocab_size=300", "model.num_tokens=300", "model.dim=32",
+    tiny = [f"out_dir={tmp_path / 'runs'}", f"data.cache_dir={tmp_path / 'cache'}",  # a corpus of 200 files: not shared
+            "data.vocab_size=300", "model.num_tokens=300", "model.dim=32",
             "model.depth=1", "model.dim_head=8", "model.ff_hidden=64", "train.max_steps=4", "train.eval_every=2",
             "train.sample_every=4", "train.sample_length=8", "train.save_every=4", "log.progress=false"]
     caplog.set_level(logging.INFO)

@@ -45,6 +45,8 @@ def evaluate(
     device = next(model.parameters()).device
     samples = eval_batch(data, seq_len, n_windows, seed)  # tokens [n_windows, seq_len + 1], mask or None
     token_bytes = getattr(data, "token_bytes", None)  # [V] bytes per id; None: one byte per token
+    if token_bytes is not None:
+        token_bytes = torch.from_numpy(token_bytes)  # once, not per batch
     total, count, n_bytes = 0.0, 0, 0
     for start in range(0, n_windows, batch_size):
         batch = samples.tokens[start : start + batch_size].to(device)
@@ -58,7 +60,7 @@ def evaluate(
         if token_bytes is None:
             n_bytes += n
         else:
-            n_bytes += int((torch.from_numpy(token_bytes)[batch[:, 1:].cpu()] * counted.cpu()).sum())
+            n_bytes += int((token_bytes[batch[:, 1:].cpu()] * counted.cpu()).sum())
     model.train(was_training)
     loss = total / count
     return EvalResult(

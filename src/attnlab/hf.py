@@ -47,7 +47,8 @@ from typing import Any
 import torch
 
 from attnlab.config import DataConfig, ModelConfig, MoEConfig, RunConfig, TrainConfig, config_to_dict, save_config
-from attnlab.data.tokenizer import BOS_TOKEN, byte_symbols
+from attnlab.data.shards import TOKENIZER_FOLDER
+from attnlab.data.tokenizer import BOS_TOKEN, TOKENIZER_FILE, byte_symbols
 from attnlab.errors import ConversionError
 from attnlab.model.layers import hidden_width
 from attnlab.model.transformer import Transformer
@@ -59,8 +60,8 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 SHARDED_INDEX_FILE = "model.safetensors.index.json"
 TORCH_WEIGHTS_FILE = "pytorch_model.bin"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-RUN_TOKENIZER_DIR = "tokenizer"  # where a run keeps its tokenizer files (import writes them there)
+TOKENIZER_FILES = (TOKENIZER_FILE, "tokenizer_config.json", "special_tokens_map.json")
+RUN_TOKENIZER_DIR = TOKENIZER_FOLDER  # where a run keeps its tokenizer files: `tokenizer_for` reads them there
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 Tensors = dict[str, torch.Tensor]  # a state dict: parameter name -> tensor
 
@@ -247,16 +248,14 @@ def qwen2_moe_config(config: ModelConfig, dtype: str, special_ids: dict[str, int
 
 
 def find_tokenizer(run_dir: Path, run_config: RunConfig | None) -> Path | None:
-    """The tokenizer folder of a run: RUN/tokenizer/ (imported runs), the copy beside the token
-    shards of a tokenized run, or RUN itself; None for a byte-level run that has none."""
+    """The tokenizer folder of a run: RUN/tokenizer/ (imported runs) or the copy beside the token
+    shards of a tokenized run; None for a byte-level run that has none."""
     candidates = [run_dir / RUN_TOKENIZER_DIR]
     tokenized = run_config is not None and run_config.data.source in ("tokens", "builtin-tokens")
     if tokenized:
         from attnlab.data.pretrain import token_folder  # shards keep the tokenizer their ids belong to
-        from attnlab.data.shards import TOKENIZER_FOLDER
 
         candidates.append(token_folder(run_config.data) / TOKENIZER_FOLDER)
-    candidates.append(run_dir)
     for folder in candidates:
         if (folder / TOKENIZER_FILES[0]).is_file():
             return folder
@@ -270,15 +269,15 @@ def special_token_ids(tokenizer_dir: Path | None) -> dict[str, int | None]:
     ids: dict[str, int | None] = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
     if tokenizer_dir is None or not (tokenizer_dir / "special_tokens_map.json").is_file():
         return ids
-    tokenizer = json.loads((tokenizer_dir / TOKENIZER_FILES[0]).read_text())
-    vocabulary = tokenizer["model"].get("vocab", {})
-    added = {token["content"]: token["id"] for token in tokenizer.get("added_tokens", [])}
+    from tokenizers import Tokenizer as BackendTokenizer
+
+    tokenizer = BackendTokenizer.from_file(str(tokenizer_dir / TOKENIZER_FILE))
     special_map = json.loads((tokenizer_dir / "special_tokens_map.json").read_text())
     for role in ("bos", "eos", "pad"):
         token = special_map.get(f"{role}_token")
         token = token.get("content") if isinstance(token, dict) else token
         if token is not None:
-            ids[f"{role}_token_id"] = added.get(token, vocabulary.get(token))
+            ids[f"{role}_token_id"] = tokenizer.token_to_id(token)
     return ids
 
 
@@ -572,7 +571,7 @@ def import_hf(hf_dir: str | Path, run_dir: str | Path, overwrite: bool = False) 
     if tokenized and BOS_TOKEN not in (hf_dir / TOKENIZER_FILES[0]).read_text(encoding="utf-8"):
         log.warning("the tokenizer of %s lacks attnlab's %s: `attnlab sample` needs it to start prompts; "
                     "load the model from Python instead", hf_dir, BOS_TOKEN)
-    data = DataConfig(source="tokens", path=str(run_dir)) if tokenized else DataConfig()
+    data = DataConfig(source="tokens", path=str(run_dir.resolve())) if tokenized else DataConfig()  # any cwd
     config = RunConfig(
         name=run_dir.name, out_dir=str(run_dir.parent), model=model_config, train=train, data=data,
         description=f"imported from the Hugging Face checkpoint {hf_dir}",

@@ -46,14 +46,13 @@ import numpy as np
 import torch
 
 from attnlab.config import DataConfig, TrainConfig
-from attnlab.data.bytes import _write_atomic, default_cache_dir, stdlib_sources
+from attnlab.data.bytes import _write_atomic, default_cache_dir, sha256_of, stdlib_sources
 from attnlab.data.sampler import Batch, RandomWindowSampler
 from attnlab.data.shards import (
     META_FILE,
     TOKENIZER_FOLDER,
     TokenRange,
     TokenShards,
-    file_sha256,
     prepare_token_shards,
     read_meta,
 )
@@ -197,7 +196,7 @@ def load_token_corpus(config: DataConfig) -> TokenCorpus:
     folder = prepare_builtin_tokens(config) if config.source == "builtin-tokens" else token_folder(config)
     shards = TokenShards(folder)
     tokenizer = Tokenizer(folder / TOKENIZER_FOLDER)
-    if file_sha256(folder / TOKENIZER_FOLDER / TOKENIZER_FILE) != shards.meta["tokenizer_sha256"]:
+    if sha256_of(folder / TOKENIZER_FOLDER / TOKENIZER_FILE) != shards.meta["tokenizer_sha256"]:
         raise DataError(f"{folder}: the tokenizer beside the shards is not the one they were made with")
     n_documents = shards.n_documents
     n_val = max(1, int(n_documents * config.val_fraction))
@@ -290,7 +289,7 @@ def prepare_builtin_tokens(config: DataConfig, workers: int | None = None) -> Pa
         shutil.rmtree(tokenizer_dir, ignore_errors=True)
         os.replace(partial, tokenizer_dir)
     shards_dir = token_folder(config)
-    sha = file_sha256(tokenizer_dir / TOKENIZER_FILE)
+    sha = sha256_of(tokenizer_dir / TOKENIZER_FILE)
     if (shards_dir / META_FILE).is_file() and read_meta(shards_dir)["tokenizer_sha256"] == sha:
         log.info("token shards: cached at %s", shards_dir)
     else:

@@ -22,7 +22,6 @@ Legend: V vocabulary size, N tokens, D documents.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import multiprocessing
@@ -37,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from attnlab.data.bytes import sha256_of
 from attnlab.data.jsonl import SkipCounter, parse_batch, read_line_batches
 from attnlab.data.tokenizer import TOKENIZER_FILE, Tokenizer
 from attnlab.errors import DataError
@@ -52,10 +52,6 @@ TOKENIZER_FOLDER = "tokenizer"
 def token_dtype(vocab_size: int) -> np.dtype:
     """The narrowest unsigned type holding every id: uint16 up to 65,536 tokens."""
     return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
-
-
-def file_sha256(path: Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 # --------------------------------------------------------------------------------------------
@@ -110,8 +106,10 @@ def _write_array(path: Path, array: np.ndarray, raw: bool) -> None:
 _worker_tokenizer: Tokenizer | None = None
 
 
-def _start_worker(tokenizer_dir: str) -> None:
+def _start_worker(tokenizer_dir: str, in_pool: bool = False) -> None:
     global _worker_tokenizer
+    if in_pool:  # one thread per worker process: the workers already use every core between them
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _worker_tokenizer = Tokenizer(Path(tokenizer_dir))
 
 
@@ -190,9 +188,8 @@ def prepare_token_shards(
         results: Iterator = map(_tokenize_batch, jobs)
         pool = None
     else:
-        # fork: the workers share the parent's imports; the parent has not encoded anything, so the
-        # tokenizers library's own threads are not yet running when it forks
-        pool = multiprocessing.get_context("fork").Pool(workers, _start_worker, (str(tokenizer_dir),))
+        # fork: the workers share the parent's imports; each runs the tokenizers library on one thread
+        pool = multiprocessing.get_context("fork").Pool(workers, _start_worker, (str(tokenizer_dir), True))
         results = _in_order(pool, jobs, max_in_flight=2 * workers)
     try:
         for documents, batch_skipped, n_bytes in results:
@@ -209,7 +206,8 @@ def prepare_token_shards(
     if writer.n_documents == 0:
         raise DataError(f"no documents in {', '.join(map(str, inputs))}")
     seconds = time.perf_counter() - started
-    shutil.copytree(tokenizer_dir, out_dir / TOKENIZER_FOLDER, dirs_exist_ok=True)
+    if Path(tokenizer_dir).resolve() != (out_dir / TOKENIZER_FOLDER).resolve():  # not already there
+        shutil.copytree(tokenizer_dir, out_dir / TOKENIZER_FOLDER, dirs_exist_ok=True)
     meta = {
         "format": FORMAT,
         "version": FORMAT_VERSION,
@@ -221,7 +219,7 @@ def prepare_token_shards(
         "pad_id": tokenizer.pad_id,
         "bos_id": tokenizer.bos_id,
         "eos_id": tokenizer.eos_id,
-        "tokenizer_sha256": file_sha256(tokenizer_dir / TOKENIZER_FILE),
+        "tokenizer_sha256": sha256_of(tokenizer_dir / TOKENIZER_FILE),
         "inputs": [str(path) for path in inputs],
         "input_bytes": n_input_bytes,
         "seconds": round(seconds, 3),

@@ -186,7 +186,12 @@ def train(
     random.seed(tc.seed)
     np.random.seed(tc.seed)
 
-    corpus = load_corpus(config.data)  # ByteCorpus, or TokenCorpus for tokenized documents
+    # ByteCorpus, or TokenCorpus for tokenized documents. Rank 0 first: loading may build the corpus
+    # into the shared cache (built-in corpora, tokenizer, shards), which ranks must not do at once
+    corpus = load_corpus(config.data) if strategy.is_main else None
+    strategy.barrier()
+    if corpus is None:
+        corpus = load_corpus(config.data)
     if getattr(corpus, "vocab_size", 256) > config.model.num_tokens:
         raise AttnlabError(f"the data's vocabulary has {corpus.vocab_size} tokens but model.num_tokens="
                            f"{config.model.num_tokens}; set model.num_tokens={corpus.vocab_size}")
