@@ -55,6 +55,7 @@ from torch.utils.checkpoint import checkpoint
 
 from attnlab.attention.base import AttentionSpec, KVCache
 from attnlab.attention.kernels import nsa_flex, nsa_triton
+from attnlab.attention.kernels.flex_local import flex_local_attention
 from attnlab.attention.local import local_attention
 from attnlab.config import NSAAttentionConfig
 from attnlab.errors import ConfigError
@@ -572,7 +573,7 @@ class NativeSparseAttention(nn.Module):
     def _sliding(self, q, k, v) -> Tensor:
         if self.config.backend == "flex":
             self._check_flex(q)
-            return nsa_flex.sliding_attention(q, k, v, self.config.sliding_window_size)
+            return flex_local_attention(q, k, v, self.config.sliding_window_size)
         return local_attention(q, k, v, self.config.sliding_window_size)
 
     @staticmethod

@@ -9,6 +9,7 @@ CPU in torch 2.13, and it builds the whole query x key score matrix: for checks 
 from __future__ import annotations
 
 import functools
+import warnings
 
 RECOMPILE_LIMIT = 256  # dynamo cache entries per function: one per shape, far above what runs use
 
@@ -18,10 +19,22 @@ def flex_kernel(device_type: str):
     from torch.nn.attention.flex_attention import flex_attention
 
     if device_type != "cuda":
-        return flex_attention
+        return _eager(flex_attention)
     import torch._dynamo
 
     config = torch._dynamo.config
     config.cache_size_limit = max(config.cache_size_limit, RECOMPILE_LIMIT)
     config.accumulated_cache_size_limit = max(config.accumulated_cache_size_limit, RECOMPILE_LIMIT)
     return torch.compile(flex_attention, dynamic=False)
+
+
+def _eager(flex_attention):
+    """flex_attention without its "call me under torch.compile" warning: eager is deliberate here."""
+
+    @functools.wraps(flex_attention)
+    def call(*args, **kwargs):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+            return flex_attention(*args, **kwargs)
+
+    return call

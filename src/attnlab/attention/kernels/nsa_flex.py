@@ -1,10 +1,10 @@
-"""FlexAttention back-end for NSA's sliding and selected branches (torch.nn.attention.flex_attention).
+"""FlexAttention back-end for NSA's selected branch (torch.nn.attention.flex_attention); the
+sliding branch uses local attention's flex kernel (kernels/flex_local.py).
 
-Both branches are attention over the layer's own keys under a mask, so each is one flex_attention
-call with a BlockMask built from a `mask_mod`: the sliding window from positions, the selected
-branch from the per-query selected block indices that the compressed branch chose (shared by the
-query heads of a key/value group). Same semantics as the torch path in attention/nsa.py, which the
-tests compare against.
+The selected branch is attention over the layer's own keys under a mask, so it is one
+flex_attention call with a BlockMask built from a `mask_mod`: from the per-query selected block
+indices that the compressed branch chose (shared by the query heads of a key/value group). Same
+semantics as the torch path in attention/nsa.py, which the tests compare against.
 
 - On CUDA flex_attention is compiled (fused kernels that skip empty tiles), once per length bucket:
   lengths are padded up to a multiple of `LENGTH_BUCKET`, and dynamo's recompile limit is raised so
@@ -17,8 +17,6 @@ Legend: B batch, H query heads, G key/value heads, T queries, S keys, D head wid
 """
 
 from __future__ import annotations
-
-import warnings
 
 import torch.nn.functional as F
 from torch import Tensor
@@ -44,23 +42,8 @@ def _masked_attention(q: Tensor, k: Tensor, v: Tensor, mask_mod, batch_dependent
         mask_mod, B=q.shape[0] if batch_dependent else None, H=q.shape[1] if batch_dependent else None,
         Q_LEN=q.shape[2], KV_LEN=k.shape[2], device=q.device,
     )
-    with warnings.catch_warnings():  # eager on CPU is deliberate (see the module docstring)
-        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
-        output = flex_kernel(q.device.type)(q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1])
+    output = flex_kernel(q.device.type)(q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1])
     return output[:, :, :n_queries]
-
-
-def sliding_attention(q: Tensor, k: Tensor, v: Tensor, window: int) -> Tensor:
-    """q [B, H, T, D] are the last T of the S keys k, v [B, G, S, D]; query i (key index S - T + i)
-    sees keys S - T + i - window < j <= S - T + i. -> [B, H, T, D] (as attention.local.local_attention)."""
-    offset = k.shape[2] - q.shape[2]
-    n_keys = k.shape[2]
-
-    def mask_mod(batch, head, query, key):
-        position = query + offset
-        return (key <= position) & (key > position - window) & (key < n_keys)
-
-    return _masked_attention(q, k, v, mask_mod, batch_dependent=False)
 
 
 def selected_attention(
