@@ -26,12 +26,12 @@ from torch import Tensor
 CHUNK_KEY_SLOTS = 4096  # gathered key slots per head processed at once (the chunk size above)
 
 
-def _pick(x: Tensor, index: Tensor) -> Tensor:
+def pick_rows(x: Tensor, index: Tensor) -> Tensor:
     """Rows of x [B, H, T, D] at index [B, H, n] -> [B, H, n, D]."""
     return x.gather(2, index[..., None].expand(-1, -1, -1, x.shape[-1]))
 
 
-def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
+def additive_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
     """bool mask -> 0 / -inf, as torch's attention does for a boolean mask."""
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
@@ -43,9 +43,9 @@ def _blocks(q: Tensor, k: Tensor, v: Tensor, query_index: Tensor, key_index: Ten
     batch, n_heads, n_blocks, n_query_slots = query_index.shape
     n_key_slots = key_index.shape[-1]
     flat = (batch, n_heads * n_blocks)
-    queries = _pick(q, query_index.flatten(2)).view(*flat, n_query_slots, q.shape[-1])
-    keys = _pick(k, key_index.flatten(2)).view(*flat, n_key_slots, k.shape[-1])
-    values = _pick(v, key_index.flatten(2)).view(*flat, n_key_slots, v.shape[-1])
+    queries = pick_rows(q, query_index.flatten(2)).view(*flat, n_query_slots, q.shape[-1])
+    keys = pick_rows(k, key_index.flatten(2)).view(*flat, n_key_slots, k.shape[-1])
+    values = pick_rows(v, key_index.flatten(2)).view(*flat, n_key_slots, v.shape[-1])
     if key_feature is not None:
         queries = F.pad(queries, (0, 1), value=1.0)
         keys = torch.cat((keys, key_feature.reshape(*flat, n_key_slots, 1).to(keys.dtype)), dim=-1)
@@ -53,11 +53,20 @@ def _blocks(q: Tensor, k: Tensor, v: Tensor, query_index: Tensor, key_index: Ten
     return queries, keys, values
 
 
-def _chunks(n_blocks: int, n_key_slots: int) -> list[slice]:
-    """Block ranges processed at a time: a few MB of gathered keys each, so the transient copies of
-    the forward and backward stay small next to what autograd keeps."""
-    size = max(1, CHUNK_KEY_SLOTS // n_key_slots)
+def block_chunks(n_blocks: int, slots_per_block: int, slots_per_chunk: int = CHUNK_KEY_SLOTS) -> list[slice]:
+    """Block ranges processed at a time: about `slots_per_chunk` slots each, so the transient copies
+    of the forward and backward stay small next to what autograd keeps."""
+    size = max(1, slots_per_chunk // slots_per_block)
     return [slice(start, min(start + size, n_blocks)) for start in range(0, n_blocks, size)]
+
+
+def autocast_inputs(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v in the dtype CPU autocast would run attention in (a custom autograd function sees
+    no autocast), unchanged when autocast is off."""
+    if torch.is_autocast_enabled("cpu"):
+        dtype = torch.get_autocast_dtype("cpu")
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    return q, k, v
 
 
 class _GatheredAttention(torch.autograd.Function):
@@ -67,16 +76,16 @@ class _GatheredAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, key_feature, query_index, key_index, output_index, make_mask, scale):
         batch, n_heads, n_blocks, n_query_slots = query_index.shape
         outs, logsumexps = [], []
-        for chunk in _chunks(n_blocks, key_index.shape[-1]):
+        for chunk in block_chunks(n_blocks, key_index.shape[-1]):
             feature = None if key_feature is None else key_feature[:, :, chunk]
             queries, keys, values = _blocks(q, k, v, query_index[:, :, chunk], key_index[:, :, chunk], feature)
-            mask = _additive(make_mask(chunk), queries.dtype).flatten(1, 2)  # [B, H n, Q, K]
+            mask = additive_mask(make_mask(chunk), queries.dtype).flatten(1, 2)  # [B, H n, Q, K]
             out, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 queries, keys, values, 0.0, False, attn_mask=mask, scale=scale
             )
             outs.append(out[..., : v.shape[-1]].reshape(batch, n_heads, -1, v.shape[-1]))  # [B, H, n Q, D]
             logsumexps.append(logsumexp.reshape(batch, n_heads, -1))  # [B, H, n Q]
-        y = _pick(torch.cat(outs, dim=2), output_index)  # [B, H, U, D]
+        y = pick_rows(torch.cat(outs, dim=2), output_index)  # [B, H, U, D]
         # laid out [B, U, H, D] as torch's fused attention lays out its output: merging the heads
         # for the output projection is then a view, and autograd keeps one copy of y, not two
         y = y.transpose(1, 2).contiguous().transpose(1, 2)
@@ -106,10 +115,10 @@ class _GatheredAttention(torch.autograd.Function):
             grad = grad[..., : rows.shape[-1]].reshape(batch, n_heads, -1, rows.shape[-1])
             rows.scatter_add_(2, index.flatten(2)[..., None].expand_as(grad), grad.to(rows.dtype))
 
-        for chunk in _chunks(n_blocks, key_index.shape[-1]):
+        for chunk in block_chunks(n_blocks, key_index.shape[-1]):
             feature = None if key_feature is None else key_feature[:, :, chunk]
             queries, keys, values = _blocks(q, k, v, query_index[:, :, chunk], key_index[:, :, chunk], feature)
-            mask = _additive(ctx.make_mask(chunk), queries.dtype).flatten(1, 2)
+            mask = additive_mask(ctx.make_mask(chunk), queries.dtype).flatten(1, 2)
             width = values.shape[-1]
             flat = (batch, queries.shape[1], n_query_slots)
             grad_queries, grad_keys, grad_values = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
@@ -129,7 +138,6 @@ class _GatheredAttention(torch.autograd.Function):
 def gathered_attention(
     q: Tensor, k: Tensor, v: Tensor, query_index: Tensor, key_index: Tensor, output_index: Tensor,
     make_mask: Callable[[slice], Tensor], key_feature: Tensor | None = None, dropout: float = 0.0,
-    scale: float | None = None, recompute: bool = True,
 ) -> Tensor:
     """Attention of each block of query slots over its own key slots.
 
@@ -140,19 +148,17 @@ def gathered_attention(
     a query feature of 1, so it gets a gradient); output_index [B, H, U] picks the slots (flattened
     N Q) returned, [B, H, U, D].
 
-    recompute (CPU, no dropout): keep only the ungathered tensors for the backward (see the module
-    docstring); otherwise plain autograd through the gathers and torch's attention.
+    Training on the CPU without dropout keeps only the ungathered tensors for the backward (see the
+    module docstring); otherwise plain autograd through the gathers and torch's attention.
     """
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    fused = recompute and dropout == 0.0 and q.device.type == "cpu" and torch.is_grad_enabled()
+    scale = q.shape[-1] ** -0.5
+    fused = dropout == 0.0 and q.device.type == "cpu" and torch.is_grad_enabled()
     if fused and any(x is not None and x.requires_grad for x in (q, k, v, key_feature)):
-        if torch.is_autocast_enabled("cpu"):  # the kernel runs in the inputs' dtype, as autocast would pick
-            dtype = torch.get_autocast_dtype("cpu")
-            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        q, k, v = autocast_inputs(q, k, v)
         return _GatheredAttention.apply(q, k, v, key_feature, query_index, key_index, output_index, make_mask, scale)
     queries, keys, values = _blocks(q, k, v, query_index, key_index, key_feature)
     mask = make_mask(slice(None)).flatten(1, 2)  # [B, H N, Q, K]; 4-d keeps torch on its fused CPU kernel
     out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, dropout_p=dropout, scale=scale)
     batch, n_heads = q.shape[:2]
     out = out[..., : v.shape[-1]].reshape(batch, n_heads, -1, v.shape[-1])
-    return _pick(out, output_index)
+    return pick_rows(out, output_index)

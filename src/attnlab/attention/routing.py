@@ -42,6 +42,7 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from attnlab.attention.base import AttentionSpec, KVCache, expand_kv
+from attnlab.attention.gathered import additive_mask, autocast_inputs, block_chunks, pick_rows
 from attnlab.attention.kernels.flex_routing import flex_routed_attention
 from attnlab.attention.local import local_attention
 from attnlab.config import RoutingAttentionConfig
@@ -148,36 +149,17 @@ def _band_masks(window: int, dtype: torch.dtype, device) -> tuple[Tensor, Tensor
     band = (column >= slot) & (column <= slot + window)  # [W, 2W]
     opening = band & (column >= window)
 
-    def additive(allowed: Tensor) -> Tensor:
-        return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
-
-    return additive(band), additive(opening)
+    return additive_mask(band, dtype), additive_mask(opening, dtype)
 
 
 def _chunks(n_blocks: int, window: int) -> list[slice]:
-    size = max(1, CHUNK_SLOTS // window)
-    return [slice(start, min(start + size, n_blocks)) for start in range(0, n_blocks, size)]
+    return block_chunks(n_blocks, window, CHUNK_SLOTS)
 
 
-def _slot_tensors(q: Tensor, k: Tensor, v: Tensor, slot_source: Tensor, window: int):
-    """Gather the layout: queries [B R, N, W, D] (the N blocks), keys and values [B R, (N+1) W, D]
-    (one block in front, always hidden: block 0 opens a cluster)."""
-    batch, n_heads, n_slots = slot_source.shape
-    queries = _pick(q, slot_source[..., window:]).view(batch * n_heads, -1, window, q.shape[-1])
-    keys = _pick(k, slot_source).view(batch * n_heads, n_slots, k.shape[-1])
-    values = _pick(v, slot_source).view(batch * n_heads, n_slots, v.shape[-1])
-    return queries, keys, values
-
-
-def _windows(x: Tensor, chunk: slice, window: int) -> Tensor:
-    """Keys of the blocks in chunk, each its previous block then its own: an overlapping view
-    [B R, n, 2W, D] of x [B R, (N+1) W, D], no copy."""
-    return x[:, chunk.start * window : (chunk.stop + 1) * window].unfold(1, 2 * window, window).transpose(-1, -2)
-
-
-def _pick(x: Tensor, index: Tensor) -> Tensor:
-    """Rows of x [B, R, T, D] at index [B, R, n] -> [B, R, n, D]."""
-    return x.gather(2, index[..., None].expand(-1, -1, -1, x.shape[-1]))
+def _windows(x: Tensor, window: int) -> Tensor:
+    """Keys of every block, each its previous block then its own: an overlapping view
+    [B R, n, 2W, D] of x [B R, (n+1) W, D], no copy."""
+    return x.unfold(1, 2 * window, window).transpose(-1, -2)
 
 
 class _BandedRoutedAttention(torch.autograd.Function):
@@ -233,9 +215,9 @@ class _BandedRoutedAttention(torch.autograd.Function):
             shape = queries.shape  # [B R, n, W, D]
             padding = ~real[..., chunk.start * window : chunk.stop * window, None]
             # padding slots get zero output gradient, so they add exactly nothing to any gradient
-            grad_out = _pick(grad_y, query_index).masked_fill_(padding, 0.0).view(shape)
+            grad_out = pick_rows(grad_y, query_index).masked_fill_(padding, 0.0).view(shape)
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                grad_out, queries, keys, values, _pick(y, query_index).view(shape), logsumexp[:, chunk], 0.0, False,
+                grad_out, queries, keys, values, pick_rows(y, query_index).view(shape), logsumexp[:, chunk], 0.0, False,
                 attn_mask=torch.where(opens[:, chunk], opening, band),
             )
             add(grad_q, query_index, dq)
@@ -259,11 +241,10 @@ def _chunk_tensors(q: Tensor, k: Tensor, v: Tensor, slot_source: Tensor, chunk: 
     batch, n_heads = q.shape[:2]
     query_index = slot_source[..., (chunk.start + 1) * window : (chunk.stop + 1) * window]  # [B, R, n W]
     key_index = slot_source[..., chunk.start * window : (chunk.stop + 1) * window]  # [B, R, (n+1) W]
-    queries = _pick(q, query_index).view(batch * n_heads, -1, window, q.shape[-1])
-    keys = _pick(k, key_index).flatten(0, 1)  # [B R, (n+1) W, D]
-    values = _pick(v, key_index).flatten(0, 1)
-    every = slice(0, queries.shape[1])
-    return queries, _windows(keys, every, window), _windows(values, every, window), query_index
+    queries = pick_rows(q, query_index).view(batch * n_heads, -1, window, q.shape[-1])
+    keys = pick_rows(k, key_index).flatten(0, 1)  # [B R, (n+1) W, D]
+    values = pick_rows(v, key_index).flatten(0, 1)
+    return queries, _windows(keys, window), _windows(values, window), query_index
 
 
 def routed_attention(
@@ -286,21 +267,19 @@ def routed_attention(
     slot_source = F.pad(source, (window, 0))  # [B, R, (N+1) W]: one hidden block in front
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if needs_grad and dropout == 0.0 and q.device.type == "cpu":
-        if torch.is_autocast_enabled("cpu"):  # the kernel runs in the inputs' dtype, as autocast would pick
-            dtype = torch.get_autocast_dtype("cpu")
-            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        q, k, v = autocast_inputs(q, k, v)
         return _BandedRoutedAttention.apply(q, k, v, slot_source, destination, opens_cluster, window, rotary)
     k = k if rotary is None else rotary(k)
     # inference, dropout, other devices: the same layout through torch's attention (and autograd)
-    queries, keys, values = _slot_tensors(q, k, v, slot_source, window)
-    every_block = slice(0, queries.shape[1])
+    every_block = slice(0, slot_source.shape[-1] // window - 1)  # the blocks after the hidden one in front
+    queries, keys, values, _ = _chunk_tensors(q, k, v, slot_source, every_block, window)
     band, opening = _band_masks(window, queries.dtype, queries.device)
     mask = torch.where(opens_cluster.flatten(0, 1)[..., None, None], opening, band)  # [B R, N, W, 2W]
     out = F.scaled_dot_product_attention(
-        queries, _windows(keys, every_block, window), _windows(values, every_block, window),
+        queries, keys, values,
         attn_mask=mask, dropout_p=dropout,
     )
-    return _pick(out.reshape(batch, n_heads, -1, dim_head), destination)  # time order, [B, R, T, D]
+    return pick_rows(out.reshape(batch, n_heads, -1, dim_head), destination)  # time order, [B, R, T, D]
 
 
 def routed_attention_cached(
