@@ -116,9 +116,10 @@ def naive_attention(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor) -> Tensor:
 def causal_mask(n_queries: int, n_keys: int, device: torch.device | None = None) -> Tensor:
     """bool [T, S]: query i (the (S - T + i)-th token) sees keys 0..S-T+i.
 
-    Cached (read-only): every layer of a cached multi-token forward (speculative verification)
-    asks for the same mask, and decoding asks for the same few shapes again and again. Built as
-    a normal tensor even under inference_mode, so a later forward with autograd can use it."""
+    Cached (read-only, the last 64 shapes): every layer of one cached multi-token forward
+    (speculative verification) asks for the same mask, so it is built once per forward rather than
+    once per layer. Built as a normal tensor even under inference_mode, so a later forward with
+    autograd can use it."""
     with torch.inference_mode(False):
         offset = n_keys - n_queries
         query = torch.arange(n_queries, device=device)[:, None]

@@ -8,8 +8,7 @@ import sys
 
 import torch
 
-from attnlab.data.bytes import encode_text
-from attnlab.data.pretrain import tokenizer_for
+from attnlab.data.pretrain import encode_prompt, tokenizer_for
 from attnlab.generate.sampling import SamplingConfig, stream
 from attnlab.train.checkpoint import load_model
 
@@ -36,12 +35,10 @@ def run(args: argparse.Namespace) -> int:
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
     tokenizer = tokenizer_for(model.run_config.data)  # None: a byte-level run
     if tokenizer is None:
-        prompt_tokens = encode_text(args.prompt) or [ord("\n")]
         token_bytes = lambda token: bytes([token])  # noqa: E731
-    else:  # documents start with BOS in training (data/pretrain.py), so prompts do too
-        prompt_tokens = [tokenizer.bos_id, *tokenizer.encode(args.prompt)]
+    else:
         token_bytes = lambda token: tokenizer.decode_bytes([token])  # noqa: E731
-    prompt = torch.tensor([prompt_tokens], device=args.device)
+    prompt = torch.tensor([encode_prompt(tokenizer, args.prompt)], device=args.device)
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     sys.stdout.write(args.prompt)

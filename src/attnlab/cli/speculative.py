@@ -107,13 +107,9 @@ def build_prompt(args: argparse.Namespace, target, tokenizer) -> torch.Tensor:
             return torch.stack([prime[:length] for prime in primes]).long().to(args.device)
         windows = eval_windows(corpus.val, args.prime_length, args.batch_size, seed=args.seed)
         return windows[:, : args.prime_length].long().to(args.device)
-    text = args.prompt if args.prompt is not None else ""
-    if tokenizer is not None:  # documents start with BOS in training (data/pretrain.py), so prompts do too
-        tokens = [tokenizer.bos_id, *tokenizer.encode(text)]
-    else:
-        from attnlab.data.bytes import encode_text
+    from attnlab.data.pretrain import encode_prompt
 
-        tokens = encode_text(text) or [ord("\n")]
+    tokens = encode_prompt(tokenizer, args.prompt if args.prompt is not None else "")
     return torch.tensor([tokens] * args.batch_size, device=args.device)
 
 

@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from attnlab.config import DataConfig, TrainConfig
-from attnlab.data.bytes import _write_atomic, default_cache_dir, sha256_of, stdlib_sources
+from attnlab.data.bytes import _write_atomic, default_cache_dir, encode_text, sha256_of, stdlib_sources
 from attnlab.data.sampler import Batch, RandomWindowSampler
 from attnlab.data.shards import (
     META_FILE,
@@ -190,6 +190,14 @@ def tokenizer_for(config: DataConfig) -> Tokenizer | None:
     if config.source not in ("tokens", "builtin-tokens"):
         return None
     return Tokenizer(token_folder(config) / TOKENIZER_FOLDER)
+
+
+def encode_prompt(tokenizer: Tokenizer | None, text: str) -> list[int]:
+    """Prompt ids for generation: BOS then the text for a tokenized run (its documents start with
+    BOS in training), the text's bytes for a byte-level run (a newline if the text is empty)."""
+    if tokenizer is not None:
+        return [tokenizer.bos_id, *tokenizer.encode(text)]
+    return encode_text(text) or [ord("\n")]
 
 
 def load_token_corpus(config: DataConfig) -> TokenCorpus:
