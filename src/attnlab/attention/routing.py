@@ -18,16 +18,19 @@ cluster. Departures from the paper and from the public implementation, all delib
   group's key with its own centroids.
 
 How it runs in O(T * window) memory: per routed head, tokens are sorted stably by cluster, so each
-cluster is one contiguous run in time order, and every cluster is padded to whole blocks of W
-slots. Each block then attends to itself and the block before it, exactly like local attention
-(one fused SDPA call over all blocks, band mask). A token's place in its block and the places of
-its W predecessors depend only on its rank within its cluster, so its row of scores has the same
-layout whatever the later tokens are: that is what makes causality exact to the bit. Padding costs
-at most one block per cluster (T + C W slots). Decoding gathers each query's W + 1 slots instead.
+cluster is one contiguous run in time order, and every cluster is padded to whole blocks of
+W / m slots (m = BLOCKS_PER_WINDOW). A block attends to itself and to the (up to m) blocks before it
+in its own cluster through a band mask, in one fused-kernel call per number of blocks it sees
+(`_Plan`), so no key of another cluster is scored and no mask is built per block. A token's place
+in its block and the places of its W predecessors depend only on its rank within its cluster, so
+its row of scores has the same layout whatever the later tokens are: that is what makes causality
+exact to the bit. Padding costs less than one block per cluster (T + C W / m slots). Tensors move
+between time order and the blocks by whole rows (index_select), never element by element.
+Decoding gathers each query's W + 1 slots instead.
 
 Legend: B batch, T queries, S keys (cached + new), H query heads, R routed heads, L local heads,
 G key/value heads, D head width, C clusters, W window, K = W + 1 key slots (itself + W earlier),
-P slots of the block layout, N = P / W blocks.
+P slots of the block layout, N blocks.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from attnlab.attention.base import AttentionSpec, KVCache, expand_kv
-from attnlab.attention.gathered import additive_mask, autocast_inputs, block_chunks, pick_rows
+from attnlab.attention.gathered import additive_mask, autocast_inputs
 from attnlab.attention.kernels.flex_routing import flex_routed_attention
 from attnlab.attention.local import local_attention
 from attnlab.config import RoutingAttentionConfig
@@ -54,47 +57,60 @@ from attnlab.registry import ATTENTION
 # Pure functions
 
 
-def assign_clusters(routing: Tensor, centroids: Tensor) -> Tensor:
+def nearest_centroids(routing: Tensor, centroids: Tensor) -> tuple[Tensor, Tensor]:
     """Nearest centroid by cosine similarity. routing [B, R, T, D] (unit norm), centroids [R, C, D]
-    (unit norm) -> cluster ids [B, R, T] (long)."""
+    (unit norm) -> (the similarity to it [B, R, T], cluster ids [B, R, T] (long))."""
     similarity = torch.einsum("brtd,rcd->brtc", routing, centroids)  # [B, R, T, C]
-    return similarity.argmax(dim=-1)
+    return similarity.max(dim=-1)
+
+
+def assign_clusters(routing: Tensor, centroids: Tensor) -> Tensor:
+    """Cluster ids [B, R, T] of `nearest_centroids`."""
+    return nearest_centroids(routing, centroids)[1]
 
 
 class _Commitment(torch.autograd.Function):
-    """Section 4.1's commitment loss, mean ||k / |k| - c||^2, keeping only the keys for the backward
-    (autograd would also keep the normalised keys and their difference to the centroids)."""
+    """Section 4.1's commitment loss, mean ||k / |k| - c||^2, from the similarity r . c that the
+    assignment already computed (|r - c|^2 = |r|^2 + |c|^2 - 2 r . c, |r| = 1), keeping only the
+    keys (which attention keeps anyway) and per-token numbers for the backward."""
 
     @staticmethod
-    def forward(ctx, keys, centroids, clusters):
-        routing = F.normalize(keys, dim=-1)  # [B, R, T, D]
+    def forward(ctx, keys, centroids, clusters, similarity):
         heads = torch.arange(centroids.shape[0], device=keys.device)[:, None]  # [R, 1]
-        loss = (routing - centroids[heads, clusters]).pow(2).sum(-1).mean()
-        ctx.save_for_backward(keys, centroids, clusters)
+        squared_norms = centroids.pow(2).sum(-1)[heads, clusters]  # |c|^2 of each token's centroid
+        loss = (1 + squared_norms - 2 * similarity).mean()
+        ctx.save_for_backward(keys, centroids, clusters, similarity)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        keys, centroids, clusters = ctx.saved_tensors
+        keys, centroids, clusters, similarity = ctx.saved_tensors
         norm = keys.norm(dim=-1, keepdim=True).clamp(min=1e-12)  # as F.normalize
-        routing = keys / norm
         heads = torch.arange(centroids.shape[0], device=keys.device)[:, None]
-        grad_routing = (routing - centroids[heads, clusters]) * (2 * grad_loss / clusters.numel())
-        # through k / |k|: the part of the gradient along the routing vector vanishes
-        grad_keys = (grad_routing - (grad_routing * routing).sum(-1, keepdim=True) * routing) / norm
-        return grad_keys, None, None
+        # d/dr = 2 (r - c) / N; through k / |k| the part along r vanishes: (r - c) - (1 - r . c) r
+        # = (r . c) r - c, with r = k / |k|
+        scale = 2 * grad_loss / clusters.numel()
+        grad_keys = (similarity[..., None] * (keys / norm) - centroids[heads, clusters]) * (scale / norm)
+        return grad_keys, None, None, None
 
 
-def commitment_loss(keys: Tensor, centroids: Tensor, clusters: Tensor) -> Tensor:
+def commitment_loss(keys: Tensor, centroids: Tensor, clusters: Tensor, similarity: Tensor | None = None) -> Tensor:
     """Mean squared distance of each routing vector (the normalised key [B, R, T, D]) to its fixed
-    centroid (centroids [R, C, D], clusters [B, R, T]), section 4.1."""
-    return _Commitment.apply(keys, centroids.detach().clone(), clusters)
+    centroid (centroids [R, C, D], clusters [B, R, T]), section 4.1. similarity [B, R, T]: the
+    routing vectors' cosine to their centroids, when already known."""
+    if similarity is None:
+        heads = torch.arange(centroids.shape[0], device=keys.device)[:, None]
+        similarity = (F.normalize(keys.detach(), dim=-1) * centroids[heads, clusters]).sum(-1)
+    return _Commitment.apply(keys, centroids.detach().clone(), clusters, similarity)
 
 
 def cluster_statistics(routing: Tensor, clusters: Tensor, n_clusters: int) -> tuple[Tensor, Tensor]:
     """Per-centroid sum of the assigned routing vectors [R, C, D] and their count [R, C]."""
-    one_hot = F.one_hot(clusters, n_clusters).to(routing.dtype)  # [B, R, T, C]
-    return torch.einsum("brtc,brtd->rcd", one_hot, routing), one_hot.sum(dim=(0, 2))
+    n_heads, width = routing.shape[1], routing.shape[-1]
+    index = (clusters + torch.arange(n_heads, device=clusters.device)[:, None] * n_clusters).flatten()
+    sums = routing.new_zeros(n_heads * n_clusters, width).index_add_(0, index, routing.reshape(-1, width))
+    counts = torch.bincount(index, minlength=n_heads * n_clusters).to(routing.dtype)
+    return sums.view(n_heads, n_clusters, width), counts.view(n_heads, n_clusters)
 
 
 def ema_centroids(centroids: Tensor, sums: Tensor, counts: Tensor, decay: float) -> Tensor:
@@ -105,146 +121,211 @@ def ema_centroids(centroids: Tensor, sums: Tensor, counts: Tensor, decay: float)
     return torch.where(counts[..., None] > 0, moved, centroids)
 
 
-def cluster_block_layout(clusters: Tensor, window: int) -> tuple[Tensor, Tensor, Tensor]:
+def cluster_block_layout(clusters: Tensor, block: int) -> tuple[Tensor, Tensor, Tensor]:
     """The cluster-aligned block layout that routed attention is computed on.
 
     clusters [B, R, T] -> destination [B, R, T] (the slot of each token), source [B, R, P] (the
-    token in each slot; padding slots hold token 0, never visible to a real token) and
-    opens_cluster bool [B, R, N] (the block is its cluster's first), with P = N W slots.
+    token in each slot; padding slots hold token 0, never visible to a real token) and block_rank
+    [B, R, N] (the block's place within its cluster, 0 for the block that opens it; blocks past
+    the last cluster count on from a fresh 0), with P = N * block slots.
 
     Tokens are grouped by cluster in time order (a stable sort); each cluster starts on a block
-    boundary and is padded to whole blocks of W slots. So a token's slot within its block, and the
-    slots of its W predecessors, depend only on its rank within its cluster (how many earlier tokens
-    share it), a causal quantity: its row of scores has the same layout whatever the later tokens
-    are, which is what keeps the layer causal to the bit although blocks are computed together.
+    boundary and is padded to whole blocks. So a token's slot within its block, the rank of its
+    block, and the slots of its predecessors, depend only on its rank within its cluster (how many
+    earlier tokens share it), a causal quantity: its row of scores has the same layout whatever the
+    later tokens are, which is what keeps the layer causal to the bit although blocks are computed
+    together.
     """
     n_tokens, device = clusters.shape[-1], clusters.device
     n_clusters = int(clusters.max()) + 1
     counts = torch.zeros(*clusters.shape[:-1], n_clusters, dtype=torch.long, device=device)
     counts.scatter_add_(-1, clusters, torch.ones_like(clusters))  # [B, R, C]
     starts = counts.cumsum(-1) - counts  # first sorted row of each cluster
-    padded = (counts + window - 1) // window * window  # whole blocks per cluster
+    padded = (counts + block - 1) // block * block  # whole blocks per cluster
     padded_starts = padded.cumsum(-1) - padded  # first slot of each cluster, a block boundary
     order = torch.sort(clusters, dim=-1, stable=True).indices  # [B, R, T]; stable: time order kept
     sorted_clusters = clusters.gather(-1, order)
     rank = torch.arange(n_tokens, device=device) - starts.gather(-1, sorted_clusters)  # within the cluster
     sorted_destination = padded_starts.gather(-1, sorted_clusters) + rank
     destination = torch.empty_like(order).scatter_(-1, order, sorted_destination)  # [B, R, T]
-    n_blocks = int(padded.sum(-1).max()) // window
-    source = torch.zeros(*clusters.shape[:-1], n_blocks * window, dtype=torch.long, device=device)
+    totals = padded.sum(-1, keepdim=True) // block  # [B, R, 1] blocks in use
+    n_blocks = int(totals.max())
+    source = torch.zeros(*clusters.shape[:-1], n_blocks * block, dtype=torch.long, device=device)
     source.scatter_(-1, sorted_destination, order)  # [B, R, P]
-    opens_cluster = torch.zeros(*clusters.shape[:-1], n_blocks + 1, dtype=torch.bool, device=device)
-    opens_cluster.scatter_(-1, padded_starts // window, True)  # an empty cluster marks the next start
-    return destination, source, opens_cluster[..., :n_blocks]
+    opens = torch.zeros(*clusters.shape[:-1], n_blocks + 1, dtype=torch.bool, device=device)
+    opens.scatter_(-1, padded_starts // block, True).scatter_(-1, totals, True)  # and the unused blocks
+    index = torch.arange(n_blocks, device=device)
+    first = torch.where(opens[..., :n_blocks], index, 0).cummax(-1).values  # the opening block of each
+    return destination, source, index - first
 
 
-CHUNK_SLOTS = 1024  # query slots per head computed at once: bounds the transient mask and gathers
+BLOCKS_PER_WINDOW = 2  # routed blocks are window / this slots long, when that divides the window
+CHUNK_SLOTS = 16384  # key slots gathered per kernel call: bounds the transient copies
 
 
-def _band_masks(window: int, dtype: torch.dtype, device) -> tuple[Tensor, Tensor]:
-    """Additive masks [W, 2W] of a block's queries over the block before it and its own: slot i sees
-    itself and the W slots before it; in a block that opens its cluster, none of the block before."""
-    slot = torch.arange(window, device=device)[:, None]  # query slot i is key column W + i
-    column = torch.arange(2 * window, device=device)[None, :]
-    band = (column >= slot) & (column <= slot + window)  # [W, 2W]
-    opening = band & (column >= window)
+def _rows(x: Tensor) -> tuple[Tensor, Tensor, int]:
+    """x [B, R, T, D] as rows of D numbers over its own memory -> (rows [n, D], a view; the row of
+    token 0 of each (batch, head), [B R]; the row step of one token). Copies only when x's rows
+    are not whole, D-aligned runs of its memory."""
+    width = x.shape[-1]
 
-    return additive_mask(band, dtype), additive_mask(opening, dtype)
+    def strides(x: Tensor) -> list[int]:
+        return [0 if size == 1 else stride for size, stride in zip(x.shape, x.stride())]
 
-
-def _chunks(n_blocks: int, window: int) -> list[slice]:
-    return block_chunks(n_blocks, window, CHUNK_SLOTS)
-
-
-def _windows(x: Tensor, window: int) -> Tensor:
-    """Keys of every block, each its previous block then its own: an overlapping view
-    [B R, n, 2W, D] of x [B R, (n+1) W, D], no copy."""
-    return x.unfold(1, 2 * window, window).transpose(-1, -2)
+    if (width > 1 and x.stride(-1) != 1) or any(stride % width for stride in strides(x)[:-1]):
+        x = x.contiguous()
+    batch_step, head_step, token_step = (stride // width for stride in strides(x)[:-1])
+    n_rows = 1 + sum((size - 1) * step for size, step in zip(x.shape[:-1], (batch_step, head_step, token_step)))
+    start = (torch.arange(x.shape[0], device=x.device)[:, None] * batch_step
+             + torch.arange(x.shape[1], device=x.device) * head_step)
+    return x.as_strided((n_rows, width), (width, 1)), start.flatten(), token_step
 
 
-class _BandedRoutedAttention(torch.autograd.Function):
+class _Plan:
+    """How one call of routed attention runs on the block layout of `cluster_block_layout`.
+
+    Blocks are `block` = window / m slots long (m = BLOCKS_PER_WINDOW when it divides the window,
+    else 1). A block of kind j = min(its rank in its cluster, m) sees itself and the j blocks before
+    it in its cluster: (j + 1) blocks of keys, all of its own cluster, through one band mask per kind
+    [block, (j + 1) block] (slot i, key column j block + i, sees the `window` key columns before its
+    own). So no mask is built per block, and no key of another cluster is ever scored; shorter
+    blocks also waste less on padding and on masked scores. Blocks of one kind go through the
+    fused kernel together, a chunk at a time; blocks with no real token (past the last cluster) are
+    skipped.
+
+    Buffers are [n, block, D] over the live blocks in call order (by kind, then place).
+    """
+
+    def __init__(self, clusters: Tensor, window: int) -> None:
+        m = BLOCKS_PER_WINDOW if window % BLOCKS_PER_WINDOW == 0 and window >= BLOCKS_PER_WINDOW else 1
+        block = window // m
+        destination, source, block_rank = cluster_block_layout(clusters, block)
+        batch, n_heads, n_tokens = clusters.shape
+        device, n_blocks = clusters.device, block_rank.shape[-1]
+        self.window, self.block, self.shape = window, block, (batch, n_heads, n_tokens)
+        real = destination.gather(-1, source) == torch.arange(source.shape[-1], device=device)  # [B, R, P]
+        live = real.view(-1, block).any(-1)  # [B R N]
+        kinds = block_rank.clamp(max=m).flatten()
+        ids = live.nonzero().squeeze(1)
+        by_kind = torch.sort(kinds[ids], stable=True)
+        self.order = ids[by_kind.indices]  # [n]: live blocks in call order
+        counts = torch.bincount(by_kind.values, minlength=m + 1).tolist()
+        position = torch.full_like(kinds, -1)
+        position[self.order] = torch.arange(self.order.numel(), device=device)
+        self.tokens = source.view(-1, block)  # [B R N, block]: token in each slot
+        self.heads = torch.arange(batch * n_heads, device=device).repeat_interleave(n_blocks)  # [B R N]
+        self.padding = ~real.view(-1, block)[self.order]  # [n, block]
+        heads = torch.arange(batch * n_heads, device=device).view(batch, n_heads, 1)
+        global_block = heads * n_blocks + destination // block
+        self.token_rows = position[global_block] * block + destination % block  # [B, R, T]: its row in call order
+        self.position = position
+        self.calls: list[tuple[int, int, int]] = []  # (kind, first, end) in call order
+        first = 0
+        for kind, count in enumerate(counts):
+            size = max(1, CHUNK_SLOTS // ((kind + 1) * block))
+            starts = range(first, first + count, size)
+            self.calls += [(kind, start, min(start + size, first + count)) for start in starts]
+            first += count
+        slot = torch.arange(block, device=device)[:, None]
+        column = torch.arange((m + 1) * block, device=device)[None, :]
+        self.visible = [  # kind j: [block, (j + 1) block]
+            ((column <= j * block + slot) & (column >= j * block + slot - window))[:, : (j + 1) * block]
+            for j in range(m + 1)
+        ]
+
+    @property
+    def n_live(self) -> int:
+        return self.order.numel()
+
+    def key_blocks(self, kind: int, first: int, end: int) -> Tensor:
+        """Blocks whose slots are the keys of the call's blocks, [n, kind + 1] (global ids)."""
+        return self.order[first:end, None] - kind + torch.arange(kind + 1, device=self.order.device)
+
+    def queries(self, x: tuple[Tensor, Tensor, int], first: int, end: int, zero_padding: bool = False) -> Tensor:
+        """The call's query slots of x = _rows(...): [1, n, block, D]; zero_padding: padding slots
+        read zeros rather than token 0."""
+        blocks = self.order[first:end]
+        out = self._select(x, blocks, self.tokens[blocks])
+        if zero_padding:
+            out.masked_fill_(self.padding[first:end, :, None], 0.0)
+        return out[None]
+
+    def keys(self, x: tuple[Tensor, Tensor, int], kind: int, first: int, end: int) -> Tensor:
+        """The call's key slots: [1, n, (kind + 1) block, D]."""
+        blocks = self.key_blocks(kind, first, end)
+        return self._select(x, blocks[:, 0], self.tokens[blocks].flatten(1))[None]
+
+    def _select(self, x: tuple[Tensor, Tensor, int], blocks: Tensor, tokens: Tensor) -> Tensor:
+        rows, start, step = x
+        index = start[self.heads[blocks]][:, None] + tokens * step  # [n, slots]
+        return rows.index_select(0, index.flatten()).view(*index.shape, rows.shape[-1])
+
+    def mask(self, kind: int, dtype: torch.dtype) -> Tensor:
+        return additive_mask(self.visible[kind], dtype)[None, None]
+
+    def to_time(self, buffer: Tensor, heads_inner: bool = False) -> Tensor:
+        """buffer [n, block, D] in call order -> [B, R, T, D] in time order; heads_inner: laid out
+        [B, T, R, D] (as torch's fused attention lays out its output: merging heads is a view)."""
+        index = self.token_rows.transpose(1, 2) if heads_inner else self.token_rows
+        out = buffer.view(-1, buffer.shape[-1]).index_select(0, index.flatten()).view(*index.shape, -1)
+        return out.transpose(1, 2) if heads_inner else out
+
+
+class _RoutedAttention(torch.autograd.Function):
     """Forward on the fused kernel; keeps only q, k, v, y and the log-sum-exp (what torch keeps for
-    full attention), and gathers the layout again in the backward. Both run a few blocks at a time
-    (`CHUNK_SLOTS`), writing straight to time order, so the transient copies stay small. Keys come
-    in before their rotary positions (`rotary`: keys -> rotated keys, or None) and are rotated here,
-    so that the one copy kept serves the commitment loss too."""
+    full attention), and gathers the blocks again in the backward. Keys come in before their
+    rotary positions (`rotary`: keys -> rotated keys, or None) and are rotated here, so that the
+    one copy kept serves the commitment loss too."""
 
     @staticmethod
-    def forward(ctx, q, k, v, slot_source, destination, opens_cluster, window, rotary):
-        batch, n_heads, n_tokens, dim_head = q.shape
+    def forward(ctx, q, k, v, plan, rotary):
         rotated = k if rotary is None else rotary(k)
-        slots = slot_source[..., window:]  # [B, R, P]: the token in each slot
-        real = destination.gather(-1, slots) == torch.arange(slots.shape[-1], device=q.device)  # not padding
-        band, opening = _band_masks(window, q.dtype, q.device)
-        opens = opens_cluster.flatten(0, 1)[..., None, None]  # [B R, N, 1, 1]
-        # y laid out [B, T, R, D] as torch's fused attention lays out its output: merging the heads for
-        # the output projection is then a view (autograd keeps one copy); row T takes padding slots
-        y = q.new_empty(batch, n_tokens + 1, n_heads, dim_head).transpose(1, 2)  # [B, R, T+1, D]
-        logsumexps = []
-        for chunk in _chunks(opens_cluster.shape[-1], window):
-            queries, keys, values, query_index = _chunk_tensors(q, rotated, v, slot_source, chunk, window)
-            out, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                queries, keys, values, 0.0, False, attn_mask=torch.where(opens[:, chunk], opening, band),
+        q_rows, k_rows, v_rows = _rows(q), _rows(rotated), _rows(v)
+        out = q.new_empty(plan.n_live, plan.block, q.shape[-1])
+        logsumexp = None  # [n, block], in the kernel's accumulation dtype
+        for kind, first, end in plan.calls:
+            part, part_logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                plan.queries(q_rows, first, end), plan.keys(k_rows, kind, first, end),
+                plan.keys(v_rows, kind, first, end), 0.0, False, attn_mask=plan.mask(kind, q.dtype),
             )
-            target = query_index.masked_fill(~real[..., chunk.start * window : chunk.stop * window], n_tokens)
-            y.scatter_(2, target[..., None].expand(-1, -1, -1, dim_head), out.reshape(batch, n_heads, -1, dim_head))
-            logsumexps.append(logsumexp)
-        y = y[:, :, :n_tokens]  # [B, R, T, D]
-        ctx.save_for_backward(q, k, v, slot_source, real, opens_cluster, y, torch.cat(logsumexps, dim=1))
-        ctx.window, ctx.rotary = window, rotary
+            if logsumexp is None:
+                logsumexp = part_logsumexp.new_empty(plan.n_live, plan.block)
+            out[first:end], logsumexp[first:end] = part[0], part_logsumexp[0]
+        y = plan.to_time(out, heads_inner=True)
+        ctx.save_for_backward(q, k, v, y, logsumexp)
+        ctx.plan, ctx.rotary = plan, rotary
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        q, k, v, slot_source, real, opens_cluster, y, logsumexp = ctx.saved_tensors
-        window, rotary = ctx.window, ctx.rotary
-        batch, n_heads, n_tokens, dim_head = q.shape
+        q, k, v, y, logsumexp = ctx.saved_tensors
+        plan, rotary = ctx.plan, ctx.rotary
         with torch.enable_grad():  # rotate the keys again, to carry their gradient back through it
             unrotated = k.detach().requires_grad_(rotary is not None)
             rotated = unrotated if rotary is None else rotary(unrotated)
-        band, opening = _band_masks(window, q.dtype, q.device)
-        opens = opens_cluster.flatten(0, 1)[..., None, None]
-        grad_q, grad_rotated, grad_v = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-
-        def add(grad: Tensor, index: Tensor, part: Tensor) -> None:  # scatter-add a chunk into time order
-            part = part.reshape(batch, n_heads, -1, dim_head)
-            grad.scatter_add_(2, index[..., None].expand(-1, -1, -1, dim_head), part)
-
-        for chunk in _chunks(opens_cluster.shape[-1], window):
-            queries, keys, values, query_index = _chunk_tensors(q, rotated.detach(), v, slot_source, chunk, window)
-            shape = queries.shape  # [B R, n, W, D]
-            padding = ~real[..., chunk.start * window : chunk.stop * window, None]
+        q_rows, k_rows, v_rows = _rows(q), _rows(rotated.detach()), _rows(v)
+        grad_rows, y_rows = _rows(grad_y.to(y.dtype)), _rows(y)
+        shape = (plan.n_live, plan.block, q.shape[-1])
+        grad_q, grad_k, grad_v = q.new_empty(shape), q.new_zeros(shape), q.new_zeros(shape)
+        for kind, first, end in plan.calls:
+            queries = plan.queries(q_rows, first, end)
             # padding slots get zero output gradient, so they add exactly nothing to any gradient
-            grad_out = pick_rows(grad_y, query_index).masked_fill_(padding, 0.0).view(shape)
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                grad_out, queries, keys, values, pick_rows(y, query_index).view(shape), logsumexp[:, chunk], 0.0, False,
-                attn_mask=torch.where(opens[:, chunk], opening, band),
+                plan.queries(grad_rows, first, end, zero_padding=True), queries,
+                plan.keys(k_rows, kind, first, end), plan.keys(v_rows, kind, first, end),
+                plan.queries(y_rows, first, end), logsumexp[None, first:end], 0.0, False,
+                attn_mask=plan.mask(kind, q.dtype),
             )
-            add(grad_q, query_index, dq)
-            # key column j < W of block n is slot (n-1) W + j, column W + j is slot n W + j; each token
-            # gets exactly two such terms, and their sum does not depend on which chunk adds first
-            as_previous = slot_source[..., chunk.start * window : chunk.stop * window]
-            as_own = slot_source[..., (chunk.start + 1) * window : (chunk.stop + 1) * window]
-            for grad, windows in ((grad_rotated, dk), (grad_v, dv)):
-                add(grad, as_previous, windows[:, :, :window])
-                add(grad, as_own, windows[:, :, window:])
-        grad_k = grad_rotated
+            grad_q[first:end] = dq[0]
+            # key block s of a block is block `key_blocks[:, s]`; the terms a slot gets are added
+            # in call order, which depends only on the layout, never on the later tokens' values
+            targets = plan.position[plan.key_blocks(kind, first, end)].flatten()
+            for grad, part in ((grad_k, dk), (grad_v, dv)):
+                grad.view(plan.n_live, -1).index_add_(0, targets, part.reshape(targets.numel(), -1))
+        grad_q, grad_k, grad_v = (plan.to_time(grad) for grad in (grad_q, grad_k, grad_v))
         if rotary is not None:
-            (grad_k,) = torch.autograd.grad(rotated, unrotated, grad_rotated)
-        return grad_q, grad_k, grad_v, None, None, None, None, None
-
-
-def _chunk_tensors(q: Tensor, k: Tensor, v: Tensor, slot_source: Tensor, chunk: slice, window: int):
-    """The blocks in chunk: queries [B R, n, W, D], keys and values [B R, n, 2W, D] (each block's
-    previous block then its own: an overlapping view, no copy per block), and the token of each
-    query slot [B, R, n W]."""
-    batch, n_heads = q.shape[:2]
-    query_index = slot_source[..., (chunk.start + 1) * window : (chunk.stop + 1) * window]  # [B, R, n W]
-    key_index = slot_source[..., chunk.start * window : (chunk.stop + 1) * window]  # [B, R, (n+1) W]
-    queries = pick_rows(q, query_index).view(batch * n_heads, -1, window, q.shape[-1])
-    keys = pick_rows(k, key_index).flatten(0, 1)  # [B R, (n+1) W, D]
-    values = pick_rows(v, key_index).flatten(0, 1)
-    return queries, _windows(keys, window), _windows(values, window), query_index
+            (grad_k,) = torch.autograd.grad(rotated, unrotated, grad_k)
+        return grad_q, grad_k, grad_v, None, None
 
 
 def routed_attention(
@@ -255,31 +336,32 @@ def routed_attention(
     -> [B, R, T, D]; token t sees itself and the last `window` earlier tokens of its cluster.
     rotary: applied to k first (None: k is used as given).
 
-    Computed like local attention, on the cluster-aligned layout of `cluster_block_layout`: each
-    block of W slots attends to the block before it and itself through a band mask (slot i sees
-    itself and the W slots before it), the block before hidden when the block opens its cluster.
-    Padding slots come after every real token of their cluster, so the band hides them from real
-    tokens. Keys are an overlapping view of the layout (no copy per block). Training on the CPU
-    keeps only q, k, v, y and the log-sum-exp for the backward, as torch's full attention does.
+    Computed on the cluster-aligned block layout (`cluster_block_layout`, `_Plan`): every block
+    attends to itself and the blocks before it in its cluster that its slots can reach, through a
+    band mask. Padding slots come after every real token of their cluster, so the band hides them
+    from real tokens. Training on the CPU keeps only q, k, v, y and the log-sum-exp for the
+    backward, as torch's full attention does.
     """
-    batch, n_heads, _, dim_head = q.shape
-    destination, source, opens_cluster = cluster_block_layout(clusters, window)
-    slot_source = F.pad(source, (window, 0))  # [B, R, (N+1) W]: one hidden block in front
+    plan = _Plan(clusters, window)
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if needs_grad and dropout == 0.0 and q.device.type == "cpu":
         q, k, v = autocast_inputs(q, k, v)
-        return _BandedRoutedAttention.apply(q, k, v, slot_source, destination, opens_cluster, window, rotary)
+        return _RoutedAttention.apply(q, k, v, plan, rotary)
     k = k if rotary is None else rotary(k)
-    # inference, dropout, other devices: the same layout through torch's attention (and autograd)
-    every_block = slice(0, slot_source.shape[-1] // window - 1)  # the blocks after the hidden one in front
-    queries, keys, values, _ = _chunk_tensors(q, k, v, slot_source, every_block, window)
-    band, opening = _band_masks(window, queries.dtype, queries.device)
-    mask = torch.where(opens_cluster.flatten(0, 1)[..., None, None], opening, band)  # [B R, N, W, 2W]
-    out = F.scaled_dot_product_attention(
-        queries, keys, values,
-        attn_mask=mask, dropout_p=dropout,
-    )
-    return pick_rows(out.reshape(batch, n_heads, -1, dim_head), destination)  # time order, [B, R, T, D]
+    # inference, dropout, other devices: the same blocks through torch's attention (and autograd)
+
+    def rows(x: Tensor) -> tuple[Tensor, Tensor, int]:  # a plain reshape, which autograd goes through
+        return x.reshape(-1, x.shape[-1]), torch.arange(x.shape[0] * x.shape[1], device=x.device) * x.shape[2], 1
+
+    q_rows, k_rows, v_rows = rows(q), rows(k), rows(v)
+    outs = [
+        F.scaled_dot_product_attention(
+            plan.queries(q_rows, first, end), plan.keys(k_rows, kind, first, end), plan.keys(v_rows, kind, first, end),
+            attn_mask=plan.mask(kind, q.dtype), dropout_p=dropout,
+        )[0]
+        for kind, first, end in plan.calls
+    ]
+    return plan.to_time(torch.cat(outs), heads_inner=True)  # [B, R, T, D]
 
 
 def routed_attention_cached(
@@ -399,11 +481,11 @@ class RoutingAttention(nn.Module):
         # route on keys before rotary positions: content, not position, picks the cluster
         with torch.no_grad():  # the gradient reaches the keys through the commitment loss only
             routing = F.normalize(k[:, self.n_local :].float(), dim=-1)  # [B, R, T, D]
-            clusters = assign_clusters(routing, self.centroids)  # [B, R, T]
+            similarity, clusters = nearest_centroids(routing, self.centroids)  # [B, R, T]
         self.aux_losses = {}
         if self.training and self.n_routed:
             weight = self.config.commitment_weight
-            loss = commitment_loss(k[:, self.n_local :].float(), self.centroids, clusters)
+            loss = commitment_loss(k[:, self.n_local :].float(), self.centroids, clusters, similarity)
             self.aux_losses = {"commitment": weight * loss}
             if not is_recomputing():  # a reversible layer's recomputation must not count twice
                 with torch.no_grad():
