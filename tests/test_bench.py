@@ -25,6 +25,30 @@ def test_bench_decode_and_train_tables(tmp_path, capsys):
     assert "| local | 32 | 1 |" in capsys.readouterr().out
 
 
+def test_cpu_training_times_with_the_default_allocator(monkeypatch):
+    """Peak memory comes from a run whose allocator follows live memory; the timing from a run with
+    the allocator users have (the memory setting slows some variants more than others)."""
+    from attnlab.bench import runner
+
+    runs = []
+
+    def fake_run(command, env, **_):
+        follows = env.get("MALLOC_MMAP_THRESHOLD_") == "65536"
+        arguments = json.loads(command[-1])
+        runs.append((follows, arguments.get("steps")))
+        result = {"tokens_per_s": 1.0 if follows else 2.0, "peak_memory_mb": 7.0 if follows else 99.0}
+        return type("Completed", (), {"returncode": 0, "stdout": json.dumps(result), "stderr": ""})()
+
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # inherited settings must not leak into timing
+    monkeypatch.setattr(runner.subprocess, "run", fake_run)
+    result = runner.run_isolated("train", {"steps": 3, "device": "cpu"}, threads=2)
+    assert result == {"tokens_per_s": 2.0, "peak_memory_mb": 7.0}
+    assert sorted(runs) == [(False, 3), (True, 1)]
+    runs.clear()
+    assert runner.run_isolated("decode", {"device": "cpu"}, threads=2)["tokens_per_s"] == 1.0
+    assert runs == [(True, None)]
+
+
 @pytest.mark.slow
 def test_suite_writes_report_and_plots(tmp_path, monkeypatch):
     from attnlab.bench import suite

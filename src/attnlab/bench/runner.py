@@ -37,20 +37,38 @@ def _merge(base: dict[str, Any], update: dict[str, Any]) -> None:
             base[key] = value
 
 
-def run_isolated(task: str, arguments: dict[str, Any], threads: int, timeout: float = 1800) -> dict[str, Any]:
+def _worker(task: str, arguments: dict[str, Any], threads: int, timeout: float, follow_memory: bool) -> dict[str, Any]:
     """Run attnlab.bench.measure.<task>(**arguments) in a new process; return its result."""
-    environment = {
-        **os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+    environment = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    if follow_memory:
         # glibc: serve every allocation over 64 KiB by mmap and return it on free, so the process's
         # resident size follows live tensor memory and its high-water mark is the training peak
-        "MALLOC_MMAP_THRESHOLD_": "65536",
-    }
+        environment["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    else:
+        environment.pop("MALLOC_MMAP_THRESHOLD_", None)
     command = [sys.executable, "-m", "attnlab.bench.worker", task, json.dumps(arguments)]
     completed = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=timeout)
     if completed.returncode != 0:
         tail = completed.stderr.strip().splitlines()[-1:] or ["no output"]
         raise AttnlabError(f"benchmark {task} {arguments} failed: {tail[0]}")
     return json.loads(completed.stdout.strip().splitlines()[-1])
+
+
+def run_isolated(task: str, arguments: dict[str, Any], threads: int, timeout: float = 1800) -> dict[str, Any]:
+    """Run attnlab.bench.measure.<task>(**arguments) in a new process; return its result.
+
+    Training on the CPU runs twice: once with the allocator set to follow live memory (every
+    allocation over 64 KiB its own mapping, returned on free), for the peak memory, and once with
+    the allocator as users run it, for the timing. Under the first setting every mid-sized
+    temporary is page-faulted afresh, which slows steps unevenly across attention variants (those
+    with many temporaries most), so its timings are not reported.
+    """
+    if task != "train" or arguments.get("device", "cpu") != "cpu":
+        return _worker(task, arguments, threads, timeout, follow_memory=True)
+    memory = _worker(task, {**arguments, "steps": 1}, threads, timeout, follow_memory=True)
+    result = _worker(task, arguments, threads, timeout, follow_memory=False)
+    result["peak_memory_mb"] = memory["peak_memory_mb"]
+    return result
 
 
 def train_table(results: list[dict[str, Any]]) -> str:
