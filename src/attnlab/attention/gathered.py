@@ -31,25 +31,56 @@ def pick_rows(x: Tensor, index: Tensor) -> Tensor:
     return x.gather(2, index[..., None].expand(-1, -1, -1, x.shape[-1]))
 
 
+def rows_of(x: Tensor) -> tuple[Tensor, Tensor, int]:
+    """x [B, H, T, D] as rows of D numbers over its own memory -> (rows [n, D], a view; the row of
+    token 0 of each (batch, head), [B H]; the row step of one token). Copies only when x's rows
+    are not whole, D-aligned runs of its memory.
+
+    Moving whole rows (index_select, index_add_ on dim 0) is several times faster than an
+    element-wise gather or scatter with an index expanded over D."""
+    width = x.shape[-1]
+
+    def strides(x: Tensor) -> list[int]:
+        return [0 if size == 1 else stride for size, stride in zip(x.shape, x.stride())]
+
+    if (width > 1 and x.stride(-1) != 1) or any(stride % width for stride in strides(x)[:-1]):
+        x = x.contiguous()
+    batch_step, head_step, token_step = (stride // width for stride in strides(x)[:-1])
+    n_rows = 1 + sum((size - 1) * step for size, step in zip(x.shape[:-1], (batch_step, head_step, token_step)))
+    start = (torch.arange(x.shape[0], device=x.device)[:, None] * batch_step
+             + torch.arange(x.shape[1], device=x.device) * head_step)
+    return x.as_strided((n_rows, width), (width, 1)), start.flatten(), token_step
+
+
+def select_rows(x: tuple[Tensor, Tensor, int], index: Tensor) -> Tensor:
+    """Rows of x = rows_of(...) at token index [B, H, *] -> [B H, *, D]."""
+    rows, start, step = x
+    flat = index.flatten(2) * step + start.view(*index.shape[:2], 1)
+    return rows.index_select(0, flat.flatten()).view(-1, *index.shape[2:], rows.shape[-1])
+
+
 def additive_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
     """bool mask -> 0 / -inf, as torch's attention does for a boolean mask."""
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
+def _extended(x: Tensor, fill: float | None) -> Tensor:
+    """x [B, H, T, D] -> [B, H, T, D + 1] with `fill` in the new column (None: x as it is)."""
+    if fill is None:
+        return x
+    return F.pad(x, (0, 1), value=fill)
+
+
 def _blocks(q: Tensor, k: Tensor, v: Tensor, query_index: Tensor, key_index: Tensor,
             key_feature: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-    """Gather the block layout: queries [B, H N, Q, D'], keys [B, H N, K, D'], values [B, H N, K, D'];
-    with a key feature, D' = D + 1 (queries get a 1, values a 0 in the extra column)."""
-    batch, n_heads, n_blocks, n_query_slots = query_index.shape
-    n_key_slots = key_index.shape[-1]
-    flat = (batch, n_heads * n_blocks)
-    queries = pick_rows(q, query_index.flatten(2)).view(*flat, n_query_slots, q.shape[-1])
-    keys = pick_rows(k, key_index.flatten(2)).view(*flat, n_key_slots, k.shape[-1])
-    values = pick_rows(v, key_index.flatten(2)).view(*flat, n_key_slots, v.shape[-1])
+    """Gather the block layout: queries [B H N, Q, D'], keys [B H N, K, D'], values [B H N, K, D'];
+    with a key feature q, k, v come in extended to D' = D + 1 (see `_extended`: queries a 1, values
+    a 0 in the extra column) and the keys' extra column is set to the feature."""
+    queries = select_rows(rows_of(q), query_index).flatten(0, 1)
+    keys = select_rows(rows_of(k), key_index).flatten(0, 1)
+    values = select_rows(rows_of(v), key_index).flatten(0, 1)
     if key_feature is not None:
-        queries = F.pad(queries, (0, 1), value=1.0)
-        keys = torch.cat((keys, key_feature.reshape(*flat, n_key_slots, 1).to(keys.dtype)), dim=-1)
-        values = F.pad(values, (0, 1))  # the fused CPU kernel wants one head width for all three
+        keys[..., -1] = key_feature.reshape(keys.shape[:-1]).to(keys.dtype)
     return queries, keys, values
 
 
@@ -75,21 +106,25 @@ class _GatheredAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, key_feature, query_index, key_index, output_index, make_mask, scale):
         batch, n_heads, n_blocks, n_query_slots = query_index.shape
-        outs, logsumexps = [], []
+        featured = key_feature is not None
+        q_in, k_in, v_in = _extended(q, 1.0 if featured else None), _extended(k, 0.0 if featured else None), \
+            _extended(v, 0.0 if featured else None)
+        out = q.new_empty(batch * n_heads, n_blocks, n_query_slots, q_in.shape[-1])
+        logsumexp = None  # [B H, N, Q], in the kernel's accumulation dtype
         for chunk in block_chunks(n_blocks, key_index.shape[-1]):
             feature = None if key_feature is None else key_feature[:, :, chunk]
-            queries, keys, values = _blocks(q, k, v, query_index[:, :, chunk], key_index[:, :, chunk], feature)
-            mask = additive_mask(make_mask(chunk), queries.dtype).flatten(1, 2)  # [B, H n, Q, K]
-            out, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                queries, keys, values, 0.0, False, attn_mask=mask, scale=scale
+            queries, keys, values = _blocks(q_in, k_in, v_in, query_index[:, :, chunk], key_index[:, :, chunk], feature)
+            part, part_logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                queries[None], keys[None], values[None], 0.0, False,
+                attn_mask=_kernel_mask(make_mask(chunk), queries.dtype), scale=scale,
             )
-            outs.append(out[..., : v.shape[-1]].reshape(batch, n_heads, -1, v.shape[-1]))  # [B, H, n Q, D]
-            logsumexps.append(logsumexp.reshape(batch, n_heads, -1))  # [B, H, n Q]
-        y = pick_rows(torch.cat(outs, dim=2), output_index)  # [B, H, U, D]
-        # laid out [B, U, H, D] as torch's fused attention lays out its output: merging the heads
+            if logsumexp is None:
+                logsumexp = part_logsumexp.new_empty(batch * n_heads, n_blocks, n_query_slots)
+            out[:, chunk] = part.view(batch * n_heads, -1, n_query_slots, part.shape[-1])
+            logsumexp[:, chunk] = part_logsumexp.view(batch * n_heads, -1, n_query_slots)
+        # y laid out [B, U, H, D] as torch's fused attention lays out its output: merging the heads
         # for the output projection is then a view, and autograd keeps one copy of y, not two
-        y = y.transpose(1, 2).contiguous().transpose(1, 2)
-        logsumexp = torch.cat(logsumexps, dim=2)  # [B, H, N Q]
+        y = _to_outputs(out[..., : v.shape[-1]].reshape(batch, n_heads, -1, v.shape[-1]), output_index)
         ctx.save_for_backward(q, k, v, key_feature, query_index, key_index, output_index, y, logsumexp)
         ctx.make_mask, ctx.scale = make_mask, scale
         return y
@@ -99,40 +134,63 @@ class _GatheredAttention(torch.autograd.Function):
         q, k, v, key_feature, query_index, key_index, output_index, y, logsumexp = ctx.saved_tensors
         batch, n_heads, n_blocks, n_query_slots = query_index.shape
         n_slots = n_blocks * n_query_slots
-
-        def to_slots(x: Tensor) -> Tensor:  # [B, H, U, D] -> [B, H, N, Q, D], zero where no output
-            slots = x.new_zeros(batch, n_heads, n_slots, x.shape[-1])
-            index = output_index[..., None].expand(-1, -1, -1, x.shape[-1])
-            return slots.scatter_(2, index, x).view(batch, n_heads, n_blocks, n_query_slots, x.shape[-1])
-
-        # slots without an output get zero output gradient, so they add exactly nothing below
-        grad_out, out = to_slots(grad_y.contiguous().to(y.dtype)), to_slots(y)
-        logsumexp = logsumexp.view(batch, n_heads, n_blocks, n_query_slots)
-        grad_q, grad_k, grad_v = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        featured = key_feature is not None
+        q_in, k_in, v_in = _extended(q, 1.0 if featured else None), _extended(k, 0.0 if featured else None), \
+            _extended(v, 0.0 if featured else None)
+        # the output row of every slot, -1 for slots without one: they get zero output gradient,
+        # so they add exactly nothing below
+        slot_output = torch.full((batch, n_heads, n_slots), -1, dtype=torch.long, device=q.device)
+        outputs = torch.arange(output_index.shape[-1], device=q.device).expand_as(output_index)
+        slot_output.scatter_(2, output_index, outputs)
+        no_output = (slot_output < 0).view(batch * n_heads, n_blocks, n_query_slots, 1)
+        slot_output = slot_output.clamp(min=0).view(batch, n_heads, n_blocks, n_query_slots)
+        grad_rows, y_rows = rows_of(grad_y.to(y.dtype)), rows_of(y)
+        grads = [q.new_zeros(batch * n_heads * x.shape[2], x.shape[-1] + featured) for x in (q, k, v)]
         grad_feature = None if key_feature is None else torch.zeros_like(key_feature)
+        width = v_in.shape[-1]
 
-        def add_rows(rows: Tensor, grad: Tensor, index: Tensor) -> None:  # scatter-add into time order
-            grad = grad[..., : rows.shape[-1]].reshape(batch, n_heads, -1, rows.shape[-1])
-            rows.scatter_add_(2, index.flatten(2)[..., None].expand_as(grad), grad.to(rows.dtype))
+        def add_rows(grad: Tensor, part: Tensor, index: Tensor, n_rows: int) -> None:  # into time order
+            rows = index.flatten(2) + (torch.arange(batch * n_heads, device=q.device) * n_rows).view(batch, n_heads, 1)
+            # the kernel's gradients [1, B H n, slots, D'] lie in memory slots-major: read them so
+            rows = rows.view(-1, part.shape[2]).t().flatten()
+            grad.index_add_(0, rows, part[0].transpose(0, 1).reshape(-1, part.shape[-1]).to(grad.dtype))
 
         for chunk in block_chunks(n_blocks, key_index.shape[-1]):
             feature = None if key_feature is None else key_feature[:, :, chunk]
-            queries, keys, values = _blocks(q, k, v, query_index[:, :, chunk], key_index[:, :, chunk], feature)
-            mask = additive_mask(ctx.make_mask(chunk), queries.dtype).flatten(1, 2)
-            width = values.shape[-1]
-            flat = (batch, queries.shape[1], n_query_slots)
+            queries, keys, values = _blocks(q_in, k_in, v_in, query_index[:, :, chunk], key_index[:, :, chunk], feature)
+            outputs = slot_output[:, :, chunk]
+            grad_out = select_rows(grad_rows, outputs).masked_fill_(no_output[:, chunk], 0.0)
+            grad_out = F.pad(grad_out, (0, width - v.shape[-1]))
+            out = F.pad(select_rows(y_rows, outputs), (0, width - v.shape[-1]))
             grad_queries, grad_keys, grad_values = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                F.pad(grad_out[:, :, chunk], (0, width - grad_out.shape[-1])).reshape(*flat, width),
-                queries, keys, values,
-                F.pad(out[:, :, chunk], (0, width - out.shape[-1])).reshape(*flat, width),
-                logsumexp[:, :, chunk].reshape(flat), 0.0, False, attn_mask=mask, scale=ctx.scale,
+                grad_out.flatten(0, 1)[None], queries[None], keys[None], values[None], out.flatten(0, 1)[None],
+                logsumexp[:, chunk].flatten(0, 1)[None], 0.0, False,
+                attn_mask=_kernel_mask(ctx.make_mask(chunk), queries.dtype), scale=ctx.scale,
             )
-            add_rows(grad_q, grad_queries, query_index[:, :, chunk])
-            add_rows(grad_k, grad_keys, key_index[:, :, chunk])
-            add_rows(grad_v, grad_values, key_index[:, :, chunk])
+            add_rows(grads[0], grad_queries, query_index[:, :, chunk], q.shape[2])
+            add_rows(grads[1], grad_keys, key_index[:, :, chunk], k.shape[2])
+            add_rows(grads[2], grad_values, key_index[:, :, chunk], v.shape[2])
             if grad_feature is not None:
-                grad_feature[:, :, chunk] = grad_keys[..., -1].reshape(grad_feature[:, :, chunk].shape)
+                grad_feature[:, :, chunk] = grad_keys[0, ..., -1].reshape(grad_feature[:, :, chunk].shape)
+        grad_q, grad_k, grad_v = (
+            grad.view(batch, n_heads, x.shape[2], -1)[..., : x.shape[-1]] for grad, x in zip(grads, (q, k, v))
+        )
         return grad_q, grad_k, grad_v, grad_feature, None, None, None, None, None
+
+
+def _kernel_mask(mask: Tensor, dtype: torch.dtype | None) -> Tensor:
+    """make_mask's bool [B, H, n, Q, K] (or [1, 1, 1, Q, K], shared by every block) as the fused
+    kernel's [1, B H n or 1, Q, K]: additive in dtype, or bool when dtype is None."""
+    mask = mask.flatten(0, 2) if mask.shape[:3] != (1, 1, 1) else mask[0, 0]
+    return (mask if dtype is None else additive_mask(mask, dtype))[None]
+
+
+def _to_outputs(slots: Tensor, output_index: Tensor) -> Tensor:
+    """slots [B, H, N Q, D] -> the rows at output_index [B, H, U]: [B, H, U, D] laid out [B, U, H, D]."""
+    batch, n_heads = slots.shape[:2]
+    rows = output_index + (torch.arange(batch * n_heads, device=slots.device) * slots.shape[2]).view(batch, n_heads, 1)
+    picked = slots.reshape(-1, slots.shape[-1]).index_select(0, rows.transpose(1, 2).flatten())
+    return picked.view(batch, output_index.shape[-1], n_heads, -1).transpose(1, 2)
 
 
 def gathered_attention(
@@ -143,7 +201,8 @@ def gathered_attention(
 
     q [B, H, T, D], k v [B, H, S, D]; query_index [B, H, N, Q] and key_index [B, H, N, K] name the
     row of q (of k and v) in every slot; make_mask(blocks: slice) -> bool [B, H, n, Q, K] for those
-    blocks (True: visible; a slot that has an output must see at least one key); key_feature
+    blocks, or [1, 1, 1, Q, K] for every block alike (True: visible; a slot that has an output must
+    see at least one key); key_feature
     [B, H, N, K] or None: added to the scores as scale * key_feature (an extra key feature against
     a query feature of 1, so it gets a gradient); output_index [B, H, U] picks the slots (flattened
     N Q) returned, [B, H, U, D].
@@ -156,9 +215,12 @@ def gathered_attention(
     if fused and any(x is not None and x.requires_grad for x in (q, k, v, key_feature)):
         q, k, v = autocast_inputs(q, k, v)
         return _GatheredAttention.apply(q, k, v, key_feature, query_index, key_index, output_index, make_mask, scale)
-    queries, keys, values = _blocks(q, k, v, query_index, key_index, key_feature)
-    mask = make_mask(slice(None)).flatten(1, 2)  # [B, H N, Q, K]; 4-d keeps torch on its fused CPU kernel
-    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, dropout_p=dropout, scale=scale)
-    batch, n_heads = q.shape[:2]
-    out = out[..., : v.shape[-1]].reshape(batch, n_heads, -1, v.shape[-1])
-    return pick_rows(out, output_index)
+    featured = key_feature is not None
+    q, k, v = _extended(q, 1.0 if featured else None), _extended(k, 0.0 if featured else None), \
+        _extended(v, 0.0 if featured else None)
+    queries, keys, values = _blocks(q, k, v, query_index, key_index, key_feature)  # [B H N, Q or K, D']
+    mask = _kernel_mask(make_mask(slice(None)), None)  # 4-d keeps torch on its fused CPU kernel
+    out = F.scaled_dot_product_attention(queries[None], keys[None], values[None], attn_mask=mask, dropout_p=dropout,
+                                         scale=scale)[0]
+    width = v.shape[-1] - featured
+    return _to_outputs(out[..., :width].reshape(*query_index.shape[:2], -1, width), output_index)

@@ -318,10 +318,14 @@ class _RoutedAttention(torch.autograd.Function):
             )
             grad_q[first:end] = dq[0]
             # key block s of a block is block `key_blocks[:, s]`; the terms a slot gets are added
-            # in call order, which depends only on the layout, never on the later tokens' values
-            targets = plan.position[plan.key_blocks(kind, first, end)].flatten()
+            # in call order, which depends only on the layout, never on the later tokens' values.
+            # The kernel's gradients [1, n, slots, D] lie in memory slots-major: read them so.
+            blocks = plan.position[plan.key_blocks(kind, first, end)]  # [n, kind + 1]
+            targets = (blocks[..., None] * plan.block + torch.arange(plan.block, device=q.device)).flatten(1)
+            targets = targets.t().flatten()
             for grad, part in ((grad_k, dk), (grad_v, dv)):
-                grad.view(plan.n_live, -1).index_add_(0, targets, part.reshape(targets.numel(), -1))
+                rows = part[0].transpose(0, 1).reshape(-1, part.shape[-1])
+                grad.view(-1, grad.shape[-1]).index_add_(0, targets, rows)
         grad_q, grad_k, grad_v = (plan.to_time(grad) for grad in (grad_q, grad_k, grad_v))
         if rotary is not None:
             (grad_k,) = torch.autograd.grad(rotated, unrotated, grad_k)

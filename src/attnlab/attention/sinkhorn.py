@@ -47,6 +47,7 @@ from attnlab.errors import ConfigError
 from attnlab.registry import ATTENTION
 
 MASKED = -1e4  # finite "minus infinity" for the sorting matrix: keeps Sinkhorn's gradients finite
+HIDDEN = -1e9  # key feature of a missing chosen bucket: its scores underflow to probability 0
 
 # ----------------------------------------------------------------------------------------------
 # Pure functions
@@ -126,20 +127,18 @@ def bucket_attention(
     own_rows = (buckets[:, None] * size + slot).expand(batch, n_heads, -1, -1)  # [B, H, M, b]
     key_index = torch.cat((chosen_rows, own_rows), dim=-1).clamp(max=keys.shape[2] - 1)  # [B, H, M, (S'+1) b]
     valid = chosen_weights.isfinite()  # [B, H, M, S']; a bucket with fewer past buckets has holes
-    # score + weight = scale * (q.k + weight / scale); holes get 0 (masked), so no inf * 0 in backward
+    # score + weight = scale * (q.k + weight / scale); a hole's keys get HIDDEN, whose scores
+    # underflow to weight exactly 0 (so one mask serves every block, and no inf * 0 in backward)
     key_feature = torch.cat((
-        (chosen_weights.masked_fill(~valid, 0.0) * math.sqrt(dim_head)).repeat_interleave(size, dim=-1),
+        torch.where(valid, chosen_weights * math.sqrt(dim_head), HIDDEN).repeat_interleave(size, dim=-1),
         chosen_weights.new_zeros(batch, n_heads, chosen.shape[2], size),  # own bucket: no weight
     ), dim=-1)
     output_index = (offset - first_bucket * size + torch.arange(n_new, device=q.device)).expand(batch, n_heads, -1)
+    causal = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()  # own bucket
+    mask = F.pad(causal, (chosen.shape[-1] * size, 0), value=True)[None, None, None]  # [1, 1, 1, b, (S'+1) b]
 
-    def make_mask(chunk: slice) -> Tensor:  # [B, H, m, b, (S'+1) b] for the buckets in chunk
-        chosen_columns = valid[:, :, chunk].repeat_interleave(size, dim=-1)[..., None, :]  # [B, H, m, 1, S' b]
-        causal = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()  # own bucket
-        return torch.cat((
-            chosen_columns.expand(-1, -1, -1, size, -1),
-            causal.expand(*chosen_columns.shape[:3], -1, -1),
-        ), dim=-1)
+    def make_mask(chunk: slice) -> Tensor:  # every bucket alike: the chosen ones whole, its own causally
+        return mask
 
     return gathered_attention(q, keys, values, query_index, key_index, output_index, make_mask,
                               key_feature=key_feature, dropout=dropout)
