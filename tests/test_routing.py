@@ -43,6 +43,11 @@ def test_routed_attention_equals_oracle(window):
     # the cached path: the last 9 tokens as queries against all keys, in blocks of 4
     cached = routed_attention_cached(q[:, :, -9:], k, v, clusters, window, block=4)
     torch.testing.assert_close(cached, expected[:, :, -9:], atol=1e-5, rtol=1e-5)
+    # one decoded token at every length (its own path): clusters with fewer and more than W earlier tokens
+    for length in range(1, 38):
+        one = routed_attention_cached(q[:, :, length - 1 : length], k[:, :, :length], v[:, :, :length],
+                                      clusters[..., :length], window)
+        torch.testing.assert_close(one, expected[:, :, length - 1 : length], atol=1e-5, rtol=1e-5)
 
 
 def test_routed_attention_equals_oracle_many_blocks():

@@ -64,24 +64,30 @@ def additive_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
-def _extended(x: Tensor, fill: float | None) -> Tensor:
-    """x [B, H, T, D] -> [B, H, T, D + 1] with `fill` in the new column (None: x as it is)."""
-    if fill is None:
-        return x
-    return F.pad(x, (0, 1), value=fill)
+def _extended(q: Tensor, k: Tensor, v: Tensor, featured: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """With a key feature, q, k, v [B, H, T, D] -> [B, H, T, D + 1]: queries get a 1, keys and
+    values a 0 in the new column (the keys' is set per slot by `_blocks`); else as they are."""
+    if not featured:
+        return q, k, v
+    return F.pad(q, (0, 1), value=1.0), F.pad(k, (0, 1)), F.pad(v, (0, 1))
 
 
 def _blocks(q: Tensor, k: Tensor, v: Tensor, query_index: Tensor, key_index: Tensor,
-            key_feature: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-    """Gather the block layout: queries [B H N, Q, D'], keys [B H N, K, D'], values [B H N, K, D'];
-    with a key feature q, k, v come in extended to D' = D + 1 (see `_extended`: queries a 1, values
-    a 0 in the extra column) and the keys' extra column is set to the feature."""
+            key_feature: Tensor | None, extended: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Gather the block layout: queries [B H N, Q, D'], keys [B H N, K, D'], values [B H N, K, D'].
+    With a key feature, D' = D + 1 and the keys' extra column is set to it: q, k, v come in
+    `_extended` (extended: whole sequences, one copy each), or are extended here after the gather
+    (decoding from a long cache: only the gathered rows are copied)."""
     queries = select_rows(rows_of(q), query_index).flatten(0, 1)
     keys = select_rows(rows_of(k), key_index).flatten(0, 1)
     values = select_rows(rows_of(v), key_index).flatten(0, 1)
-    if key_feature is not None:
-        keys[..., -1] = key_feature.reshape(keys.shape[:-1]).to(keys.dtype)
-    return queries, keys, values
+    if key_feature is None:
+        return queries, keys, values
+    feature = key_feature.reshape(keys.shape[:-1]).to(keys.dtype)
+    if extended:
+        keys[..., -1] = feature
+        return queries, keys, values
+    return F.pad(queries, (0, 1), value=1.0), torch.cat((keys, feature[..., None]), dim=-1), F.pad(values, (0, 1))
 
 
 def block_chunks(n_blocks: int, slots_per_block: int, slots_per_chunk: int = CHUNK_KEY_SLOTS) -> list[slice]:
@@ -107,13 +113,13 @@ class _GatheredAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, key_feature, query_index, key_index, output_index, make_mask, scale):
         batch, n_heads, n_blocks, n_query_slots = query_index.shape
         featured = key_feature is not None
-        q_in, k_in, v_in = _extended(q, 1.0 if featured else None), _extended(k, 0.0 if featured else None), \
-            _extended(v, 0.0 if featured else None)
+        q_in, k_in, v_in = _extended(q, k, v, featured)
         out = q.new_empty(batch * n_heads, n_blocks, n_query_slots, q_in.shape[-1])
         logsumexp = None  # [B H, N, Q], in the kernel's accumulation dtype
         for chunk in block_chunks(n_blocks, key_index.shape[-1]):
             feature = None if key_feature is None else key_feature[:, :, chunk]
-            queries, keys, values = _blocks(q_in, k_in, v_in, query_index[:, :, chunk], key_index[:, :, chunk], feature)
+            queries, keys, values = _blocks(q_in, k_in, v_in, query_index[:, :, chunk], key_index[:, :, chunk], feature,
+                                            extended=True)
             part, part_logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 queries[None], keys[None], values[None], 0.0, False,
                 attn_mask=_kernel_mask(make_mask(chunk), queries.dtype), scale=scale,
@@ -135,8 +141,7 @@ class _GatheredAttention(torch.autograd.Function):
         batch, n_heads, n_blocks, n_query_slots = query_index.shape
         n_slots = n_blocks * n_query_slots
         featured = key_feature is not None
-        q_in, k_in, v_in = _extended(q, 1.0 if featured else None), _extended(k, 0.0 if featured else None), \
-            _extended(v, 0.0 if featured else None)
+        q_in, k_in, v_in = _extended(q, k, v, featured)
         # the output row of every slot, -1 for slots without one: they get zero output gradient,
         # so they add exactly nothing below
         slot_output = torch.full((batch, n_heads, n_slots), -1, dtype=torch.long, device=q.device)
@@ -157,7 +162,8 @@ class _GatheredAttention(torch.autograd.Function):
 
         for chunk in block_chunks(n_blocks, key_index.shape[-1]):
             feature = None if key_feature is None else key_feature[:, :, chunk]
-            queries, keys, values = _blocks(q_in, k_in, v_in, query_index[:, :, chunk], key_index[:, :, chunk], feature)
+            queries, keys, values = _blocks(q_in, k_in, v_in, query_index[:, :, chunk], key_index[:, :, chunk], feature,
+                                            extended=True)
             outputs = slot_output[:, :, chunk]
             grad_out = select_rows(grad_rows, outputs).masked_fill_(no_output[:, chunk], 0.0)
             grad_out = F.pad(grad_out, (0, width - v.shape[-1]))
@@ -215,12 +221,9 @@ def gathered_attention(
     if fused and any(x is not None and x.requires_grad for x in (q, k, v, key_feature)):
         q, k, v = autocast_inputs(q, k, v)
         return _GatheredAttention.apply(q, k, v, key_feature, query_index, key_index, output_index, make_mask, scale)
-    featured = key_feature is not None
-    q, k, v = _extended(q, 1.0 if featured else None), _extended(k, 0.0 if featured else None), \
-        _extended(v, 0.0 if featured else None)
-    queries, keys, values = _blocks(q, k, v, query_index, key_index, key_feature)  # [B H N, Q or K, D']
+    queries, keys, values = _blocks(q, k, v, query_index, key_index, key_feature, extended=False)
     mask = _kernel_mask(make_mask(slice(None)), None)  # 4-d keeps torch on its fused CPU kernel
     out = F.scaled_dot_product_attention(queries[None], keys[None], values[None], attn_mask=mask, dropout_p=dropout,
                                          scale=scale)[0]
-    width = v.shape[-1] - featured
+    width = v.shape[-1]
     return _to_outputs(out[..., :width].reshape(*query_index.shape[:2], -1, width), output_index)

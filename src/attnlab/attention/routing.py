@@ -374,6 +374,15 @@ def routed_attention_cached(
     """Routed attention for the last T of S tokens, keys gathered per query (decoding, no grad).
     q [B, R, T, D], k v [B, R, S, D], clusters [B, R, S] -> [B, R, T, D]. Same slots as above."""
     n_queries, n_keys, dim_head = q.shape[2], k.shape[2], q.shape[3]
+    if n_queries == 1:  # one decoded token: its keys are the last W + 1 positions of its cluster
+        same = clusters == clusters[..., -1:]  # [B, R, S]
+        candidates = torch.where(same, torch.arange(n_keys, device=q.device), -1)
+        picked = candidates.topk(min(window + 1, n_keys), dim=-1).values  # [B, R, K], -1: none
+        positions = picked.clamp(min=0)[..., None].expand(-1, -1, -1, dim_head)
+        keys, values = k.gather(2, positions), v.gather(2, positions)  # [B, R, K, D]
+        scores = torch.einsum("brtd,brkd->brtk", q, keys).float() / math.sqrt(dim_head)
+        probs = torch.softmax(scores.masked_fill(picked[:, :, None] < 0, float("-inf")), dim=-1).to(values.dtype)
+        return torch.einsum("brtk,brkd->brtd", probs, values)
     order = torch.sort(clusters, dim=-1, stable=True).indices  # [B, R, S]
     rank = torch.empty_like(order).scatter_(-1, order, torch.arange(n_keys, device=q.device).expand_as(order))
     sorted_clusters = clusters.gather(-1, order)
