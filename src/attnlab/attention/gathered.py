@@ -8,8 +8,9 @@ for full attention (q, k, v, output and one log-sum-exp per query). `gathered_at
 only that: the ungathered q, k, v, the output in time order, the log-sum-exp and the small index
 tensors; the backward gathers again, rebuilds the mask and calls the fused kernel's backward.
 
-Used by Sinkhorn attention; routing attention has its own, local-attention-shaped variant of the
-same idea (attention/routing.py), whose keys are an overlapping view rather than a gather.
+Rows move as whole rows of D numbers (`rows_of`, `select_rows`, `index_add_`), never element by
+element. Used by Sinkhorn attention; routing attention (attention/routing.py) runs the same idea on
+its own block plan and shares the row helpers.
 
 Legend: B batch, H heads, T query rows, S key rows, D head width, N blocks, Q query slots per
 block, K key slots per block, U output rows.
@@ -24,11 +25,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 CHUNK_KEY_SLOTS = 4096  # gathered key slots per head processed at once (the chunk size above)
-
-
-def pick_rows(x: Tensor, index: Tensor) -> Tensor:
-    """Rows of x [B, H, T, D] at index [B, H, n] -> [B, H, n, D]."""
-    return x.gather(2, index[..., None].expand(-1, -1, -1, x.shape[-1]))
 
 
 def rows_of(x: Tensor) -> tuple[Tensor, Tensor, int]:

@@ -45,7 +45,7 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from attnlab.attention.base import AttentionSpec, KVCache, expand_kv
-from attnlab.attention.gathered import additive_mask, autocast_inputs
+from attnlab.attention.gathered import additive_mask, autocast_inputs, rows_of
 from attnlab.attention.kernels.flex_routing import flex_routed_attention
 from attnlab.attention.local import local_attention
 from attnlab.config import RoutingAttentionConfig
@@ -163,24 +163,6 @@ BLOCKS_PER_WINDOW = 2  # routed blocks are window / this slots long, when that d
 CHUNK_SLOTS = 16384  # key slots gathered per kernel call: bounds the transient copies
 
 
-def _rows(x: Tensor) -> tuple[Tensor, Tensor, int]:
-    """x [B, R, T, D] as rows of D numbers over its own memory -> (rows [n, D], a view; the row of
-    token 0 of each (batch, head), [B R]; the row step of one token). Copies only when x's rows
-    are not whole, D-aligned runs of its memory."""
-    width = x.shape[-1]
-
-    def strides(x: Tensor) -> list[int]:
-        return [0 if size == 1 else stride for size, stride in zip(x.shape, x.stride())]
-
-    if (width > 1 and x.stride(-1) != 1) or any(stride % width for stride in strides(x)[:-1]):
-        x = x.contiguous()
-    batch_step, head_step, token_step = (stride // width for stride in strides(x)[:-1])
-    n_rows = 1 + sum((size - 1) * step for size, step in zip(x.shape[:-1], (batch_step, head_step, token_step)))
-    start = (torch.arange(x.shape[0], device=x.device)[:, None] * batch_step
-             + torch.arange(x.shape[1], device=x.device) * head_step)
-    return x.as_strided((n_rows, width), (width, 1)), start.flatten(), token_step
-
-
 class _Plan:
     """How one call of routed attention runs on the block layout of `cluster_block_layout`.
 
@@ -242,7 +224,7 @@ class _Plan:
         return self.order[first:end, None] - kind + torch.arange(kind + 1, device=self.order.device)
 
     def queries(self, x: tuple[Tensor, Tensor, int], first: int, end: int, zero_padding: bool = False) -> Tensor:
-        """The call's query slots of x = _rows(...): [1, n, block, D]; zero_padding: padding slots
+        """The call's query slots of x = rows_of(...): [1, n, block, D]; zero_padding: padding slots
         read zeros rather than token 0."""
         blocks = self.order[first:end]
         out = self._select(x, blocks, self.tokens[blocks])
@@ -280,7 +262,7 @@ class _RoutedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan, rotary):
         rotated = k if rotary is None else rotary(k)
-        q_rows, k_rows, v_rows = _rows(q), _rows(rotated), _rows(v)
+        q_rows, k_rows, v_rows = rows_of(q), rows_of(rotated), rows_of(v)
         out = q.new_empty(plan.n_live, plan.block, q.shape[-1])
         logsumexp = None  # [n, block], in the kernel's accumulation dtype
         for kind, first, end in plan.calls:
@@ -303,8 +285,8 @@ class _RoutedAttention(torch.autograd.Function):
         with torch.enable_grad():  # rotate the keys again, to carry their gradient back through it
             unrotated = k.detach().requires_grad_(rotary is not None)
             rotated = unrotated if rotary is None else rotary(unrotated)
-        q_rows, k_rows, v_rows = _rows(q), _rows(rotated.detach()), _rows(v)
-        grad_rows, y_rows = _rows(grad_y.to(y.dtype)), _rows(y)
+        q_rows, k_rows, v_rows = rows_of(q), rows_of(rotated.detach()), rows_of(v)
+        grad_rows, y_rows = rows_of(grad_y.to(y.dtype)), rows_of(y)
         shape = (plan.n_live, plan.block, q.shape[-1])
         grad_q, grad_k, grad_v = q.new_empty(shape), q.new_zeros(shape), q.new_zeros(shape)
         for kind, first, end in plan.calls:
