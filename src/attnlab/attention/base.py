@@ -99,6 +99,20 @@ def expand_kv(x: Tensor, n_heads: int) -> Tensor:
     return repeat(x, "b g s d -> b (g r) s d", r=groups)
 
 
+def overlapping_windows(x: Tensor, size: int, step: int) -> Tensor:
+    """Windows of `size` rows every `step` rows along dim 2: x [B, H, S, D] -> [B, H, N, size, D]
+    with N = (S - size) // step + 1 (size a multiple of step). The same values as
+    x.unfold(2, size, step).transpose(-1, -2), built from size / step shifted slices, whose backward
+    is a few slice additions (unfold's backward is a slow general kernel)."""
+    if size % step:
+        raise ValueError(f"window size {size} must be a multiple of its step {step}")
+    batch, n_heads, _, width = x.shape
+    count = (x.shape[2] - size) // step + 1
+    parts = [x[:, :, i * step : i * step + count * step].reshape(batch, n_heads, count, step, width)
+             for i in range(size // step)]
+    return torch.cat(parts, dim=-2)
+
+
 def naive_attention(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor) -> Tensor:
     """The test oracle: softmax(q k^T / sqrt(D)) v over the keys `allowed` permits.
 

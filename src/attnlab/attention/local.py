@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnlab.attention.base import AttentionSpec, HeadProjections, KVCache, expand_kv, sdpa
+from attnlab.attention.base import AttentionSpec, HeadProjections, KVCache, expand_kv, overlapping_windows, sdpa
 from attnlab.attention.kernels.flex_local import flex_local_attention
 from attnlab.config import LocalAttentionConfig
 from attnlab.errors import ConfigError
@@ -43,8 +43,8 @@ def local_attention(q: Tensor, k: Tensor, v: Tensor, window: int, dropout: float
     v = F.pad(v, (0, 0, pad_left, pad_right))
     q = F.pad(q, (0, 0, 0, pad_right)).reshape(batch, n_heads, n_blocks, window, dim_head)
     # each query block sees its own keys and the previous block's: windows of 2W with step W
-    k = expand_kv(k, n_heads).unfold(2, 2 * window, window).transpose(-1, -2)  # [B, H, N, 2W, D]
-    v = expand_kv(v, n_heads).unfold(2, 2 * window, window).transpose(-1, -2)
+    k = overlapping_windows(expand_kv(k, n_heads), 2 * window, window)  # [B, H, N, 2W, D]
+    v = overlapping_windows(expand_kv(v, n_heads), 2 * window, window)
 
     query = torch.arange(window, device=q.device)[:, None]  # position W + query in the key block
     key = torch.arange(2 * window, device=q.device)[None, :]

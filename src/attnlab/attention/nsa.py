@@ -53,7 +53,7 @@ from einops import rearrange
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from attnlab.attention.base import AttentionSpec, KVCache
+from attnlab.attention.base import AttentionSpec, KVCache, overlapping_windows
 from attnlab.attention.kernels import nsa_flex, nsa_triton
 from attnlab.attention.kernels.flex_local import flex_local_attention
 from attnlab.attention.local import local_attention
@@ -381,7 +381,7 @@ def compress(keys: Tensor, first: int, count: int, block: int, stride: int, netw
     """Compressed blocks first..first+count-1 of keys [B, G, S, D] -> [B, G, count, D]."""
     start = first * stride
     span = keys[:, :, start : start + (count - 1) * stride + block]
-    blocks = span.unfold(2, block, stride).transpose(-1, -2)  # [B, G, count, l, D]
+    blocks = overlapping_windows(span, block, stride)  # [B, G, count, l, D]
     return network(blocks)
 
 
