@@ -324,15 +324,157 @@ class SelectedBlockAttention(torch.autograd.Function):
         return grad_q, grad_k, grad_v, None, None, grad_gates, None, None, None
 
 
-def selected_attention(q, k, v, indices, valid, gates, positions, block: int, chunk: int) -> Tensor:
+def _forced_tiles(k_blocked: Tensor, n_tiles: int) -> Tensor:
+    """Keys of every query tile for the forced blocks: block 0 then the tile's own block,
+    [B G, M, 2 l', D] from k_blocked [B, G, >= M, l', D]."""
+    batch, n_groups, _, block, dim_head = k_blocked.shape
+    first = k_blocked[:, :, :1].expand(-1, -1, n_tiles, -1, -1)
+    return torch.cat((first, k_blocked[:, :, :n_tiles]), dim=3).view(batch * n_groups, n_tiles, 2 * block, dim_head)
+
+
+def _forced_mask(n_tiles: int, block: int, n_heads: int, dtype: torch.dtype, device) -> Tensor:
+    """Additive mask [1, M, l' R, 2 l'] of a tile's query rows (position-major, R heads each) over
+    block 0 and its own block: block 0 whole (tile 0: hidden, its own block is block 0), its own
+    block causally."""
+    row = torch.arange(block, device=device).repeat_interleave(n_heads)[:, None]  # position in the block
+    column = torch.arange(2 * block, device=device)[None, :]
+    own = (column >= block) & (column - block <= row)  # [l' R, 2 l']
+    visible = (own | (column < block)).expand(n_tiles, -1, -1).clone()
+    visible[0] = own
+    return torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))[None]
+
+
+def _free_chunk(q, k_blocked, v_blocked, indices, valid, positions, block, log_sum=None):
+    """The free (not forced) selected blocks of a chunk of queries: gathered keys and values, and
+    the probabilities over them, normalised by log_sum [B, G, C, R, 1] when given, else by their
+    own log-sum-exp (returned; -inf for a query with no free block, whose probabilities are 0)."""
+    keys = _gather_blocks(k_blocked, indices)  # [B, G, C, n l', D]
+    values = _gather_blocks(v_blocked, indices)
+    key_position = (indices[..., None] * block + torch.arange(block, device=q.device)).flatten(-2)
+    allowed = valid.repeat_interleave(block, dim=-1) & (key_position <= positions[:, None])
+    scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(1 / math.sqrt(q.shape[-1]))  # [B, G, C, R, n l']
+    scores.masked_fill_(~allowed[:, :, :, None], float("-inf"))
+    if log_sum is None:
+        log_sum = torch.logsumexp(scores, dim=-1, keepdim=True)
+    probs = scores.sub_(torch.where(log_sum.isfinite(), log_sum, 0.0)).exp_()
+    return keys, values, probs, log_sum
+
+
+class ForcedSplitSelectedAttention(torch.autograd.Function):
+    """SelectedBlockAttention for whole sequences whose selection always holds block 0 and each
+    query's own block (`choose_blocks` with num_selected >= 2), without gates, on the CPU.
+
+    The forced blocks are the same for the l' queries of a selection block, so they run densely,
+    a tile of l' queries (all R heads of a group) against block 0 and their own block, on torch's
+    fused kernel; only the other n - 2 blocks are gathered per query. The two parts are merged by
+    their log-sum-exps. The backward hands each part the merged output and log-sum-exp, which gives
+    each part its exact share of the gradients.
+
+    q [B, G, T, R, D] (query-major) at positions 0..T-1, k, v [B, G, T, D], indices, valid
+    [B, G, T, n] -> [B, G, T, R, D].
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, indices, valid, block: int, chunk: int):  # noqa: D102
+        batch, n_groups, n_tokens, n_heads, dim_head = q.shape
+        positions = torch.arange(n_tokens, device=q.device)
+        n_tiles = -(-n_tokens // block)
+        k_blocked, v_blocked = _blocked(k, block), _blocked(v, block)  # [B, G, M, l', D]
+        pad = n_tiles * block - n_tokens
+        tiles = F.pad(q, (0, 0, 0, 0, 0, pad)).view(batch * n_groups, n_tiles, block * n_heads, dim_head)
+        mask = _forced_mask(n_tiles, block, n_heads, q.dtype, q.device)
+        forced_out, forced_log_sum = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            tiles, _forced_tiles(k_blocked, n_tiles), _forced_tiles(v_blocked, n_tiles), 0.0, False, attn_mask=mask,
+        )
+        forced_out = forced_out.reshape(batch, n_groups, n_tiles * block, n_heads, dim_head)[:, :, :n_tokens]
+        forced_log_sum = forced_log_sum.reshape(batch, n_groups, n_tiles * block, n_heads, 1)[:, :, :n_tokens]
+        free, free_valid = _free_blocks(indices, valid, positions, block)
+        output = torch.empty_like(q)
+        log_sum = forced_log_sum.new_empty(*q.shape[:-1], 1)  # [B, G, T, R, 1]
+        for start in range(0, n_tokens, chunk):
+            part = slice(start, start + chunk)
+            _, values, probs, free_log_sum = _free_chunk(
+                q[:, :, part], k_blocked, v_blocked, free[:, :, part], free_valid[:, :, part], positions[part], block,
+            )
+            merged = torch.logaddexp(forced_log_sum[:, :, part], free_log_sum.to(forced_log_sum.dtype))
+            log_sum[:, :, part] = merged
+            output[:, :, part] = (forced_out[:, :, part] * (forced_log_sum[:, :, part] - merged).exp().to(q.dtype)
+                                  + torch.matmul(probs, values) * (free_log_sum - merged).exp().to(q.dtype))
+        ctx.save_for_backward(q, k, v, free, free_valid, output, log_sum)
+        ctx.block, ctx.chunk = block, chunk
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):  # noqa: D102
+        q, k, v, free, free_valid, output, log_sum = ctx.saved_tensors
+        block, chunk = ctx.block, ctx.chunk
+        batch, n_groups, n_tokens, n_heads, dim_head = q.shape
+        positions = torch.arange(n_tokens, device=q.device)
+        n_tiles = -(-n_tokens // block)
+        pad = n_tiles * block - n_tokens
+        k_blocked, v_blocked = _blocked(k, block), _blocked(v, block)
+        grad_output = grad_output.contiguous()
+
+        def as_tiles(x: Tensor, value: float = 0.0) -> Tensor:  # [B, G, T, R, X] -> [B G, M, l' R, X]
+            return F.pad(x, (0, 0, 0, 0, 0, pad), value=value).view(batch * n_groups, n_tiles, block * n_heads, -1)
+
+        # padded rows: zero output gradient and an infinite log-sum-exp (probability 0): they add nothing
+        grad_tiles, forced_dk, forced_dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            as_tiles(grad_output), as_tiles(q), _forced_tiles(k_blocked, n_tiles), _forced_tiles(v_blocked, n_tiles),
+            as_tiles(output), as_tiles(log_sum, float("inf"))[..., 0], 0.0, False,
+            attn_mask=_forced_mask(n_tiles, block, n_heads, q.dtype, q.device),
+        )
+        grad_q = grad_tiles.reshape(batch, n_groups, n_tiles * block, n_heads, dim_head)[:, :, :n_tokens].contiguous()
+        grad_k_blocked, grad_v_blocked = torch.zeros_like(k_blocked), torch.zeros_like(v_blocked)
+        for grad, forced in ((grad_k_blocked, forced_dk), (grad_v_blocked, forced_dv)):
+            forced = forced.view(batch, n_groups, n_tiles, 2 * block, dim_head)
+            grad[:, :, :n_tiles] += forced[:, :, :, block:]  # own blocks
+            grad[:, :, 0] += forced[:, :, :, :block].sum(dim=2)  # block 0, from every tile
+        scale = 1 / math.sqrt(dim_head)
+        for start in range(0, n_tokens, chunk):
+            part = slice(start, start + chunk)
+            q_part, grad_part = q[:, :, part], grad_output[:, :, part]
+            keys, values, probs, _ = _free_chunk(
+                q_part, k_blocked, v_blocked, free[:, :, part], free_valid[:, :, part], positions[part], block,
+                log_sum[:, :, part].to(q.dtype),
+            )
+            _scatter_blocks(grad_v_blocked, free[:, :, part], _outer_sum(probs, grad_part))
+            delta = (grad_part * output[:, :, part]).sum(dim=-1, keepdim=True)  # [B, G, C, R, 1]
+            grad_scores = torch.matmul(grad_part, values.transpose(-1, -2)).sub_(delta).mul_(probs).mul_(scale)
+            grad_q[:, :, part] += torch.matmul(grad_scores, keys)
+            _scatter_blocks(grad_k_blocked, free[:, :, part], _outer_sum(grad_scores, q_part))
+        grad_k = rearrange(grad_k_blocked, "b g m s d -> b g (m s) d")[:, :, :n_tokens]
+        grad_v = rearrange(grad_v_blocked, "b g m s d -> b g (m s) d")[:, :, :n_tokens]
+        return grad_q, grad_k, grad_v, None, None, None, None
+
+
+def _free_blocks(indices: Tensor, valid: Tensor, positions: Tensor, block: int) -> tuple[Tensor, Tensor]:
+    """The selected blocks other than block 0 and the query's own block: with choose_blocks' order
+    (valid blocks ascending: block 0 first, the own block last), slots 1 .. n - 2, less the own
+    block where fewer than n blocks exist yet. -> indices, valid [B, G, T, n - 2]."""
+    n_slots = indices.shape[-1]
+    free = indices[..., 1 : n_slots - 1]
+    own = (positions // block)[:, None]  # [T, 1]
+    return free, valid[..., 1 : n_slots - 1] & (free != own) & (free != 0)
+
+
+def selected_attention(q, k, v, indices, valid, gates, positions, block: int, chunk: int,
+                       forced: bool = False) -> Tensor:
     """See SelectedBlockAttention; here q [B, H, T, D] -> [B, H, T, D]. Runs in q's dtype (autocast
-    off inside)."""
+    off inside). forced: the selection always holds block 0 and each query's own block (as
+    `choose_blocks` makes it with num_selected >= 2); a whole sequence on the CPU without gates
+    then runs those two blocks densely (ForcedSplitSelectedAttention)."""
     n_groups = k.shape[1]
     k, v = k.to(q.dtype), v.to(q.dtype)
     gates = None if gates is None else gates.to(q.dtype)
     grouped = rearrange(q, "b (g r) t d -> b g t r d", g=n_groups).contiguous()
+    split = (forced and gates is None and q.device.type == "cpu" and indices.shape[-1] >= 2
+             and k.shape[2] == q.shape[2] and int(positions[0]) == 0)
     with torch.autocast(q.device.type, enabled=False):
-        output = SelectedBlockAttention.apply(grouped, k, v, indices, valid, gates, positions, block, chunk)
+        if split:
+            output = ForcedSplitSelectedAttention.apply(grouped, k, v, indices, valid, block, chunk)
+        else:
+            output = SelectedBlockAttention.apply(grouped, k, v, indices, valid, gates, positions, block, chunk)
     return rearrange(output, "b g t r d -> b (g r) t d")
 
 
@@ -568,7 +710,8 @@ class NativeSparseAttention(nn.Module):
         if backend == "flex" and gates is None:  # flex has no per-block value gates: straight-through uses torch
             self._check_flex(q)
             return nsa_flex.selected_attention(q, k, v, indices, valid, positions, block)
-        return selected_attention(q, k, v, indices, valid, gates, positions, block, self.config.query_chunk_size)
+        return selected_attention(q, k, v, indices, valid, gates, positions, block, self.config.query_chunk_size,
+                                  forced=self.config.num_selected >= 2)
 
     def _sliding(self, q, k, v) -> Tensor:
         if self.config.backend == "flex":
