@@ -182,9 +182,9 @@ class _Plan:
         m = BLOCKS_PER_WINDOW if window % BLOCKS_PER_WINDOW == 0 and window >= BLOCKS_PER_WINDOW else 1
         block = window // m
         destination, source, block_rank = cluster_block_layout(clusters, block)
-        batch, n_heads, n_tokens = clusters.shape
+        batch, n_heads, _ = clusters.shape
         device, n_blocks = clusters.device, block_rank.shape[-1]
-        self.window, self.block, self.shape = window, block, (batch, n_heads, n_tokens)
+        self.block = block
         real = destination.gather(-1, source) == torch.arange(source.shape[-1], device=device)  # [B, R, P]
         live = real.view(-1, block).any(-1)  # [B R N]
         kinds = block_rank.clamp(max=m).flatten()
