@@ -2,8 +2,9 @@
 
 Training: median time of an optimiser step (forward, backward, AdamW) after warm-up, tokens/s,
 and peak memory: on CUDA the allocator's peak, on CPU the growth of the process's resident-set
-high-water mark over its size before the measured steps (Linux /proc; the mark is reset first;
-the runner makes glibc return freed blocks at once so that the mark follows live memory).
+high-water mark over its size before the measured steps (Linux /proc; the mark is reset first).
+On the CPU the runner takes the peak from a run in which glibc returns freed blocks at once (so
+that the mark follows live memory) and the time from a run with the allocator as users have it.
 
 Decoding: per-token latency with the KV cache after prefilling a context of length C, and the
 same without the cache (re-running the whole prefix for each token), median over tokens.
