@@ -78,11 +78,17 @@ def compressed_visibility(positions: Tensor, n_blocks: int, config: NSAAttention
     return F.pad(visible, (1, 0), value=True)  # the memory slot is always visible
 
 
+def compressed_scores(q_grouped: Tensor, keys: Tensor, visible: Tensor) -> Tensor:
+    """q_grouped [B, G, R, C, D], keys [B, G, 1 + N, D], visible [C, 1 + N] -> scaled scores
+    [B, G, R, C, 1 + N], -inf where a block is not visible (eq. 7)."""
+    scores = torch.matmul(q_grouped, keys[:, :, None].transpose(-1, -2)) / math.sqrt(q_grouped.shape[-1])
+    return scores.masked_fill_(~visible, float("-inf"))
+
+
 def compressed_probabilities(q: Tensor, keys: Tensor, visible: Tensor) -> Tensor:
     """q [B, H, C, D], keys [B, G, 1 + N, D], visible [C, 1 + N] -> probabilities [B, G, R, C, 1 + N] (eq. 7-8)."""
     q = rearrange(q, "b (g r) c d -> b g r c d", g=keys.shape[1])
-    scores = torch.matmul(q, keys[:, :, None].transpose(-1, -2)) / math.sqrt(q.shape[-1])  # [B, G, R, C, 1+N]
-    return torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    return torch.softmax(compressed_scores(q, keys, visible), dim=-1)
 
 
 def block_importance(probs: Tensor, config: NSAAttentionConfig, n_selection_blocks: int) -> Tensor:
@@ -165,8 +171,7 @@ class CompressedChunkAttention(torch.autograd.Function):
     def forward(ctx, q, keys, values, positions, config: NSAAttentionConfig, n_selection_blocks: int):  # noqa: D102
         visible = compressed_visibility(positions, keys.shape[2] - 1, config)  # [C, 1 + N]
         q_grouped = rearrange(q, "b (g r) c d -> b g r c d", g=keys.shape[1])
-        scores = torch.matmul(q_grouped, keys[:, :, None].transpose(-1, -2)) / math.sqrt(q.shape[-1])
-        scores.masked_fill_(~visible, float("-inf"))  # [B, G, R, C, 1 + N]
+        scores = compressed_scores(q_grouped, keys, visible)  # [B, G, R, C, 1 + N]
         log_sum = torch.logsumexp(scores, dim=-1, keepdim=True)  # the memory slot: never empty
         probs = scores.sub_(log_sum).exp_()  # eq. 7-8
         output = torch.matmul(probs, values[:, :, None])  # [B, G, R, C, D]
@@ -180,8 +185,7 @@ class CompressedChunkAttention(torch.autograd.Function):
     def backward(ctx, grad_output, _grad_indices, _grad_valid):  # noqa: D102
         q_grouped, keys, values, visible, output, log_sum = ctx.saved_tensors
         scale = 1 / math.sqrt(q_grouped.shape[-1])
-        scores = torch.matmul(q_grouped, keys[:, :, None].transpose(-1, -2)).mul_(scale)
-        probs = scores.sub_(log_sum).exp_().masked_fill_(~visible, 0.0)  # [B, G, R, C, 1 + N], recomputed
+        probs = compressed_scores(q_grouped, keys, visible).sub_(log_sum).exp_()  # [B, G, R, C, 1 + N], recomputed
         grad_output = rearrange(grad_output, "b (g r) c d -> b g r c d", g=keys.shape[1])
         grad_values = torch.matmul(probs.transpose(-1, -2), grad_output).sum(dim=2)  # [B, G, 1 + N, D]
         grad_probs = torch.matmul(grad_output, values[:, :, None].transpose(-1, -2))
