@@ -182,6 +182,8 @@ class TrainConfig:
     compile: bool = False  # torch.compile the model
     peak_tflops: float = 0.0  # device peak for the logged MFU; 0: known GPUs' bf16 peak, none on CPU
     randomly_truncate_sequence: bool = False  # seed 000: now and then train on a shorter prefix (p 0.1)
+    distill_from: str | None = None  # teacher run or checkpoint: also train toward its distribution (train/distill.py)
+    distill_weight: float = 0.5  # with distill_from: loss = (1 - w) data cross-entropy + w KL(teacher || model)
 
 
 @dataclass(kw_only=True)

@@ -4,7 +4,7 @@ training a draft with its target.
     attnlab speculative --target RUN (--draft RUN | --early-exit K) [--gamma 5]
         (--prompt TEXT | --prime-from-val) [--batch-size B] [--max-new-tokens N] [--repeats R]
         [--temperature T --top-k K --top-p P --min-p M] [--json]
-    attnlab speculative train (--target-preset P | --target RUN) --draft-preset Q
+    attnlab speculative train (--target-preset P | --target RUN) --draft-preset Q [--distill W]
         [key.path=value (both) | target.key.path=value | draft.key.path=value ...] [--resume]
 """
 
@@ -73,6 +73,11 @@ def register(subparsers) -> None:
     targets.add_argument("--target", dest="target_run", help="an existing target run: train only a draft for it")
     trainer.add_argument("--draft-preset", required=True, help="preset or YAML file of the draft")
     trainer.add_argument("--resume", action="store_true", help="continue both runs from their latest checkpoints")
+    trainer.add_argument(
+        "--distill", type=float, default=None, metavar="W",
+        help="train the draft toward the target's distribution too: its loss is (1 - W) cross-entropy + W "
+        "KL(target || draft), from the target's final checkpoint (train.distill_from / distill_weight)",
+    )
     trainer.add_argument("overrides", nargs="*", metavar="key.path=value")
     trainer.set_defaults(func=run_train)
 
@@ -238,12 +243,13 @@ def run_train(args: argparse.Namespace) -> int:
         if any(override.startswith("target.") for override in args.overrides):
             raise ConfigError("with --target RUN the target is not trained: target.* overrides do not apply")
         target_result, draft_result = train_pair(
-            None, draft_config, target_settings=load_config(settings), resume=args.resume, command_line=command_line
+            None, draft_config, target_settings=load_config(settings), resume=args.resume, command_line=command_line,
+            distill_weight=args.distill, target_dir=Path(args.target_run),
         )
     else:
         target_config = load_config(args.target_preset, target_overrides)
         target_result, draft_result = train_pair(
-            target_config, draft_config, resume=args.resume, command_line=command_line
+            target_config, draft_config, resume=args.resume, command_line=command_line, distill_weight=args.distill
         )
     for role, result in (("target", target_result), ("draft", draft_result)):
         if result is None:

@@ -46,6 +46,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -340,16 +341,28 @@ def train_pair(
     target_settings: RunConfig | None = None,
     resume: bool = False,
     command_line: list[str] | None = None,
+    distill_weight: float | None = None,
+    target_dir: Path | None = None,
 ) -> tuple[TrainResult | None, TrainResult]:
     """Train a target and its draft on the same batches (one after the other, each with its own
     optimiser), or, with target None, only a draft for the existing target whose config is
-    `target_settings`. Returns (target result or None, draft result)."""
+    `target_settings` and whose run is `target_dir`. Returns (target result or None, draft result).
+
+    distill_weight: the draft also learns the target's distribution, from the target's final
+    checkpoint (train.distill_from and train.distill_weight, train/distill.py)."""
     from attnlab.train.loop import train  # training pulls in data and metrics; decoding does not
 
     reference = target if target is not None else target_settings
     if reference is None:
         raise ValueError("give a target config to train, or the settings of an existing target")
     draft = draft_config_for(reference, draft)
+    if distill_weight is not None:
+        teacher = target.run_dir if target is not None else target_dir
+        if teacher is None:
+            raise ValueError("distilling a draft for an existing target needs its run directory (target_dir)")
+        draft = dataclasses.replace(
+            draft, train=dataclasses.replace(draft.train, distill_from=str(teacher), distill_weight=distill_weight)
+        )
     target_result = None
     if target is not None:
         log.info("training the target %s", target.name)

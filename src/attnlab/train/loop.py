@@ -45,6 +45,7 @@ from attnlab.train.checkpoint import (
     read_checkpoint,
     save_checkpoint,
 )
+from attnlab.train.distill import distillation_loss, load_teacher
 from attnlab.train.distributed import STRATEGY, local_device
 from attnlab.train.ema import WeightEMA
 from attnlab.train.metrics import Metrics, open_metrics
@@ -200,6 +201,7 @@ def train(
         write_run_info(config, run_dir, command_line)
 
     model = Transformer(config.model).to(device)
+    teacher = load_teacher(config, device)  # train.distill_from, or None
     ema = WeightEMA(model, tc.ema_decay) if tc.ema else None  # copied before wrapping, laid out like it after
     forward, optimizer = strategy.wrap(model, lambda module: build_optimizer(module, tc))
     if ema is not None:
@@ -305,6 +307,11 @@ def train(
                     with strategy.micro_step_context(forward, is_last=micro == tc.grad_accum - 1):
                         with autocast:
                             output = forward(tokens[:, :-1], targets=tokens[:, 1:], loss_mask=loss_mask)
+                            if teacher is not None:
+                                with torch.no_grad():
+                                    teacher_logits = teacher(tokens[:, :-1]).logits
+                                distill = distillation_loss(output.logits, teacher_logits, loss_mask)
+                                output.loss = output.loss + tc.distill_weight * (distill - output.lm_loss)
                         if not torch.isfinite(output.loss):
                             kept = list_checkpoints(run_dir)
                             raise TrainingError(
@@ -314,6 +321,8 @@ def train(
                             )
                         strategy.backward(forward, output.loss, scaler)
                     named = [("loss", output.loss), ("lm_loss", output.lm_loss), *output.aux_losses.items()]
+                    if teacher is not None:
+                        named.append(("distill", distill))
                     for name, value in named:
                         losses[name] = losses.get(name, 0.0) + value.item() / tc.grad_accum
                 grad_norm = strategy.step(forward, optimizer, scaler, model)
