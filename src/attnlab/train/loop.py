@@ -311,7 +311,9 @@ def train(
                                 with torch.no_grad():
                                     teacher_logits = teacher(tokens[:, :-1]).logits
                                 distill = distillation_loss(output.logits, teacher_logits, loss_mask)
-                                output.loss = output.loss + tc.distill_weight * (distill - output.lm_loss)
+                                aux = sum(output.aux_losses.values(), torch.zeros((), device=device))
+                                weight = tc.distill_weight
+                                output.loss = (1 - weight) * output.lm_loss + weight * distill + aux
                         if not torch.isfinite(output.loss):
                             kept = list_checkpoints(run_dir)
                             raise TrainingError(

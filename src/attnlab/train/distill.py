@@ -1,0 +1,63 @@
+"""Distillation: train a model toward a fixed teacher's next-token distribution.
+
+Used to train speculative-decoding drafts toward their target (`attnlab speculative train
+--distill W`, or `train.distill_from=RUN train.distill_weight=W` on any run). How often
+speculative decoding accepts a draft token is sum_v min(p, q) = 1 - TV(p, q), where p is the
+target's distribution and q the draft's. A draft trained only on the data learns the data's
+distribution, which the target approximates differently. A draft trained toward p learns p itself,
+as in DistillSpec (Zhou et al., arXiv 2310.08461).
+
+The loss is (1 - w) * cross-entropy on the data + w * KL(p_teacher || q_model), both as means
+over the (unmasked) predicted positions, in nats. The teacher is loaded once from its run, kept in
+eval mode without gradients, and run on the same batch, so resuming stays exact.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from attnlab.config import RunConfig
+from attnlab.errors import CheckpointError, ConfigError
+from attnlab.model import Transformer
+from attnlab.train.checkpoint import load_model
+
+log = logging.getLogger(__name__)
+
+
+def distillation_loss(logits: Tensor, teacher_logits: Tensor, loss_mask: Tensor | None = None) -> Tensor:
+    """Mean over positions of KL(softmax(teacher_logits) || softmax(logits)), in nats.
+    logits, teacher_logits [B, T, V]; loss_mask [B, T] (0 = ignore) or None."""
+    log_q = F.log_softmax(logits.float(), dim=-1)
+    log_p = F.log_softmax(teacher_logits.float(), dim=-1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(dim=-1)  # [B, T]
+    if loss_mask is None:
+        return kl.mean()
+    mask = loss_mask.to(kl.dtype)
+    return (kl * mask).sum() / mask.sum().clamp(min=1)
+
+
+def load_teacher(config: RunConfig, device: torch.device) -> Transformer | None:
+    """The teacher of `config` (train.distill_from), frozen on `device`; None without one."""
+    tc = config.train
+    if not tc.distill_from:
+        return None
+    if not 0.0 < tc.distill_weight <= 1.0:
+        raise ConfigError(f"train.distill_weight must be in (0, 1], got {tc.distill_weight}")
+    if config.model.loss_chunk_size:
+        raise ConfigError("distillation needs the model's full logits: set model.loss_chunk_size=0")
+    try:
+        teacher = load_model(tc.distill_from, device)
+    except CheckpointError as error:
+        raise ConfigError(f"train.distill_from: {error}") from error
+    if teacher.config.num_tokens != config.model.num_tokens:
+        raise ConfigError(
+            f"the teacher {tc.distill_from} has {teacher.config.num_tokens} tokens, this model "
+            f"model.num_tokens={config.model.num_tokens}: they must share a vocabulary"
+        )
+    teacher.requires_grad_(False)
+    log.info("distilling from %s (weight %.2f)", tc.distill_from, tc.distill_weight)
+    return teacher
