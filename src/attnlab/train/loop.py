@@ -181,6 +181,7 @@ def train(
         except CheckpointError as error:
             raise describe_corruption(resume_from, error) from error
 
+    teacher = load_teacher(config, device)  # train.distill_from, or None; checked before any data is built
     # precision of the DeepSpeed engine comes from its own config
     autocast_dtype = None if strategy.owns_accumulation else resolve_precision(tc.precision, device)
     torch.manual_seed(tc.seed)
@@ -201,7 +202,6 @@ def train(
         write_run_info(config, run_dir, command_line)
 
     model = Transformer(config.model).to(device)
-    teacher = load_teacher(config, device)  # train.distill_from, or None
     ema = WeightEMA(model, tc.ema_decay) if tc.ema else None  # copied before wrapping, laid out like it after
     forward, optimizer = strategy.wrap(model, lambda module: build_optimizer(module, tc))
     if ema is not None:
