@@ -107,6 +107,7 @@ CASES = {
     "no-overlap-mean": dict(compress_block_size=4, compress_stride=4, selection_block_size=8, compressor="mean"),
     "conv-separate": dict(compressor="conv", separate_branch_kv=True, num_selected=4),
     "attention-pool": dict(compressor="attention", selection_block_size=2, query_chunk_size=5),
+    "only-forced-blocks": dict(num_selected=2, selection_block_size=4),  # no block gathered per query
 }
 
 
