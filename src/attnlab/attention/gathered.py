@@ -6,7 +6,7 @@ into that layout copies them about twice, and autograd would keep those copies, 
 mask, for the backward: at 4096 tokens that is several times what torch's fused attention keeps
 for full attention (q, k, v, output and one log-sum-exp per query). `gathered_attention` keeps
 only that: the ungathered q, k, v, the output in time order, the log-sum-exp and the small index
-tensors; the backward gathers again, rebuilds the mask and calls the fused kernel's backward.
+tensors; the backward gathers again and calls the fused kernel's backward.
 
 Rows move as whole rows of D numbers (`rows_of`, `select_rows`, `index_add_`), never element by
 element. Used by Sinkhorn attention; routing attention (attention/routing.py) runs the same idea on
@@ -17,8 +17,6 @@ block, K key slots per block, U output rows.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +44,14 @@ def rows_of(x: Tensor) -> tuple[Tensor, Tensor, int]:
     start = (torch.arange(x.shape[0], device=x.device)[:, None] * batch_step
              + torch.arange(x.shape[1], device=x.device) * head_step)
     return x.as_strided((n_rows, width), (width, 1)), start.flatten(), token_step
+
+
+def row_numbers(index: Tensor, n_rows: int) -> Tensor:
+    """index [B, H, *] of rows within each (batch, head)'s n_rows -> row numbers [B, H, *] of the
+    [B H n_rows] flattening."""
+    batch, n_heads = index.shape[:2]
+    heads = torch.arange(batch * n_heads, device=index.device).view(batch, n_heads, *[1] * (index.dim() - 2))
+    return index + heads * n_rows
 
 
 def select_rows(x: tuple[Tensor, Tensor, int], index: Tensor) -> Tensor:
@@ -106,19 +112,19 @@ class _GatheredAttention(torch.autograd.Function):
     """Fused-kernel forward on the gathered blocks; backward from the ungathered tensors."""
 
     @staticmethod
-    def forward(ctx, q, k, v, key_feature, query_index, key_index, output_index, make_mask, scale):
+    def forward(ctx, q, k, v, key_feature, query_index, key_index, output_index, mask, scale):
         batch, n_heads, n_blocks, n_query_slots = query_index.shape
         featured = key_feature is not None
         q_in, k_in, v_in = _extended(q, k, v, featured)
         out = q.new_empty(batch * n_heads, n_blocks, n_query_slots, q_in.shape[-1])
+        attn_mask = additive_mask(mask, q_in.dtype)[None, None]  # one [Q, K] mask for every block
         logsumexp = None  # [B H, N, Q], in the kernel's accumulation dtype
         for chunk in block_chunks(n_blocks, key_index.shape[-1]):
             feature = None if key_feature is None else key_feature[:, :, chunk]
             queries, keys, values = _blocks(q_in, k_in, v_in, query_index[:, :, chunk], key_index[:, :, chunk], feature,
                                             extended=True)
             part, part_logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                queries[None], keys[None], values[None], 0.0, False,
-                attn_mask=_kernel_mask(make_mask(chunk), queries.dtype), scale=scale,
+                queries[None], keys[None], values[None], 0.0, False, attn_mask=attn_mask, scale=scale,
             )
             if logsumexp is None:
                 logsumexp = part_logsumexp.new_empty(batch * n_heads, n_blocks, n_query_slots)
@@ -127,13 +133,13 @@ class _GatheredAttention(torch.autograd.Function):
         # y laid out [B, U, H, D] as torch's fused attention lays out its output: merging the heads
         # for the output projection is then a view, and autograd keeps one copy of y, not two
         y = _to_outputs(out[..., : v.shape[-1]].reshape(batch, n_heads, -1, v.shape[-1]), output_index)
-        ctx.save_for_backward(q, k, v, key_feature, query_index, key_index, output_index, y, logsumexp)
-        ctx.make_mask, ctx.scale = make_mask, scale
+        ctx.save_for_backward(q, k, v, key_feature, query_index, key_index, output_index, y, logsumexp, mask)
+        ctx.scale = scale
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        q, k, v, key_feature, query_index, key_index, output_index, y, logsumexp = ctx.saved_tensors
+        q, k, v, key_feature, query_index, key_index, output_index, y, logsumexp, mask = ctx.saved_tensors
         batch, n_heads, n_blocks, n_query_slots = query_index.shape
         n_slots = n_blocks * n_query_slots
         featured = key_feature is not None
@@ -149,9 +155,10 @@ class _GatheredAttention(torch.autograd.Function):
         grads = [q.new_zeros(batch * n_heads * x.shape[2], x.shape[-1] + featured) for x in (q, k, v)]
         grad_feature = None if key_feature is None else torch.zeros_like(key_feature)
         width = v_in.shape[-1]
+        attn_mask = additive_mask(mask, q_in.dtype)[None, None]
 
         def add_rows(grad: Tensor, part: Tensor, index: Tensor, n_rows: int) -> None:  # into time order
-            rows = index.flatten(2) + (torch.arange(batch * n_heads, device=q.device) * n_rows).view(batch, n_heads, 1)
+            rows = row_numbers(index.flatten(2), n_rows)
             # the kernel's gradients [1, B H n, slots, D'] lie in memory slots-major: read them so
             rows = rows.view(-1, part.shape[2]).t().flatten()
             grad.index_add_(0, rows, part[0].transpose(0, 1).reshape(-1, part.shape[-1]).to(grad.dtype))
@@ -166,8 +173,7 @@ class _GatheredAttention(torch.autograd.Function):
             out = F.pad(select_rows(y_rows, outputs), (0, width - v.shape[-1]))
             grad_queries, grad_keys, grad_values = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 grad_out.flatten(0, 1)[None], queries[None], keys[None], values[None], out.flatten(0, 1)[None],
-                logsumexp[:, chunk].flatten(0, 1)[None], 0.0, False,
-                attn_mask=_kernel_mask(ctx.make_mask(chunk), queries.dtype), scale=ctx.scale,
+                logsumexp[:, chunk].flatten(0, 1)[None], 0.0, False, attn_mask=attn_mask, scale=ctx.scale,
             )
             add_rows(grads[0], grad_queries, query_index[:, :, chunk], q.shape[2])
             add_rows(grads[1], grad_keys, key_index[:, :, chunk], k.shape[2])
@@ -180,34 +186,26 @@ class _GatheredAttention(torch.autograd.Function):
         return grad_q, grad_k, grad_v, grad_feature, None, None, None, None, None
 
 
-def _kernel_mask(mask: Tensor, dtype: torch.dtype | None) -> Tensor:
-    """make_mask's bool [B, H, n, Q, K] (or [1, 1, 1, Q, K], shared by every block) as the fused
-    kernel's [1, B H n or 1, Q, K]: additive in dtype, or bool when dtype is None."""
-    mask = mask.flatten(0, 2) if mask.shape[:3] != (1, 1, 1) else mask[0, 0]
-    return (mask if dtype is None else additive_mask(mask, dtype))[None]
-
-
 def _to_outputs(slots: Tensor, output_index: Tensor) -> Tensor:
     """slots [B, H, N Q, D] -> the rows at output_index [B, H, U]: [B, H, U, D] laid out [B, U, H, D]."""
     batch, n_heads = slots.shape[:2]
-    rows = output_index + (torch.arange(batch * n_heads, device=slots.device) * slots.shape[2]).view(batch, n_heads, 1)
+    rows = row_numbers(output_index, slots.shape[2])
     picked = slots.reshape(-1, slots.shape[-1]).index_select(0, rows.transpose(1, 2).flatten())
     return picked.view(batch, output_index.shape[-1], n_heads, -1).transpose(1, 2)
 
 
 def gathered_attention(
     q: Tensor, k: Tensor, v: Tensor, query_index: Tensor, key_index: Tensor, output_index: Tensor,
-    make_mask: Callable[[slice], Tensor], key_feature: Tensor | None = None, dropout: float = 0.0,
+    mask: Tensor, key_feature: Tensor | None = None, dropout: float = 0.0,
 ) -> Tensor:
     """Attention of each block of query slots over its own key slots.
 
     q [B, H, T, D], k v [B, H, S, D]; query_index [B, H, N, Q] and key_index [B, H, N, K] name the
-    row of q (of k and v) in every slot; make_mask(blocks: slice) -> bool [B, H, n, Q, K] for those
-    blocks, or [1, 1, 1, Q, K] for every block alike (True: visible; a slot that has an output must
-    see at least one key); key_feature
-    [B, H, N, K] or None: added to the scores as scale * key_feature (an extra key feature against
-    a query feature of 1, so it gets a gradient); output_index [B, H, U] picks the slots (flattened
-    N Q) returned, [B, H, U, D].
+    row of q (of k and v) in every slot; mask bool [Q, K], the same for every block (True: visible;
+    a slot that has an output must see at least one key); key_feature [B, H, N, K] or None: added
+    to the scores as scale * key_feature (an extra key feature against a query feature of 1, so it
+    gets a gradient; a very negative one hides a key); output_index [B, H, U] picks the slots
+    (flattened N Q) returned, [B, H, U, D].
 
     Training on the CPU without dropout keeps only the ungathered tensors for the backward (see the
     module docstring); otherwise plain autograd through the gathers and torch's attention.
@@ -216,10 +214,9 @@ def gathered_attention(
     fused = dropout == 0.0 and q.device.type == "cpu" and torch.is_grad_enabled()
     if fused and any(x is not None and x.requires_grad for x in (q, k, v, key_feature)):
         q, k, v = autocast_inputs(q, k, v)
-        return _GatheredAttention.apply(q, k, v, key_feature, query_index, key_index, output_index, make_mask, scale)
+        return _GatheredAttention.apply(q, k, v, key_feature, query_index, key_index, output_index, mask, scale)
     queries, keys, values = _blocks(q, k, v, query_index, key_index, key_feature, extended=False)
-    mask = _kernel_mask(make_mask(slice(None)), None)  # 4-d keeps torch on its fused CPU kernel
-    out = F.scaled_dot_product_attention(queries[None], keys[None], values[None], attn_mask=mask, dropout_p=dropout,
-                                         scale=scale)[0]
+    out = F.scaled_dot_product_attention(queries[None], keys[None], values[None], attn_mask=mask[None, None],
+                                         dropout_p=dropout, scale=scale)[0]  # 4-d: torch's fused CPU kernel
     width = v.shape[-1]
     return _to_outputs(out[..., :width].reshape(*query_index.shape[:2], -1, width), output_index)

@@ -237,20 +237,29 @@ def _blocked(tensor: Tensor, block: int) -> Tensor:
     return rearrange(padded, "b g (m s) d -> b g m s d", s=block).contiguous()
 
 
-def _selected_chunk(q, k_blocked, v_blocked, indices, valid, gates, positions, block):
-    """Gathered keys/values, probabilities, gate, log-sum-exp and output of one chunk of queries.
+def _block_probs(q, k_blocked, v_blocked, indices, valid, positions, block, log_sum=None):
+    """Gathered keys and values [B, G, C, n l', D] of a chunk of queries' blocks, and the
+    probabilities over them, normalised by log_sum [B, G, C, R, 1] when given, else by their own
+    log-sum-exp (returned; -inf for a query with no visible key, whose probabilities are 0).
 
-    q [B, G, C, R, D] (query-major, so every product below is a plain batched matmul over B G C);
-    indices, valid [B, G, C, n]; gates [B, G, C, n] or None; positions [C].
-    """
+    q [B, G, C, R, D] (query-major, so every product is a plain batched matmul over B G C);
+    indices, valid [B, G, C, n]; positions [C]."""
     keys = _gather_blocks(k_blocked, indices)  # [B, G, C, n l', D]
     values = _gather_blocks(v_blocked, indices)
-    key_position = (indices[..., None] * block + torch.arange(block, device=q.device)).flatten(-2)  # [B,G,C,nl']
+    key_position = (indices[..., None] * block + torch.arange(block, device=q.device)).flatten(-2)
     allowed = valid.repeat_interleave(block, dim=-1) & (key_position <= positions[:, None])
     scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(1 / math.sqrt(q.shape[-1]))  # [B, G, C, R, n l']
     scores.masked_fill_(~allowed[:, :, :, None], float("-inf"))
-    log_sum = torch.logsumexp(scores, dim=-1, keepdim=True)  # [B, G, C, R, 1]; never empty (own block)
-    probs = scores.sub_(log_sum).exp_()
+    if log_sum is None:
+        log_sum = torch.logsumexp(scores, dim=-1, keepdim=True)
+    probs = scores.sub_(torch.where(log_sum.isfinite(), log_sum, 0.0)).exp_()
+    return keys, values, probs, log_sum
+
+
+def _selected_chunk(q, k_blocked, v_blocked, indices, valid, gates, positions, block):
+    """Gathered keys/values, probabilities, gate, log-sum-exp and output of one chunk of queries
+    (`_block_probs`; never an empty row: the own block is always selected); gates [B, G, C, n] or None."""
+    keys, values, probs, log_sum = _block_probs(q, k_blocked, v_blocked, indices, valid, positions, block)
     gate = None if gates is None else gates.repeat_interleave(block, dim=-1)[:, :, :, None]  # [B, G, C, 1, nl']
     weighted = probs if gate is None else probs * gate
     output = torch.matmul(weighted, values)  # [B, G, C, R, D]
@@ -348,22 +357,6 @@ def _forced_mask(n_tiles: int, block: int, n_heads: int, dtype: torch.dtype, dev
     return torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))[None]
 
 
-def _free_chunk(q, k_blocked, v_blocked, indices, valid, positions, block, log_sum=None):
-    """The free (not forced) selected blocks of a chunk of queries: gathered keys and values, and
-    the probabilities over them, normalised by log_sum [B, G, C, R, 1] when given, else by their
-    own log-sum-exp (returned; -inf for a query with no free block, whose probabilities are 0)."""
-    keys = _gather_blocks(k_blocked, indices)  # [B, G, C, n l', D]
-    values = _gather_blocks(v_blocked, indices)
-    key_position = (indices[..., None] * block + torch.arange(block, device=q.device)).flatten(-2)
-    allowed = valid.repeat_interleave(block, dim=-1) & (key_position <= positions[:, None])
-    scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(1 / math.sqrt(q.shape[-1]))  # [B, G, C, R, n l']
-    scores.masked_fill_(~allowed[:, :, :, None], float("-inf"))
-    if log_sum is None:
-        log_sum = torch.logsumexp(scores, dim=-1, keepdim=True)
-    probs = scores.sub_(torch.where(log_sum.isfinite(), log_sum, 0.0)).exp_()
-    return keys, values, probs, log_sum
-
-
 class ForcedSplitSelectedAttention(torch.autograd.Function):
     """SelectedBlockAttention for whole sequences whose selection always holds block 0 and each
     query's own block (`choose_blocks` with num_selected >= 2), without gates, on the CPU.
@@ -397,7 +390,7 @@ class ForcedSplitSelectedAttention(torch.autograd.Function):
         log_sum = forced_log_sum.new_empty(*q.shape[:-1], 1)  # [B, G, T, R, 1]
         for start in range(0, n_tokens, chunk):
             part = slice(start, start + chunk)
-            _, values, probs, free_log_sum = _free_chunk(
+            _, values, probs, free_log_sum = _block_probs(
                 q[:, :, part], k_blocked, v_blocked, free[:, :, part], free_valid[:, :, part], positions[part], block,
             )
             merged = torch.logaddexp(forced_log_sum[:, :, part], free_log_sum.to(forced_log_sum.dtype))
@@ -438,7 +431,7 @@ class ForcedSplitSelectedAttention(torch.autograd.Function):
         for start in range(0, n_tokens, chunk):
             part = slice(start, start + chunk)
             q_part, grad_part = q[:, :, part], grad_output[:, :, part]
-            keys, values, probs, _ = _free_chunk(
+            keys, values, probs, _ = _block_probs(
                 q_part, k_blocked, v_blocked, free[:, :, part], free_valid[:, :, part], positions[part], block,
                 log_sum[:, :, part].to(q.dtype),
             )

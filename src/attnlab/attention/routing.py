@@ -45,7 +45,7 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from attnlab.attention.base import AttentionSpec, KVCache, expand_kv
-from attnlab.attention.gathered import additive_mask, autocast_inputs, rows_of
+from attnlab.attention.gathered import additive_mask, autocast_inputs, row_numbers, rows_of
 from attnlab.attention.kernels.flex_routing import flex_routed_attention
 from attnlab.attention.local import local_attention
 from attnlab.config import RoutingAttentionConfig
@@ -64,9 +64,10 @@ def nearest_centroids(routing: Tensor, centroids: Tensor) -> tuple[Tensor, Tenso
     return similarity.max(dim=-1)
 
 
-def assign_clusters(routing: Tensor, centroids: Tensor) -> Tensor:
-    """Cluster ids [B, R, T] of `nearest_centroids`."""
-    return nearest_centroids(routing, centroids)[1]
+def assigned(per_centroid: Tensor, clusters: Tensor) -> Tensor:
+    """per_centroid [R, C, *] at each token's cluster (clusters [B, R, T]) -> [B, R, T, *]."""
+    heads = torch.arange(per_centroid.shape[0], device=clusters.device)[:, None]  # [R, 1]
+    return per_centroid[heads, clusters]
 
 
 class _Commitment(torch.autograd.Function):
@@ -76,8 +77,7 @@ class _Commitment(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, keys, centroids, clusters, similarity):
-        heads = torch.arange(centroids.shape[0], device=keys.device)[:, None]  # [R, 1]
-        squared_norms = centroids.pow(2).sum(-1)[heads, clusters]  # |c|^2 of each token's centroid
+        squared_norms = assigned(centroids.pow(2).sum(-1), clusters)  # |c|^2 of each token's centroid
         loss = (1 + squared_norms - 2 * similarity).mean()
         ctx.save_for_backward(keys, centroids, clusters, similarity)
         return loss
@@ -86,11 +86,10 @@ class _Commitment(torch.autograd.Function):
     def backward(ctx, grad_loss):
         keys, centroids, clusters, similarity = ctx.saved_tensors
         norm = keys.norm(dim=-1, keepdim=True).clamp(min=1e-12)  # as F.normalize
-        heads = torch.arange(centroids.shape[0], device=keys.device)[:, None]
         # d/dr = 2 (r - c) / N; through k / |k| the part along r vanishes: (r - c) - (1 - r . c) r
         # = (r . c) r - c, with r = k / |k|
         scale = 2 * grad_loss / clusters.numel()
-        grad_keys = (similarity[..., None] * (keys / norm) - centroids[heads, clusters]) * (scale / norm)
+        grad_keys = (similarity[..., None] * (keys / norm) - assigned(centroids, clusters)) * (scale / norm)
         return grad_keys, None, None, None
 
 
@@ -99,8 +98,7 @@ def commitment_loss(keys: Tensor, centroids: Tensor, clusters: Tensor, similarit
     centroid (centroids [R, C, D], clusters [B, R, T]), section 4.1. similarity [B, R, T]: the
     routing vectors' cosine to their centroids, when already known."""
     if similarity is None:
-        heads = torch.arange(centroids.shape[0], device=keys.device)[:, None]
-        similarity = (F.normalize(keys.detach(), dim=-1) * centroids[heads, clusters]).sum(-1)
+        similarity = (F.normalize(keys.detach(), dim=-1) * assigned(centroids, clusters)).sum(-1)
     return _Commitment.apply(keys, centroids.detach().clone(), clusters, similarity)
 
 
@@ -197,8 +195,7 @@ class _Plan:
         self.tokens = source.view(-1, block)  # [B R N, block]: token in each slot
         self.heads = torch.arange(batch * n_heads, device=device).repeat_interleave(n_blocks)  # [B R N]
         self.padding = ~real.view(-1, block)[self.order]  # [n, block]
-        heads = torch.arange(batch * n_heads, device=device).view(batch, n_heads, 1)
-        global_block = heads * n_blocks + destination // block
+        global_block = row_numbers(destination // block, n_blocks)
         self.token_rows = position[global_block] * block + destination % block  # [B, R, T]: its row in call order
         self.position = position
         self.calls: list[tuple[int, int, int]] = []  # (kind, first, end) in call order

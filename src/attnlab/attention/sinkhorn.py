@@ -135,12 +135,9 @@ def bucket_attention(
     ), dim=-1)
     output_index = (offset - first_bucket * size + torch.arange(n_new, device=q.device)).expand(batch, n_heads, -1)
     causal = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()  # own bucket
-    mask = F.pad(causal, (chosen.shape[-1] * size, 0), value=True)[None, None, None]  # [1, 1, 1, b, (S'+1) b]
-
-    def make_mask(chunk: slice) -> Tensor:  # every bucket alike: the chosen ones whole, its own causally
-        return mask
-
-    return gathered_attention(q, keys, values, query_index, key_index, output_index, make_mask,
+    # every bucket alike: the chosen ones whole, its own causally
+    mask = F.pad(causal, (chosen.shape[-1] * size, 0), value=True)  # [b, (S'+1) b]
+    return gathered_attention(q, keys, values, query_index, key_index, output_index, mask,
                               key_feature=key_feature, dropout=dropout)
 
 
