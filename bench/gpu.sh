@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The GPU figures of docs/benchmarks.md (section "GPU"), on a machine with one CUDA GPU and a torch
+# with CUDA and triton already installed (attnlab is installed without touching them).
+#   bench/gpu.sh tests        pytest tests/test_gpu.py (Triton and FlexAttention at real sizes, every variant)
+#   bench/gpu.sh layer        one NSA layer vs SDPA flash at 8k-64k tokens, bf16 (bench/nsa_gpu.py)
+#   bench/gpu.sh decode       per-token decoding with the cache at 8k-64k context, and a profile at 64k
+#   bench/gpu.sh speculative  train the seed-sized pair (dim 512, depth 10 / 2) on the built-in corpus
+#                             and time speculative decoding at gamma 5, batch 1 and 4
+# OUT=dir (default docs/bench/gpu)  RUNS=dir (default runs/gpu)  SPEC_STEPS=n (default 1500)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-docs/bench/gpu}
+runs=${RUNS:-runs/gpu}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
+if ! python3 -c "import attnlab" 2>/dev/null; then
+    python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null
+fi
+stamp() { echo "{\"date\": \"$(date -u +%FT%TZ)\", \"git\": \"$(git rev-parse --short HEAD 2>/dev/null)\"}"; }
+
+parts=("$@")
+if [[ ${#parts[@]} -eq 0 ]]; then parts=(tests layer decode speculative); fi
+for part in "${parts[@]}"; do
+case $part in
+tests)
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+    python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider 2>&1 | tee "$out/tests.log" | tail -40
+    ;;
+layer)
+    stamp
+    python3 bench/nsa_gpu.py --out "$out" --context
+    ;;
+decode)
+    stamp
+    python3 bench/nsa_gpu.py --out "$out" --seq-len --profile
+    ;;
+speculative)
+    stamp
+    if ! ls "$runs"/spec-draft/checkpoints/* >/dev/null 2>&1; then
+        # the seed's models; a short bf16 run with a larger batch and learning rate than the seed's
+        # (its 100k steps at lr 1e-4 do not fit a GPU lease)
+        attnlab speculative train --target-preset spec-target --draft-preset spec-draft data.source=builtin \
+            out_dir="$runs" train.max_steps="${SPEC_STEPS:-1500}" train.batch_size=16 train.grad_accum=1 \
+            train.lr=1e-3 train.schedule=cosine train.warmup_steps=100 train.grad_clip=1.0 \
+            train.eval_every=500 train.eval_batches=8 train.sample_every=0 train.save_every=100000 \
+            log.progress=false > "$out/spec-train.log" 2>&1 || { tail -30 "$out/spec-train.log"; exit 1; }
+        tail -8 "$out/spec-train.log"
+    fi
+    : > "$out/speculative.jsonl"
+    for temperature in 1 0; do
+        for batch in 1 4; do
+            attnlab speculative --target "$runs/spec-target" --draft "$runs/spec-draft" --gamma 5 --prime-from-val \
+                --max-new-tokens 256 --batch-size "$batch" --temperature "$temperature" --repeats 5 \
+                --device cuda --json | tee -a "$out/speculative.jsonl"
+        done
+    done
+    ;;
+*) echo "unknown part $part (tests, layer, decode, speculative)"; exit 2 ;;
+esac
+done

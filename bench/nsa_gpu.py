@@ -1,0 +1,235 @@
+"""One NSA layer against full attention (torch's scaled_dot_product_attention, flash kernel) on a
+GPU: forward and forward+backward time and peak memory per length, and per-token decode latency
+with the cache at long contexts. All in one process; CUDA-event medians after warm-up.
+
+    python bench/nsa_gpu.py --out docs/bench/nsa-gpu        # 8k-64k, bf16, paper-sized layer
+
+Layer (defaults, the NSA paper's settings): 32 query heads of 64 over 2 key/value heads (GQA groups
+of 16), compressed blocks of 32 with stride 16 (MLP compressor), selection blocks of 64, 16
+selected, sliding window 512. Both layers include their projections. Writes layer.jsonl,
+decode.jsonl, a markdown table (layer.md, or decode.md when only decoding) and a profile of the
+largest NSA layer (profile.txt).
+On a CPU (`--device cpu`, small lengths) it is a dry run of the script itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from attnlab.attention.base import RotaryEmbedding
+from attnlab.bench.measure import environment, measure_decode, model_config
+from attnlab.model.transformer import Block
+
+
+def layer_values(args: argparse.Namespace, kind: str, backend: str | None, seq_len: int, depth: int = 1) -> dict:
+    nsa = dict(sliding_window_size=args.window, compress_block_size=args.compress_block,
+               compress_stride=args.compress_stride, selection_block_size=args.selection_block,
+               num_selected=args.num_selected, query_chunk_size=args.query_chunk, backend=backend or "torch")
+    return dict(num_tokens=256, dim=args.heads * args.dim_head, depth=depth, heads=args.heads,
+                dim_head=args.dim_head, kv_heads=args.kv_heads, max_seq_len=seq_len,
+                attention=dict(kind=kind, nsa=nsa))
+
+
+def timed(function, device: torch.device, warmup: int, repeats: int) -> float:
+    """Median seconds of `function` (device-synchronised)."""
+    for _ in range(warmup):
+        function()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            function()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            started = time.perf_counter()
+            function()
+            times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def build_layer(values: dict, device: torch.device, dtype: torch.dtype, seq_len: int):
+    config = model_config(values)
+    torch.manual_seed(0)
+    rotary = RotaryEmbedding(config.dim_head, config.rope_theta, seq_len)
+    layer = Block(config, 0, rotary).attention.to(device=device, dtype=dtype).train()
+    rotary.to(device)
+    return layer, config
+
+
+def peak_bytes(device: torch.device, function) -> int | None:
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    function()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - base
+
+
+def measure_layer(args, kind: str, backend: str | None, seq_len: int, device, dtype) -> dict[str, Any]:
+    layer, config = build_layer(layer_values(args, kind, backend, seq_len), device, dtype, seq_len)
+    x = torch.randn(1, seq_len, config.dim, device=device, dtype=dtype, requires_grad=True)
+
+    def forward() -> None:
+        with torch.no_grad():
+            layer(x)
+
+    def forward_backward() -> None:
+        layer(x).sum().backward()
+        x.grad = None
+        for parameter in layer.parameters():
+            parameter.grad = None
+
+    result = {"kind": "layer", "attention": kind, "backend": backend, "seq_len": seq_len,
+              "forward_ms": timed(forward, device, args.warmup, args.repeats) * 1e3,
+              "forward_backward_ms": timed(forward_backward, device, args.warmup, args.repeats) * 1e3,
+              "forward_backward_peak_mib": None}
+    peak = peak_bytes(device, forward_backward)
+    if peak is not None:
+        result["forward_backward_peak_mib"] = peak / 2**20
+    return result
+
+
+def profile_layer(args, backend: str, seq_len: int, device, dtype, path: Path) -> None:
+    """The top kernels of one NSA forward+backward (where the time goes)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    layer, config = build_layer(layer_values(args, "nsa", backend, seq_len), device, dtype, seq_len)
+    x = torch.randn(1, seq_len, config.dim, device=device, dtype=dtype, requires_grad=True)
+    layer(x).sum().backward()  # warm-up (compilation)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as profiler:
+        layer(x).sum().backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    table = profiler.key_averages().table(sort_by=sort, row_limit=30)
+    path.write_text(f"NSA backend={backend} seq_len={seq_len}\n{table}")
+
+
+def run_guarded(function, details: dict[str, Any], *args, **kwargs) -> dict[str, Any]:
+    """function(*args, **kwargs), or `details` with the error where it fails (the rest still runs)."""
+    try:
+        return function(*args, **kwargs)
+    except Exception as error:  # noqa: BLE001 - a failing configuration is reported, the rest still runs
+        message = f"{type(error).__name__}: {error}".splitlines()[0][:300]
+        traceback.print_exc()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return {"error": message, **details}
+
+
+def markdown(layers: list[dict], decodes: list[dict], header: str) -> str:
+    lines = [header]
+    if layers:
+        lines += ["", "### One layer, forward and forward+backward", "",
+                  "| attention | backend | seq_len | forward (ms) | fwd+bwd (ms) | fwd+bwd peak (MiB) "
+                  "| forward speedup | fwd+bwd speedup |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|"]
+    full = {r["seq_len"]: r for r in layers if r.get("attention") == "full" and "error" not in r}
+    for r in layers:
+        if "error" in r:
+            lines.append(f"| {r.get('attention')} | {r.get('backend') or '-'} | {r.get('seq_len')} | "
+                         f"failed: {r['error'][:80]} | | | | |")
+            continue
+        base = full.get(r["seq_len"])
+        forward = f"{base['forward_ms'] / r['forward_ms']:.2f}x" if base else ""
+        both = f"{base['forward_backward_ms'] / r['forward_backward_ms']:.2f}x" if base else ""
+        peak = r.get("forward_backward_peak_mib")
+        lines.append(f"| {r['attention']} | {r.get('backend') or 'sdpa'} | {r['seq_len']} | {r['forward_ms']:.2f} | "
+                     f"{r['forward_backward_ms']:.2f} | {'' if peak is None else f'{peak:.0f}'} | {forward} | {both} |")
+    if decodes:
+        lines += ["", "### Decoding one token with the cache", "",
+                  "| attention | backend | context | ms per token | key/value tokens loaded per layer |",
+                  "|---|---|---:|---:|---:|"]
+        for r in decodes:
+            if "error" in r:
+                lines.append(f"| {r.get('attention')} | {r.get('backend') or '-'} | {r.get('context')} "
+                             f"| failed: {r['error'][:80]} | |")
+                continue
+            loaded = r.get("kv_tokens_loaded")
+            loaded = r["context"] + 1 if r["attention"] == "full" else (f"{loaded:.0f}" if loaded else "")
+            lines.append(f"| {r['attention']} | {r.get('backend') or 'sdpa'} | {r['context']} "
+                         f"| {r['ms_per_token']:.2f} | {loaded} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    parser.add_argument("--seq-len", type=int, nargs="*", default=[8192, 16384, 32768, 65536],
+                        help="layer lengths (none: skip the layer timings)")
+    parser.add_argument("--context", type=int, nargs="*", default=[8192, 16384, 32768, 65536],
+                        help="decode contexts (none: skip decoding)")
+    parser.add_argument("--backends", nargs="+", default=["triton", "torch"], help="NSA back-ends timed")
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--dim-head", type=int, default=64)
+    parser.add_argument("--window", type=int, default=512)
+    parser.add_argument("--compress-block", type=int, default=32)
+    parser.add_argument("--compress-stride", type=int, default=16)
+    parser.add_argument("--selection-block", type=int, default=64)
+    parser.add_argument("--num-selected", type=int, default=16)
+    parser.add_argument("--query-chunk", type=int, default=2048, help="NSA query_chunk_size")
+    parser.add_argument("--decode-depth", type=int, default=2, help="layers of the decoding model")
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--profile", action="store_true", help="profile one NSA layer (first back-end)")
+    parser.add_argument("--profile-len", type=int, default=65536)
+    parser.add_argument("--out", type=Path, required=True, help="folder for the JSON lines, table and profile")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    args.out.mkdir(parents=True, exist_ok=True)
+    info = environment(device, args.dtype)
+    layers: list[dict] = []
+    decodes: list[dict] = []
+    configurations = [("full", None)] + [("nsa", backend) for backend in args.backends]
+    for seq_len in args.seq_len:
+        for kind, backend in configurations:
+            details = {"kind": "layer", "attention": kind, "backend": backend, "seq_len": seq_len}
+            result = run_guarded(measure_layer, details, args, kind, backend, seq_len, device, dtype)
+            layers.append({**result, **info})
+            print(json.dumps(result), flush=True)
+            with open(args.out / "layer.jsonl", "a") as handle:
+                handle.write(json.dumps({**result, **info}) + "\n")
+    for context in args.context:
+        for kind, backend in configurations:
+            values = layer_values(args, kind, backend, context + args.new_tokens, depth=args.decode_depth)
+            details = {"kind": "decode", "attention": kind, "backend": backend, "context": context}
+            result = {**run_guarded(measure_decode, details, values, context, args.new_tokens, use_cache=True,
+                                    device=args.device, dtype=args.dtype), "backend": backend}
+            decodes.append(result)
+            print(json.dumps(result), flush=True)
+            with open(args.out / "decode.jsonl", "a") as handle:
+                handle.write(json.dumps(result) + "\n")
+    if args.profile:
+        run_guarded(profile_layer, {}, args, args.backends[0], args.profile_len, device, dtype,
+                    args.out / "profile.txt")
+    header = (f"Machine: {info.get('gpu', info.get('processor', args.device))}, torch {info.get('torch')}, "
+              f"{args.dtype}. Layer: {args.heads} heads of {args.dim_head}, {args.kv_heads} key/value heads; "
+              f"NSA compressed {args.compress_block}/{args.compress_stride}, selection {args.selection_block} x "
+              f"{args.num_selected}, window {args.window}. Decoding: a {args.decode_depth}-layer model, median of "
+              f"{args.new_tokens} tokens. Medians of {args.repeats} after {args.warmup} warm-up.")
+    table = markdown(layers, decodes, header)
+    (args.out / ("layer.md" if layers else "decode.md")).write_text(table)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
