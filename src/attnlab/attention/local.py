@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab.attention.base import AttentionSpec, HeadProjections, KVCache, expand_kv, overlapping_windows, sdpa
+from attnlab.attention.kernels.flex import worth_flex
 from attnlab.attention.kernels.flex_local import flex_local_attention
 from attnlab.config import LocalAttentionConfig
 from attnlab.errors import ConfigError
@@ -122,7 +123,7 @@ class LocalAttention(nn.Module):
         q, k, v = self.heads.split(x, offset)  # q [B, H, T, D], k v [B, G, T, D]
         if cache is not None:
             k, v = cache.extend(k, v)  # [B, G, kept + T, D]
-        if self.config.backend == "flex" and q.shape[2] > 1:  # one decoded token: the torch path is exact and cheap
+        if self.config.backend == "flex" and worth_flex(q.shape[2], q.device.type):  # short chunks: the torch path
             y = flex_local_attention(q, k, v, self.config.window_size)
         else:
             y = local_attention(q, k, v, self.config.window_size, dropout)

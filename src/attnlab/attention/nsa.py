@@ -55,6 +55,7 @@ from torch.utils.checkpoint import checkpoint
 
 from attnlab.attention.base import AttentionSpec, KVCache, overlapping_windows
 from attnlab.attention.kernels import nsa_flex, nsa_triton
+from attnlab.attention.kernels.flex import worth_flex
 from attnlab.attention.kernels.flex_local import flex_local_attention
 from attnlab.attention.local import local_attention
 from attnlab.config import NSAAttentionConfig
@@ -704,14 +705,15 @@ class NativeSparseAttention(nn.Module):
         backend, block = self.config.backend, self.config.selection_block_size
         if backend == "triton":
             return nsa_triton.selected_attention(q, k, v, indices, valid, gates, positions, block)
-        if backend == "flex" and gates is None:  # flex has no per-block value gates: straight-through uses torch
+        # flex has no per-block value gates (straight-through uses torch); short chunks use torch (flex.py)
+        if backend == "flex" and gates is None and worth_flex(q.shape[2], q.device.type):
             self._check_flex(q)
             return nsa_flex.selected_attention(q, k, v, indices, valid, positions, block)
         return selected_attention(q, k, v, indices, valid, gates, positions, block, self.config.query_chunk_size,
                                   forced=self.config.num_selected >= 2)
 
     def _sliding(self, q, k, v) -> Tensor:
-        if self.config.backend == "flex":
+        if self.config.backend == "flex" and worth_flex(q.shape[2], q.device.type):
             self._check_flex(q)
             return flex_local_attention(q, k, v, self.config.sliding_window_size)
         return local_attention(q, k, v, self.config.sliding_window_size)

@@ -33,10 +33,12 @@ def flex_bucket_attention(q: Tensor, k: Tensor, v: Tensor, chosen: Tensor, chose
                                dtype=torch.float32)
     bucket_weight.scatter_reduce_(-1, chosen.clamp(0, n_buckets - 1), chosen_weights.float(), reduce="amax")
 
+    chosen_bucket = bucket_weight.detach() > float("-inf")  # a mask may not capture a tensor that needs grad
+
     def visible(b, h, query, key):
         query_bucket, key_bucket = query // bucket_size, key // bucket_size
         own = (query_bucket == key_bucket) & (key <= query)
-        return own | (bucket_weight[b, h, query_bucket, key_bucket] > float("-inf"))
+        return own | chosen_bucket[b, h, query_bucket, key_bucket]
 
     def add_sorting_weight(score, b, h, query, key):
         query_bucket, key_bucket = query // bucket_size, key // bucket_size

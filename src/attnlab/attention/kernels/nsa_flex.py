@@ -21,9 +21,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnlab.attention.kernels.flex import flex_kernel
-
-LENGTH_BUCKET = 128  # queries and keys are padded to a multiple of this before compiled calls
+from attnlab.attention.kernels.flex import LENGTH_BUCKET, flex_kernel
 
 
 def _masked_attention(q: Tensor, k: Tensor, v: Tensor, mask_mod, batch_dependent: bool) -> Tensor:
