@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU figures of docs/benchmarks.md (section "GPU"), on a machine with one CUDA GPU and a torch
+# The GPU figures of docs/benchmarks.md (the "GPU (H100)" parts of its NSA and speculative decoding
+# sections), on a machine with one CUDA GPU and a torch
 # with CUDA and triton already installed (attnlab is installed without touching them).
 #   bench/gpu.sh tests        pytest tests/test_gpu.py (Triton and FlexAttention at real sizes, every variant)
 #   bench/gpu.sh layer        one NSA layer vs SDPA flash at 8k-64k tokens, bf16 (bench/nsa_gpu.py)
@@ -16,7 +17,7 @@ export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
 if ! python3 -c "import attnlab" 2>/dev/null; then
     python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null
 fi
-stamp() { echo "{\"date\": \"$(date -u +%FT%TZ)\", \"git\": \"$(git rev-parse --short HEAD 2>/dev/null)\"}"; }
+stamp() { echo "{\"date\": \"$(date -u +%FT%TZ)\"}"; }  # (a copied tree's git metadata may be stale)
 
 parts=("$@")
 if [[ ${#parts[@]} -eq 0 ]]; then parts=(tests layer decode speculative); fi

@@ -142,10 +142,23 @@ def causal_mask(n_queries: int, n_keys: int, device: torch.device | None = None)
 
 
 def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, dropout: float) -> Tensor:
-    """torch's fused attention, with key/value heads expanded for GQA when needed."""
+    """torch's fused attention, with key/value heads expanded for GQA when needed.
+
+    On CUDA, queries that are not the whole key sequence (decoding through a cache: one new key
+    length per step) never use the cuDNN kernel, which builds a plan per shape; flash,
+    memory-efficient or math kernels take them."""
     if k.shape[1] != q.shape[1]:
         k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
+    if q.is_cuda and q.shape[2] != k.shape[2]:
+        with _without_cudnn():
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, dropout_p=dropout)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, dropout_p=dropout)
+
+
+def _without_cudnn():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 class HeadProjections(nn.Module):
