@@ -9,6 +9,14 @@ The compiled kernels need a head width of at least 16: narrower heads are zero-p
 outputs unchanged, the scale taken from the true width). Compiling per shape suits whole
 sequences, not decoding: back-ends send chunks shorter than `LENGTH_BUCKET` queries on CUDA to
 their exact torch path (`worth_flex`), so a growing cache never compiles a kernel per length.
+
+Block masks are built from each back-end's structure (`tile_block_mask`): which key tiles of
+`TILE` tokens a query tile can see, worked out from the window, the selected blocks or the chosen
+buckets in O(tiles) memory; the mask function decides within a tile. torch's
+`create_block_mask` would evaluate the mask at every (batch, head, query, key), a B x H x T x S
+grid: gigabytes at 16k tokens. A tile map must cover every tile that holds a visible pair (the
+kernel skips the rest, and the CPU's eager reference does not check this), which the tests of
+each back-end compare against the dense mask.
 """
 
 from __future__ import annotations
@@ -16,11 +24,43 @@ from __future__ import annotations
 import functools
 import warnings
 
+import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 RECOMPILE_LIMIT = 256  # dynamo cache entries per function: one per shape, far above what runs use
 LENGTH_BUCKET = 128  # compiled calls pad their lengths to a multiple of this (FlexAttention's tile)
 MIN_HEAD_WIDTH = 16  # the compiled kernels' smallest head width
+TILE = 128  # FlexAttention's default block: the granularity of a BlockMask
+
+
+def n_tiles(length: int) -> int:
+    return -(-length // TILE)
+
+
+def tile_block_mask(tiles: Tensor, mask_mod, n_queries: int, n_keys: int):
+    """A BlockMask from a tile map: tiles [B, H, Qt, Kt] bool (B or H may be 1, broadcast), True
+    where query tile i may see key tile j; mask_mod decides each pair inside those tiles."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    counts = tiles.sum(-1, dtype=torch.int32)  # [B, H, Qt]
+    # the visible tiles of each row first, in ascending order (a stable sort of the flags)
+    order = torch.sort(tiles.to(torch.int8), dim=-1, descending=True, stable=True).indices.to(torch.int32)
+    return BlockMask.from_kv_blocks(counts, order, BLOCK_SIZE=TILE, mask_mod=mask_mod, seq_lengths=(n_queries, n_keys))
+
+
+def band_tiles(n_queries: int, n_keys: int, offset: int, width: int, device) -> Tensor:
+    """Tile map [1, 1, Qt, Kt] of a causal band: query i (at key position offset + i) sees keys j
+    with offset + i - width < j <= offset + i."""
+    first_query = torch.arange(n_tiles(n_queries), device=device)[:, None] * TILE + offset
+    first_key = torch.arange(n_tiles(n_keys), device=device)[None, :] * TILE
+    # some query p of the tile and key k of the tile with p - width < k <= p
+    return ((first_key <= first_query + TILE - 1) & (first_key + TILE - 1 > first_query - width))[None, None]
+
+
+def span_tiles(starts: Tensor, size: int) -> tuple[Tensor, Tensor]:
+    """The tiles that ranges [start, start + size) overlap: (first tile, last tile), each like starts."""
+    return starts // TILE, (starts + size - 1) // TILE
 
 
 def worth_flex(n_queries: int, device_type: str) -> bool:

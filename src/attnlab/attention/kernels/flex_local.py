@@ -19,19 +19,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnlab.attention.kernels.flex import LENGTH_BUCKET, flex_kernel
+from attnlab.attention.kernels.flex import LENGTH_BUCKET, band_tiles, flex_kernel, tile_block_mask
 
 
 @functools.lru_cache(maxsize=64)
 def sliding_window_block_mask(window: int, n_queries: int, n_keys: int, device: torch.device, offset: int):
     """The band of queries at key positions offset + i over n_keys keys (lengths may be padded)."""
-    from torch.nn.attention.flex_attention import create_block_mask
 
     def band(batch, head, query, key):
         position = query + offset  # the query's own key position
         return (key <= position) & (position - key < window)
 
-    return create_block_mask(band, B=None, H=None, Q_LEN=n_queries, KV_LEN=n_keys, device=device)
+    tiles = band_tiles(n_queries, n_keys, offset, window, device)
+    return tile_block_mask(tiles, band, n_queries, n_keys)
 
 
 def flex_local_attention(q: Tensor, k: Tensor, v: Tensor, window: int) -> Tensor:

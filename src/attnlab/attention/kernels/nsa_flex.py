@@ -2,9 +2,11 @@
 sliding branch uses local attention's flex kernel (kernels/flex_local.py).
 
 The selected branch is attention over the layer's own keys under a mask, so it is one
-flex_attention call with a BlockMask built from a `mask_mod`: from the per-query selected block
-indices that the compressed branch chose (shared by the query heads of a key/value group). Same
-semantics as the torch path in attention/nsa.py, which the tests compare against.
+flex_attention call with a BlockMask: its tiles come from the per-query selected block indices
+that the compressed branch chose (shared by the query heads of a key/value group; a query tile
+sees the key tiles its queries' blocks overlap, O(T x n) to build), and a `mask_mod` decides each
+pair inside them. Same semantics as the torch path in attention/nsa.py, which the tests compare
+against.
 
 - On CUDA flex_attention is compiled (fused kernels that skip empty tiles), once per length bucket:
   lengths are padded up to a multiple of `LENGTH_BUCKET`, and dynamo's recompile limit is raised so
@@ -18,30 +20,44 @@ Legend: B batch, H query heads, G key/value heads, T queries, S keys, D head wid
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnlab.attention.kernels.flex import LENGTH_BUCKET, flex_kernel
+from attnlab.attention.kernels.flex import LENGTH_BUCKET, TILE, flex_kernel, n_tiles, span_tiles, tile_block_mask
 
 
-def _masked_attention(q: Tensor, k: Tensor, v: Tensor, mask_mod, batch_dependent: bool) -> Tensor:
-    """flex_attention of q [B, H, T, D] over k, v [B, G, S, D] where mask_mod allows. -> [B, H, T, D]."""
-    from torch.nn.attention.flex_attention import create_block_mask
+def selection_tiles(indices: Tensor, valid: Tensor, block: int, n_keys: int) -> Tensor:
+    """Tile map [B, G, Qt, Kt] of the selected branch: a query tile sees the key tiles that a
+    selected block of any of its queries overlaps. indices, valid [B, G, T, n]."""
+    batch, n_groups, n_queries, n_selected = indices.shape
+    rows, columns = n_tiles(n_queries), n_tiles(n_keys)
+    first, last = span_tiles(indices * block, block)  # [B, G, T, n]
+    query_tile = (torch.arange(n_queries, device=indices.device) // TILE)[:, None]  # [T, 1]
+    counts = torch.zeros(batch, n_groups, rows * columns, dtype=torch.int32, device=indices.device)
+    for step in range((block - 1) // TILE + 2):  # the most tiles one block can overlap
+        tile = first + step
+        hit = valid & (tile <= last) & (tile < columns)
+        place = query_tile * columns + tile.clamp(max=columns - 1)
+        counts.scatter_add_(-1, place.flatten(2), hit.to(torch.int32).flatten(2))
+    return (counts > 0).view(batch, n_groups, rows, columns)
 
-    compiled = q.device.type == "cuda"
-    n_queries, n_keys = q.shape[2], k.shape[2]
-    if compiled:  # pad to the length bucket so that each bucket compiles once
-        padded_queries = -(-n_queries // LENGTH_BUCKET) * LENGTH_BUCKET
-        padded_keys = -(-n_keys // LENGTH_BUCKET) * LENGTH_BUCKET
-        q = F.pad(q, (0, 0, 0, padded_queries - n_queries))
-        k = F.pad(k, (0, 0, 0, padded_keys - n_keys))
-        v = F.pad(v, (0, 0, 0, padded_keys - n_keys))
-    block_mask = create_block_mask(
-        mask_mod, B=q.shape[0] if batch_dependent else None, H=q.shape[1] if batch_dependent else None,
-        Q_LEN=q.shape[2], KV_LEN=k.shape[2], device=q.device,
-    )
-    output = flex_kernel(q.device.type)(q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1])
-    return output[:, :, :n_queries]
+
+def selection_block_mask(indices: Tensor, valid: Tensor, offset: int, block: int, heads_per_group: int,
+                         n_keys: int):
+    """Query i (at position offset + i) of head h sees the keys at or before it in the blocks its
+    group (h // heads_per_group) selected: indices, valid [B, G, T, n]."""
+
+    def mask_mod(batch, head, query, key):
+        group = head // heads_per_group
+        key_block = key // block
+        chosen = valid[batch, group, query, 0] & (indices[batch, group, query, 0] == key_block)
+        for slot in range(1, indices.shape[-1]):
+            chosen = chosen | (valid[batch, group, query, slot] & (indices[batch, group, query, slot] == key_block))
+        return chosen & (key <= query + offset)
+
+    tiles = selection_tiles(indices, valid, block, n_keys).repeat_interleave(heads_per_group, dim=1)
+    return tile_block_mask(tiles, mask_mod, indices.shape[2], n_keys)
 
 
 def selected_attention(
@@ -54,19 +70,16 @@ def selected_attention(
     No straight-through gates: the caller uses the torch path when they need a gradient.
     """
     offset = int(positions[0]) if positions.numel() else 0
-    n_queries, n_groups = q.shape[2], k.shape[1]
+    n_queries, n_keys, n_groups = q.shape[2], k.shape[2], k.shape[1]
     heads_per_group = q.shape[1] // n_groups
+    if q.device.type == "cuda":  # pad to the length bucket so that each bucket compiles once
+        q = F.pad(q, (0, 0, 0, -n_queries % LENGTH_BUCKET))
+        k, v = (F.pad(x, (0, 0, 0, -n_keys % LENGTH_BUCKET)) for x in (k, v))
     # padded query rows select nothing (their outputs are cut off)
-    pad = max(0, -(-n_queries // LENGTH_BUCKET) * LENGTH_BUCKET - n_queries) if q.device.type == "cuda" else 0
+    pad = q.shape[2] - n_queries
     indices = F.pad(indices, (0, 0, 0, pad))
     valid = F.pad(valid, (0, 0, 0, pad), value=False)
 
-    def mask_mod(batch, head, query, key):
-        group = head // heads_per_group
-        key_block = key // block
-        chosen = valid[batch, group, query, 0] & (indices[batch, group, query, 0] == key_block)
-        for slot in range(1, indices.shape[-1]):
-            chosen = chosen | (valid[batch, group, query, slot] & (indices[batch, group, query, slot] == key_block))
-        return chosen & (key <= query + offset)
-
-    return _masked_attention(q, k, v, mask_mod, batch_dependent=True)
+    block_mask = selection_block_mask(indices, valid, offset, block, heads_per_group, k.shape[2])
+    output = flex_kernel(q.device.type)(q, k, v, block_mask=block_mask, enable_gqa=n_groups != q.shape[1])
+    return output[:, :, :n_queries]
