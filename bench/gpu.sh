@@ -26,7 +26,9 @@ case $part in
 tests)
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
     python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-    python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider 2>&1 | tee "$out/tests.log" | tail -40
+    # a failing test is reported, and the benchmark parts after it still run
+    python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider 2>&1 | tee "$out/tests.log" | grep -v DEBUG | tail -40 \
+        || echo "tests/test_gpu.py failed: see $out/tests.log"
     ;;
 layer)
     stamp
