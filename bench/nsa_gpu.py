@@ -1,6 +1,7 @@
 """One NSA layer against full attention (torch's scaled_dot_product_attention, flash kernel) on a
 GPU: forward and forward+backward time and peak memory per length, and per-token decode latency
-with the cache at long contexts. All in one process; CUDA-event medians after warm-up.
+with the cache at long contexts. All in one process; medians after warm-up, timed by
+attnlab.bench.measure (device-synchronised wall clock).
 
     python bench/nsa_gpu.py --out docs/bench/nsa-gpu        # 8k-64k, bf16, paper-sized layer
 
@@ -16,17 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 import traceback
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from attnlab.attention.base import RotaryEmbedding
-from attnlab.bench.measure import environment, measure_decode, model_config
-from attnlab.model.transformer import Block
+from attnlab.bench.measure import DTYPES, attention_layer, environment, measure_decode, measure_layer
 
 
 def layer_values(args: argparse.Namespace, kind: str, backend: str | None, seq_len: int, depth: int = 1) -> dict:
@@ -38,77 +35,18 @@ def layer_values(args: argparse.Namespace, kind: str, backend: str | None, seq_l
                 attention=dict(kind=kind, nsa=nsa))
 
 
-def timed(function, device: torch.device, warmup: int, repeats: int) -> float:
-    """Median seconds of `function` (device-synchronised)."""
-    for _ in range(warmup):
-        function()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            function()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            started = time.perf_counter()
-            function()
-            times.append(time.perf_counter() - started)
-    return statistics.median(times)
+def measure(args, kind: str, backend: str | None, seq_len: int) -> dict[str, Any]:
+    values = layer_values(args, kind, backend, seq_len)
+    result = measure_layer(values, seq_len, 1, args.repeats, args.warmup, device=args.device, dtype=args.dtype)
+    return {**result, "backend": backend}
 
 
-def build_layer(values: dict, device: torch.device, dtype: torch.dtype, seq_len: int):
-    config = model_config(values)
-    torch.manual_seed(0)
-    rotary = RotaryEmbedding(config.dim_head, config.rope_theta, seq_len)
-    layer = Block(config, 0, rotary).attention.to(device=device, dtype=dtype).train()
-    rotary.to(device)
-    return layer, config
-
-
-def peak_bytes(device: torch.device, function) -> int | None:
-    if device.type != "cuda":
-        return None
-    torch.cuda.synchronize(device)
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
-    base = torch.cuda.memory_allocated(device)
-    function()
-    torch.cuda.synchronize(device)
-    return torch.cuda.max_memory_allocated(device) - base
-
-
-def measure_layer(args, kind: str, backend: str | None, seq_len: int, device, dtype) -> dict[str, Any]:
-    layer, config = build_layer(layer_values(args, kind, backend, seq_len), device, dtype, seq_len)
-    x = torch.randn(1, seq_len, config.dim, device=device, dtype=dtype, requires_grad=True)
-
-    def forward() -> None:
-        with torch.no_grad():
-            layer(x)
-
-    def forward_backward() -> None:
-        layer(x).sum().backward()
-        x.grad = None
-        for parameter in layer.parameters():
-            parameter.grad = None
-
-    result = {"kind": "layer", "attention": kind, "backend": backend, "seq_len": seq_len,
-              "forward_ms": timed(forward, device, args.warmup, args.repeats) * 1e3,
-              "forward_backward_ms": timed(forward_backward, device, args.warmup, args.repeats) * 1e3,
-              "forward_backward_peak_mib": None}
-    peak = peak_bytes(device, forward_backward)
-    if peak is not None:
-        result["forward_backward_peak_mib"] = peak / 2**20
-    return result
-
-
-def profile_layer(args, backend: str, seq_len: int, device, dtype, path: Path) -> None:
+def profile_layer(args, backend: str, seq_len: int, device: torch.device, path: Path) -> None:
     """The top kernels of one NSA forward+backward (where the time goes)."""
     from torch.profiler import ProfilerActivity, profile
 
-    layer, config = build_layer(layer_values(args, "nsa", backend, seq_len), device, dtype, seq_len)
-    x = torch.randn(1, seq_len, config.dim, device=device, dtype=dtype, requires_grad=True)
+    layer, config = attention_layer(layer_values(args, "nsa", backend, seq_len), seq_len, args.device, args.dtype)
+    x = torch.randn(1, seq_len, config.dim, device=device, dtype=DTYPES[args.dtype], requires_grad=True)
     layer(x).sum().backward()  # warm-up (compilation)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as profiler:
@@ -118,6 +56,14 @@ def profile_layer(args, backend: str, seq_len: int, device, dtype, path: Path) -
     sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
     table = profiler.key_averages().table(sort_by=sort, row_limit=30)
     path.write_text(f"NSA backend={backend} seq_len={seq_len}\n{table}")
+
+
+def record(result: dict[str, Any], path: Path) -> dict[str, Any]:
+    """Print a result and append it to a JSON-lines file; return it."""
+    print(json.dumps(result), flush=True)
+    with open(path, "a") as handle:
+        handle.write(json.dumps(result) + "\n")
+    return result
 
 
 def run_guarded(function, details: dict[str, Any], *args, **kwargs) -> dict[str, Any]:
@@ -148,7 +94,8 @@ def markdown(layers: list[dict], decodes: list[dict], header: str) -> str:
         base = full.get(r["seq_len"])
         forward = f"{base['forward_ms'] / r['forward_ms']:.2f}x" if base else ""
         both = f"{base['forward_backward_ms'] / r['forward_backward_ms']:.2f}x" if base else ""
-        peak = r.get("forward_backward_peak_mib")
+        peak = r.get("forward_backward_peak_mb")
+        peak = None if peak is None else peak * 1e6 / 2**20  # MiB
         lines.append(f"| {r['attention']} | {r.get('backend') or 'sdpa'} | {r['seq_len']} | {r['forward_ms']:.2f} | "
                      f"{r['forward_backward_ms']:.2f} | {'' if peak is None else f'{peak:.0f}'} | {forward} | {both} |")
     if decodes:
@@ -194,7 +141,6 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True, help="folder for the JSON lines, table and profile")
     args = parser.parse_args()
     device = torch.device(args.device)
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     args.out.mkdir(parents=True, exist_ok=True)
     info = environment(device, args.dtype)
     layers: list[dict] = []
@@ -203,25 +149,17 @@ def main() -> None:
     for seq_len in args.seq_len:
         for kind, backend in configurations:
             details = {"kind": "layer", "attention": kind, "backend": backend, "seq_len": seq_len}
-            result = run_guarded(measure_layer, details, args, kind, backend, seq_len, device, dtype)
-            layers.append({**result, **info})
-            print(json.dumps(result), flush=True)
-            with open(args.out / "layer.jsonl", "a") as handle:
-                handle.write(json.dumps({**result, **info}) + "\n")
+            layers.append(record(run_guarded(measure, details, args, kind, backend, seq_len), args.out / "layer.jsonl"))
     for context in args.context:
         for kind, backend in configurations:
             values = layer_values(args, kind, backend, context + args.new_tokens, depth=args.decode_depth)
             details = {"kind": "decode", "attention": kind, "backend": backend, "context": context}
-            result = {**run_guarded(measure_decode, details, values, context, args.new_tokens, use_cache=True,
-                                    device=args.device, dtype=args.dtype), "backend": backend}
-            decodes.append(result)
-            print(json.dumps(result), flush=True)
-            with open(args.out / "decode.jsonl", "a") as handle:
-                handle.write(json.dumps(result) + "\n")
+            result = run_guarded(measure_decode, details, values, context, args.new_tokens, use_cache=True,
+                                 device=args.device, dtype=args.dtype)
+            decodes.append(record({**result, "backend": backend}, args.out / "decode.jsonl"))
     if args.profile:
-        run_guarded(profile_layer, {}, args, args.backends[0], args.profile_len, device, dtype,
-                    args.out / "profile.txt")
-    header = (f"Machine: {info.get('gpu', info.get('processor', args.device))}, torch {info.get('torch')}, "
+        run_guarded(profile_layer, {}, args, args.backends[0], args.profile_len, device, args.out / "profile.txt")
+    header = (f"Machine: {info.get('gpu', info['machine'])}, torch {info.get('torch')}, "
               f"{args.dtype}. Layer: {args.heads} heads of {args.dim_head}, {args.kv_heads} key/value heads; "
               f"NSA compressed {args.compress_block}/{args.compress_stride}, selection {args.selection_block} x "
               f"{args.num_selected}, window {args.window}. Decoding: a {args.decode_depth}-layer model, median of "

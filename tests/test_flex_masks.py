@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attnlab.attention.kernels.flex import TILE, n_tiles
+from attnlab.attention.kernels.flex import TILE, n_tiles, tile_block_mask
 from attnlab.attention.kernels.flex_local import sliding_window_block_mask
 from attnlab.attention.kernels.flex_routing import sorted_band_block_mask
 from attnlab.attention.kernels.flex_sinkhorn import bucket_block_mask
@@ -84,14 +84,9 @@ def test_nsa_selection_tiles(block, offset):
 
 def test_a_missing_tile_is_caught():
     """The check itself: dropping one needed tile from a map fails it."""
-    from torch.nn.attention.flex_attention import BlockMask
-
     block_mask = sliding_window_block_mask(64, 300, 300, torch.device("cpu"), 0)
     tiles = tiles_of(block_mask, 1, 1).clone()
     tiles[0, 0, 1, 0] = False  # the first keys, needed by the second query tile's first rows
-    counts = tiles.sum(-1, dtype=torch.int32)
-    order = torch.sort(tiles.to(torch.int8), dim=-1, descending=True, stable=True).indices.to(torch.int32)
-    broken = BlockMask.from_kv_blocks(counts, order, BLOCK_SIZE=TILE, mask_mod=block_mask.mask_mod,
-                                      seq_lengths=(300, 300))
+    broken = tile_block_mask(tiles, block_mask.mask_mod, 300, 300)
     with pytest.raises(AssertionError, match="missing"):
         check(broken, 1, 1, 300, 300, exact=False)

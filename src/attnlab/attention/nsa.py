@@ -54,6 +54,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from attnlab.attention.base import AttentionSpec, KVCache, overlapping_windows
+from attnlab.attention.gathered import additive_mask
 from attnlab.attention.kernels import nsa_flex, nsa_triton
 from attnlab.attention.kernels.flex import worth_flex
 from attnlab.attention.kernels.flex_local import flex_local_attention
@@ -355,7 +356,7 @@ def _forced_mask(n_tiles: int, block: int, n_heads: int, dtype: torch.dtype, dev
     own = (column >= block) & (column - block <= row)  # [l' R, 2 l']
     visible = (own | (column < block)).expand(n_tiles, -1, -1).clone()
     visible[0] = own
-    return torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))[None]
+    return additive_mask(visible, dtype)[None]
 
 
 class ForcedSplitSelectedAttention(torch.autograd.Function):
@@ -466,8 +467,7 @@ def selected_attention(q, k, v, indices, valid, gates, positions, block: int, ch
     k, v = k.to(q.dtype), v.to(q.dtype)
     gates = None if gates is None else gates.to(q.dtype)
     grouped = rearrange(q, "b (g r) t d -> b g t r d", g=n_groups).contiguous()
-    split = (forced and gates is None and q.device.type == "cpu" and indices.shape[-1] >= 2
-             and k.shape[2] == q.shape[2] and int(positions[0]) == 0)
+    split = forced and gates is None and q.device.type == "cpu" and k.shape[2] == q.shape[2] and int(positions[0]) == 0
     with torch.autocast(q.device.type, enabled=False):
         if split:
             output = ForcedSplitSelectedAttention.apply(grouped, k, v, indices, valid, block, chunk)
@@ -709,8 +709,9 @@ class NativeSparseAttention(nn.Module):
         if backend == "flex" and gates is None and worth_flex(q.shape[2], q.device.type):
             self._check_flex(q)
             return nsa_flex.selected_attention(q, k, v, indices, valid, positions, block)
+        # check_config holds num_selected >= 2, so choose_blocks always selects block 0 and the own block
         return selected_attention(q, k, v, indices, valid, gates, positions, block, self.config.query_chunk_size,
-                                  forced=self.config.num_selected >= 2)
+                                  forced=True)
 
     def _sliding(self, q, k, v) -> Tensor:
         if self.config.backend == "flex" and worth_flex(q.shape[2], q.device.type):

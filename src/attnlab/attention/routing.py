@@ -46,6 +46,7 @@ from torch import Tensor, nn
 
 from attnlab.attention.base import AttentionSpec, KVCache, expand_kv
 from attnlab.attention.gathered import additive_mask, autocast_inputs, row_numbers, rows_of
+from attnlab.attention.kernels.flex import worth_flex
 from attnlab.attention.kernels.flex_routing import flex_routed_attention
 from attnlab.attention.local import local_attention
 from attnlab.config import RoutingAttentionConfig
@@ -497,7 +498,8 @@ class RoutingAttention(nn.Module):
         if self.n_local:
             parts.append(local_attention(q[:, :local], k[:, :local], v[:, :local], window, dropout))
         if self.n_routed:
-            if cache is None and self.config.backend == "flex":  # kernels/flex_routing.py
+            # kernels/flex_routing.py for whole sequences, long enough on CUDA (flex.worth_flex)
+            if cache is None and self.config.backend == "flex" and worth_flex(q.shape[2], q.device.type):
                 parts.append(flex_routed_attention(q[:, routed], k[:, routed], v[:, routed], clusters, window))
             elif cache is None:
                 # keys before rotary go in: the copy autograd keeps is the commitment loss's too

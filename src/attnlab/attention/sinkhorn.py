@@ -40,6 +40,7 @@ from torch import Tensor, nn
 
 from attnlab.attention.base import AttentionSpec, KVCache, expand_kv
 from attnlab.attention.gathered import gathered_attention
+from attnlab.attention.kernels.flex import worth_flex
 from attnlab.attention.kernels.flex_sinkhorn import flex_bucket_attention
 from attnlab.attention.local import local_attention
 from attnlab.config import SinkhornAttentionConfig
@@ -251,7 +252,8 @@ class SinkhornAttention(nn.Module):
             gumbel=self.training,
         )
         chosen, weights = chosen[:, :, first_bucket:], weights[:, :, first_bucket:]  # buckets with queries
-        if config.backend == "flex" and offset == 0:  # a whole sequence: kernels/flex_sinkhorn.py
+        # a whole sequence, long enough on CUDA (flex.worth_flex): kernels/flex_sinkhorn.py
+        if config.backend == "flex" and offset == 0 and worth_flex(q.shape[2], q.device.type):
             return flex_bucket_attention(q, keys[:, :, : q.shape[2]], values[:, :, : q.shape[2]], chosen, weights, size)
         return bucket_attention(q, keys, values, chosen, weights, offset, size, dropout)  # [B, H', T, D]
 

@@ -22,6 +22,8 @@ import torch
 
 from attnlab.config import ModelConfig, config_from_dict
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
 
 def model_config(values: dict[str, Any]) -> ModelConfig:
     return config_from_dict(values, ModelConfig)
@@ -137,7 +139,7 @@ def measure_decode(
     torch.manual_seed(0)
     model = Transformer(config).to(torch_device).eval()
     if dtype != "fp32":
-        model = model.to({"bf16": torch.bfloat16, "fp16": torch.float16}[dtype])
+        model = model.to(DTYPES[dtype])
     sequence = torch.randint(0, config.num_tokens, (1, length), device=torch_device)
     times = []
     loaded = []  # key/value tokens one query read per layer and step, where the cache reports it (NSA)
@@ -169,25 +171,31 @@ def measure_decode(
     }
 
 
-def measure_layer(
-    model_values: dict[str, Any], seq_len: int, batch_size: int, repeats: int, warmup: int,
-    device: str = "cpu", dtype: str = "fp32",
-) -> dict[str, Any]:
-    """Forward and forward+backward time of one attention layer alone (median of `repeats`)."""
+def attention_layer(model_values: dict[str, Any], seq_len: int, device: str, dtype: str):
+    """One attention layer of the configured model, in training mode on `device` in `dtype`, with
+    its rotary table there too -> (layer, model config)."""
+    from attnlab.attention.base import RotaryEmbedding
     from attnlab.model.transformer import Block
 
     torch_device = torch.device(device)
     config = model_config({**model_values, "max_seq_len": max(seq_len, model_values.get("max_seq_len", 0))})
     torch.manual_seed(0)
-    from attnlab.attention.base import RotaryEmbedding
-
     rotary = RotaryEmbedding(config.dim_head, config.rope_theta, seq_len) if config.position == "rotary" else None
-    attention = Block(config, 0, rotary).attention.to(torch_device).train()
-    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    attention = attention.to(torch_dtype)
+    attention = Block(config, 0, rotary).attention.to(torch_device, DTYPES[dtype]).train()
     if rotary is not None:
         rotary.to(torch_device)
-    x = torch.randn(batch_size, seq_len, config.dim, device=torch_device, dtype=torch_dtype, requires_grad=True)
+    return attention, config
+
+
+def measure_layer(
+    model_values: dict[str, Any], seq_len: int, batch_size: int, repeats: int, warmup: int,
+    device: str = "cpu", dtype: str = "fp32",
+) -> dict[str, Any]:
+    """Forward and forward+backward time of one attention layer alone (median of `repeats`), and
+    the peak memory of one forward+backward."""
+    torch_device = torch.device(device)
+    attention, config = attention_layer(model_values, seq_len, device, dtype)
+    x = torch.randn(batch_size, seq_len, config.dim, device=torch_device, dtype=DTYPES[dtype], requires_grad=True)
 
     def timed(function) -> float:
         for _ in range(warmup):
@@ -207,9 +215,17 @@ def measure_layer(
 
     def forward_backward() -> None:
         attention(x).sum().backward()
+        x.grad = None
+        attention.zero_grad(set_to_none=True)
 
-    return {
+    result = {
         "kind": "layer", "attention": config.attention.kind, "seq_len": seq_len, "batch_size": batch_size,
         "forward_ms": timed(forward) * 1e3, "forward_backward_ms": timed(forward_backward) * 1e3,
-        **environment(torch_device, dtype),
     }
+    _synchronize(torch_device)
+    baseline = _reset_peak(torch_device)
+    forward_backward()
+    _synchronize(torch_device)
+    peak = _peak_since(torch_device, baseline)
+    return {**result, "forward_backward_peak_mb": None if peak is None else max(peak, 0) / 1e6,
+            **environment(torch_device, dtype)}

@@ -29,9 +29,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 RECOMPILE_LIMIT = 256  # dynamo cache entries per function: one per shape, far above what runs use
-LENGTH_BUCKET = 128  # compiled calls pad their lengths to a multiple of this (FlexAttention's tile)
 MIN_HEAD_WIDTH = 16  # the compiled kernels' smallest head width
 TILE = 128  # FlexAttention's default block: the granularity of a BlockMask
+LENGTH_BUCKET = TILE  # compiled calls pad their lengths to a multiple of this (`pad_to_bucket`)
 
 
 def n_tiles(length: int) -> int:
@@ -61,6 +61,17 @@ def band_tiles(n_queries: int, n_keys: int, offset: int, width: int, device) -> 
 def span_tiles(starts: Tensor, size: int) -> tuple[Tensor, Tensor]:
     """The tiles that ranges [start, start + size) overlap: (first tile, last tile), each like starts."""
     return starts // TILE, (starts + size - 1) // TILE
+
+
+def pad_to_bucket(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """On CUDA, queries q [B, H, T, D] and keys/values [B, G, S, D] zero-padded at the end to a
+    multiple of LENGTH_BUCKET, so that each bucket compiles once (the caller cuts the output back
+    to T rows and keeps real queries off the padded keys); elsewhere unchanged."""
+    if q.device.type != "cuda":
+        return q, k, v
+    q = F.pad(q, (0, 0, 0, -q.shape[2] % LENGTH_BUCKET))
+    k, v = (F.pad(x, (0, 0, 0, -x.shape[2] % LENGTH_BUCKET)) for x in (k, v))
+    return q, k, v
 
 
 def worth_flex(n_queries: int, device_type: str) -> bool:

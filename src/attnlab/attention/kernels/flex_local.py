@@ -16,10 +16,9 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from attnlab.attention.kernels.flex import LENGTH_BUCKET, band_tiles, flex_kernel, tile_block_mask
+from attnlab.attention.kernels.flex import band_tiles, flex_kernel, pad_to_bucket, tile_block_mask
 
 
 @functools.lru_cache(maxsize=64)
@@ -38,9 +37,7 @@ def flex_local_attention(q: Tensor, k: Tensor, v: Tensor, window: int) -> Tensor
     """q [B, H, T, D], the last T of the keys k, v [B, G, S, D] -> [B, H, T, D]."""
     n_queries, n_keys = q.shape[2], k.shape[2]
     offset = n_keys - n_queries
-    if q.device.type == "cuda":  # pad to the length bucket so that each bucket compiles once
-        q = F.pad(q, (0, 0, 0, -n_queries % LENGTH_BUCKET))
-        k, v = (F.pad(x, (0, 0, 0, -n_keys % LENGTH_BUCKET)) for x in (k, v))
+    q, k, v = pad_to_bucket(q, k, v)
     block_mask = sliding_window_block_mask(window, q.shape[2], k.shape[2], q.device, offset)
     output = flex_kernel(q.device.type)(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
     return output[:, :, :n_queries]

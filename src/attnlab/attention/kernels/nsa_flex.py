@@ -24,13 +24,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnlab.attention.kernels.flex import LENGTH_BUCKET, TILE, flex_kernel, n_tiles, span_tiles, tile_block_mask
+from attnlab.attention.kernels.flex import TILE, flex_kernel, n_tiles, pad_to_bucket, span_tiles, tile_block_mask
 
 
 def selection_tiles(indices: Tensor, valid: Tensor, block: int, n_keys: int) -> Tensor:
     """Tile map [B, G, Qt, Kt] of the selected branch: a query tile sees the key tiles that a
     selected block of any of its queries overlaps. indices, valid [B, G, T, n]."""
-    batch, n_groups, n_queries, n_selected = indices.shape
+    batch, n_groups, n_queries, _ = indices.shape
     rows, columns = n_tiles(n_queries), n_tiles(n_keys)
     first, last = span_tiles(indices * block, block)  # [B, G, T, n]
     query_tile = (torch.arange(n_queries, device=indices.device) // TILE)[:, None]  # [T, 1]
@@ -70,11 +70,9 @@ def selected_attention(
     No straight-through gates: the caller uses the torch path when they need a gradient.
     """
     offset = int(positions[0]) if positions.numel() else 0
-    n_queries, n_keys, n_groups = q.shape[2], k.shape[2], k.shape[1]
+    n_queries, n_groups = q.shape[2], k.shape[1]
     heads_per_group = q.shape[1] // n_groups
-    if q.device.type == "cuda":  # pad to the length bucket so that each bucket compiles once
-        q = F.pad(q, (0, 0, 0, -n_queries % LENGTH_BUCKET))
-        k, v = (F.pad(x, (0, 0, 0, -n_keys % LENGTH_BUCKET)) for x in (k, v))
+    q, k, v = pad_to_bucket(q, k, v)
     # padded query rows select nothing (their outputs are cut off)
     pad = q.shape[2] - n_queries
     indices = F.pad(indices, (0, 0, 0, pad))
