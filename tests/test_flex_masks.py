@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from tests.variants import random_selection
 
 from attnlab.attention.kernels.flex import TILE, n_tiles, tile_block_mask
 from attnlab.attention.kernels.flex_local import sliding_window_block_mask
@@ -68,16 +69,10 @@ def test_sinkhorn_bucket_tiles(bucket, n_tokens):
 def test_nsa_selection_tiles(block, offset):
     """Random selections as choose_blocks makes them (block 0 and the own block in), and a chunk
     of queries after `offset` cached tokens (decoding a long chunk)."""
-    from attnlab.attention.nsa import choose_blocks
-    from attnlab.config import NSAAttentionConfig
-
     torch.manual_seed(block + offset)
-    n_queries, n_selected, groups, heads_per_group = 500, 4, 2, 3
+    n_queries, groups, heads_per_group = 500, 2, 3
     n_keys = offset + n_queries
-    config = NSAAttentionConfig(selection_block_size=block, num_selected=n_selected, compress_block_size=block,
-                                compress_stride=block)
-    importance = torch.rand(1, groups, n_queries, -(-n_keys // block))
-    indices, valid = choose_blocks(importance, torch.arange(offset, n_keys), config)
+    indices, valid = random_selection(1, groups, torch.arange(offset, n_keys), block, n_selected=4)
     block_mask = selection_block_mask(indices, valid, offset, block, heads_per_group, n_keys)
     check(block_mask, 1, groups * heads_per_group, n_queries, n_keys, exact=False)
 

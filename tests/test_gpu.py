@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.variants import VARIANTS, variant_config
+from tests.variants import VARIANTS, random_selection, variant_config
 
 from attnlab.attention.base import AttentionSpec, RotaryEmbedding
-from attnlab.attention.nsa import NativeSparseAttention, choose_blocks, selected_attention
+from attnlab.attention.nsa import NativeSparseAttention, selected_attention
 from attnlab.config import NSAAttentionConfig
 from attnlab.model.transformer import Transformer
 
@@ -33,15 +33,6 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).norm() / want.norm().clamp_min(1e-30))
 
 
-def random_selection(batch: int, groups: int, length: int, block: int, n_selected: int):
-    """What choose_blocks makes from random importances: block 0 and the own block forced in."""
-    config = NSAAttentionConfig(selection_block_size=block, num_selected=n_selected, compress_block_size=block,
-                                compress_stride=block)
-    n_blocks = -(-length // block)
-    return choose_blocks(torch.rand(batch, groups, length, n_blocks, device=DEVICE),
-                         torch.arange(length, device=DEVICE), config)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("heads_per_group, block", [(16, 64), (3, 48)])
@@ -55,7 +46,7 @@ def test_triton_selected_kernel_equals_torch(dtype, gated, heads_per_group, bloc
     heads = groups * heads_per_group
     q = torch.randn(batch, heads, length, dim_head, device=DEVICE)
     k, v = (torch.randn(batch, groups, length, dim_head, device=DEVICE) for _ in range(2))
-    indices, valid = random_selection(batch, groups, length, block, n_selected)
+    indices, valid = random_selection(batch, groups, torch.arange(length, device=DEVICE), block, n_selected)
     gates = torch.rand(batch, groups, length, n_selected, device=DEVICE) + 0.5 if gated else None
     positions = torch.arange(length, device=DEVICE)
     inputs = [q, k, v] + ([gates] if gated else [])

@@ -51,6 +51,21 @@ def variant_config(name: str, **overrides: Any) -> ModelConfig:
     return config_from_dict(values, ModelConfig)
 
 
+def random_selection(batch: int, groups: int, positions, block: int, n_selected: int):
+    """NSA selections as choose_blocks makes them from random importances (block 0 and each query's
+    own block forced in), for queries at `positions` (consecutive) -> indices, valid [B, G, T, n]."""
+    import torch
+
+    from attnlab.attention.nsa import choose_blocks
+    from attnlab.config import NSAAttentionConfig
+
+    config = NSAAttentionConfig(selection_block_size=block, num_selected=n_selected, compress_block_size=block,
+                                compress_stride=block)
+    n_blocks = -(-(int(positions[-1]) + 1) // block)
+    importance = torch.rand(batch, groups, positions.numel(), n_blocks, device=positions.device)
+    return choose_blocks(importance, positions, config)
+
+
 def flex_twin(name: str, section: str):
     """Two models with the same weights, in eval mode: variant `name` as is (the torch path) and with
     `attention.<section>.backend = "flex"`."""
