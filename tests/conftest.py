@@ -17,3 +17,15 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
         cache = str(tmp_path_factory.getbasetemp() / "attnlab-cache")
         os.environ["ATTNLAB_TEST_CACHE"] = cache
     monkeypatch.setenv("ATTNLAB_CACHE", cache)
+
+
+@pytest.fixture(params=["kernel", "torch"])
+def cpu_path(request, monkeypatch):
+    """Run a test on both CPU paths of routing and sinkhorn attention: the compiled listed-key
+    kernel (attention/kernels/listed_cpu.py) and the pure-torch block layout."""
+    from attnlab.attention.kernels import listed_cpu
+
+    if request.param == "kernel" and not listed_cpu.available():
+        pytest.skip("the CPU kernel could not be built here")
+    monkeypatch.setenv("ATTNLAB_CPU_KERNELS", "1" if request.param == "kernel" else "0")
+    return request.param

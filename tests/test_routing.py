@@ -34,7 +34,7 @@ def oracle_mask(clusters: torch.Tensor, window: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("window", [1, 3, 16])
-def test_routed_attention_equals_oracle(window):
+def test_routed_attention_equals_oracle(window, cpu_path):
     torch.manual_seed(0)
     q, k, v = torch.randn(3, 2, 2, 37, 8).unbind(0)
     clusters = torch.randint(0, 4, (2, 2, 37))
@@ -50,7 +50,7 @@ def test_routed_attention_equals_oracle(window):
         torch.testing.assert_close(one, expected[:, :, length - 1 : length], atol=1e-5, rtol=1e-5)
 
 
-def test_routed_attention_equals_oracle_many_blocks():
+def test_routed_attention_equals_oracle_many_blocks(cpu_path):
     """Clusters spanning several blocks of the layout, batch rows of different padded lengths."""
     torch.manual_seed(1)
     q, k, v = torch.randn(3, 2, 3, 301, 8).unbind(0)
@@ -61,7 +61,7 @@ def test_routed_attention_equals_oracle_many_blocks():
 
 
 @pytest.mark.parametrize("chunk_slots", [4096, 6])
-def test_routed_attention_gradients_equal_oracle(chunk_slots, monkeypatch):
+def test_routed_attention_gradients_equal_oracle(chunk_slots, monkeypatch, cpu_path):
     """The backward keeps only q, k, v and recomputes its gathers, in chunks of blocks or at once:
     gradients must equal the dense oracle's."""
     monkeypatch.setattr(routing, "CHUNK_SLOTS", chunk_slots)
@@ -75,7 +75,7 @@ def test_routed_attention_gradients_equal_oracle(chunk_slots, monkeypatch):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
-def test_rotary_inside_equals_rotary_before():
+def test_rotary_inside_equals_rotary_before(cpu_path):
     """Keys may come in before their rotary positions (so one copy serves attention and the
     commitment loss): output and gradients equal rotating first."""
     torch.manual_seed(5)
@@ -103,7 +103,7 @@ def test_commitment_loss_gradient_equals_autograd():
     torch.testing.assert_close(torch.autograd.grad(loss, keys)[0], torch.autograd.grad(expected, keys)[0])
 
 
-def test_routed_attention_causal_to_the_bit_at_scale(monkeypatch):
+def test_routed_attention_causal_to_the_bit_at_scale(monkeypatch, cpu_path):
     """Window 64 (the benchmark's), two threads, a length not a multiple of the window, chunks of
     4 blocks (whose boundaries move with the later tokens): changing later tokens (their clusters
     too) must leave every earlier output bit for bit equal, forward and gradient."""

@@ -30,7 +30,7 @@ def layer(**options) -> SinkhornAttention:
 
 
 @pytest.mark.parametrize("length", [4, 13, 24])
-def test_equals_dense_oracle(length):
+def test_equals_dense_oracle(length, cpu_path):
     attention = layer()
     x = torch.randn(2, length, 16)
     q = attention.to_q(x).unflatten(-1, (2, 8)).transpose(1, 2)  # [B, H, T, D]

@@ -28,6 +28,12 @@ exact to the bit. Padding costs less than one block per cluster (T + C W / m slo
 between time order and the blocks by whole rows (index_select), never element by element.
 Decoding gathers each query's W + 1 slots instead.
 
+On the CPU in float32 without dropout, a compiled kernel does the same attention without any
+layout (kernels/listed_cpu.py, `cluster_units`): one unit per cluster lists its tokens in time
+order, and a token of rank r attends to ranks r - W .. r of it, keys and values read in place. It
+is causal to the bit too, and about twice as fast as the block layout, which serves every other
+case (GPU, bf16 autocast, dropout, no C++ compiler).
+
 Legend: B batch, T queries, S keys (cached + new), H query heads, R routed heads, L local heads,
 G key/value heads, D head width, C clusters, W window, K = W + 1 key slots (itself + W earlier),
 P slots of the block layout, N blocks.
@@ -46,6 +52,7 @@ from torch import Tensor, nn
 
 from attnlab.attention.base import AttentionSpec, KVCache, expand_kv
 from attnlab.attention.gathered import additive_mask, autocast_inputs, row_numbers, rows_of
+from attnlab.attention.kernels import listed_cpu
 from attnlab.attention.kernels.flex import worth_flex
 from attnlab.attention.kernels.flex_routing import flex_routed_attention
 from attnlab.attention.local import local_attention
@@ -156,6 +163,27 @@ def cluster_block_layout(clusters: Tensor, block: int) -> tuple[Tensor, Tensor, 
     index = torch.arange(n_blocks, device=device)
     first = torch.where(opens[..., :n_blocks], index, 0).cummax(-1).values  # the opening block of each
     return destination, source, index - first
+
+
+def cluster_units(clusters: Tensor, window: int) -> listed_cpu.Units:
+    """The CPU kernel's units for routed attention (kernels/listed_cpu.py): one per (batch, head,
+    cluster), listing the cluster's tokens in time order; the token of rank r in its cluster sees
+    ranks max(0, r - window) .. r. clusters [B, R, T]."""
+    n_tokens = clusters.shape[-1]
+    flat = clusters.reshape(-1, n_tokens)  # [B R, T]
+    n_rows, n_clusters = flat.shape[0], int(flat.max()) + 1
+    order = torch.sort(flat, dim=-1, stable=True).indices  # time order within each cluster
+    index = (flat + torch.arange(n_rows)[:, None] * n_clusters).flatten()
+    counts = torch.bincount(index, minlength=n_rows * n_clusters)  # [B R C]
+    starts = (counts.cumsum(0) - counts).view(n_rows, n_clusters) - torch.arange(n_rows)[:, None] * n_tokens
+    rank = torch.arange(n_tokens) - starts.gather(-1, flat.gather(-1, order))  # [B R, T] in sorted order
+    key_start = F.pad(counts.cumsum(0), (1, 0))
+    tokens = order.flatten()
+    return listed_cpu.Units(
+        bh=torch.arange(n_rows).repeat_interleave(n_clusters), key_start=key_start, key_tokens=tokens,
+        query_start=key_start, query_tokens=tokens, query_lo=(rank - window).clamp(min=0).flatten(),
+        query_hi=rank.flatten(), group_start=torch.arange(n_rows * n_clusters + 1),
+    )
 
 
 BLOCKS_PER_WINDOW = 2  # routed blocks are window / this slots long, when that divides the window
@@ -326,6 +354,8 @@ def routed_attention(
     from real tokens. Training on the CPU keeps only q, k, v, y and the log-sum-exp for the
     backward, as torch's full attention does.
     """
+    if listed_cpu.usable(q, k, v, dropout=dropout):  # the CPU kernel: no block layout at all
+        return listed_cpu.listed_attention(q, k, v, cluster_units(clusters, window), rotary=rotary)
     plan = _Plan(clusters, window)
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if needs_grad and dropout == 0.0 and q.device.type == "cpu":

@@ -25,6 +25,10 @@ Memory: the T * (n_sortcut + 1) * bucket_size scores are computed by torch's fus
 never kept for the backward; the sorting matrix is (T / bucket_size)^2 per head (the paper's cost;
 linear in T while bucket_size >= sqrt(T)).
 
+On the CPU in float32 without dropout, whole sequences run on a compiled kernel
+(kernels/listed_cpu.py, `bucket_units`): one unit per bucket lists its chosen buckets' tokens,
+then its own, with the log sorting weight as a per-key bias that gets its gradient directly.
+
 Legend: B batch, T tokens, H query heads, G key/value heads, D head width, N buckets, M buckets
 holding queries, b bucket size, S n_sortcut, L local heads.
 """
@@ -40,6 +44,7 @@ from torch import Tensor, nn
 
 from attnlab.attention.base import AttentionSpec, KVCache, expand_kv
 from attnlab.attention.gathered import gathered_attention
+from attnlab.attention.kernels import listed_cpu
 from attnlab.attention.kernels.flex import worth_flex
 from attnlab.attention.kernels.flex_sinkhorn import flex_bucket_attention
 from attnlab.attention.local import local_attention
@@ -140,6 +145,46 @@ def bucket_attention(
     mask = F.pad(causal, (chosen.shape[-1] * size, 0), value=True)  # [b, (S'+1) b]
     return gathered_attention(q, keys, values, query_index, key_index, output_index, mask,
                               key_feature=key_feature, dropout=dropout)
+
+
+def bucket_units(chosen: Tensor, chosen_weights: Tensor, n_tokens: int, bucket_size: int
+                 ) -> tuple[listed_cpu.Units, Tensor]:
+    """The CPU kernel's units for a whole sequence (kernels/listed_cpu.py): one per (batch, head,
+    bucket), listing the tokens of its chosen buckets (holes left out) and then its own; slot s of
+    the bucket sees the chosen tokens and its own slots 0..s. chosen, chosen_weights [B, H, N, S]
+    -> (units, the key bias [L]: each chosen bucket's log sorting weight, 0 for its own tokens;
+    differentiable in chosen_weights)."""
+    batch, n_heads, n_buckets, n_sortcut = chosen.shape
+    size, device = bucket_size, chosen.device
+    slot = torch.arange(size, device=device)
+    own = torch.arange(n_buckets, device=device)[:, None] * size + slot  # [N, b]
+    tokens = torch.cat((
+        (chosen[..., None] * size + slot).flatten(-2),  # [B, H, N, S b]
+        own.expand(batch, n_heads, -1, -1),
+    ), dim=-1).flatten(0, 1)  # [B H, N, (S + 1) b]
+    valid = chosen_weights.isfinite()  # [B, H, N, S]
+    listed = torch.cat((
+        valid.repeat_interleave(size, dim=-1), (own < n_tokens).expand(batch, n_heads, -1, -1),
+    ), dim=-1).flatten(0, 1)
+    bias = torch.cat((
+        chosen_weights.repeat_interleave(size, dim=-1), chosen_weights.new_zeros(batch, n_heads, n_buckets, size),
+    ), dim=-1).flatten(0, 1)
+    n_listed = listed.sum(-1).flatten()  # [B H N]
+    key_start = F.pad(n_listed.cumsum(0), (1, 0))
+    n_rows = batch * n_heads
+    queries = torch.arange(n_tokens, device=device).expand(n_rows, -1)  # [B H, T]: bucket by bucket
+    query_start = F.pad(torch.full((n_rows, n_buckets), size, device=device).clamp(
+        max=(n_tokens - own[:, 0]).clamp(max=size)).flatten().cumsum(0), (1, 0))
+    n_chosen_slots = (valid.sum(-1) * size).flatten(0, 1)  # [B H, N]
+    bucket = queries // size
+    units = listed_cpu.Units(
+        bh=torch.arange(n_rows, device=device).repeat_interleave(n_buckets), key_start=key_start,
+        key_tokens=tokens[listed], query_start=query_start, query_tokens=queries.flatten(),
+        query_lo=torch.zeros(n_rows * n_tokens, dtype=torch.long, device=device),
+        query_hi=(n_chosen_slots.gather(-1, bucket) + queries % size).flatten(),
+        group_start=torch.arange(0, n_rows * n_buckets + 1, n_buckets, device=device),  # a head's buckets share keys
+    )
+    return units, bias[listed]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -255,6 +300,10 @@ class SinkhornAttention(nn.Module):
         # a whole sequence, long enough on CUDA (flex.worth_flex): kernels/flex_sinkhorn.py
         if config.backend == "flex" and offset == 0 and worth_flex(q.shape[2], q.device.type):
             return flex_bucket_attention(q, keys[:, :, : q.shape[2]], values[:, :, : q.shape[2]], chosen, weights, size)
+        if offset == 0 and listed_cpu.usable(q, keys, values, dropout=dropout):  # the CPU kernel
+            n_tokens = q.shape[2]
+            units, bias = bucket_units(chosen, weights, n_tokens, size)
+            return listed_cpu.listed_attention(q, keys[:, :, :n_tokens], values[:, :, :n_tokens], units, bias)
         return bucket_attention(q, keys, values, chosen, weights, offset, size, dropout)  # [B, H', T, D]
 
     def new_cache(self, batch: int, max_len: int, device=None, dtype=None) -> SinkhornCache:
