@@ -19,7 +19,7 @@ if [[ $what == train || $what == all ]]; then
     # each configuration in a fresh process, one after the other: compare ratios, note the load
     uptime | tee -a "$out/load.txt"
     $attnlab bench train --attention full routing sinkhorn --seq-len 4096 --set $sizes \
-        --steps 5 --warmup 2 --out "$out/train.jsonl" --markdown "$out/train.md"
+        --steps 7 --warmup 3 --out "$out/train.jsonl" --markdown "$out/train.md"
     uptime | tee -a "$out/load.txt"
 fi
 
