@@ -223,6 +223,18 @@ void tile_probabilities(const Units& u, const Tile& t, const float* scores, floa
 
 int64_t tile_width(int64_t lo, int64_t hi) { return round_up(hi - lo + 1, LANES); }
 
+// The tile of queries first .. (at most TILE, before end) of a unit, with its scores in scratch.s
+// (and room for TILE x width in scratch.p): returns width.
+int64_t score_tile(const Units& u, const Rows& q, int64_t bh, int64_t first, int64_t end, int64_t dim, int64_t ld,
+                   float scale, Scratch& scratch, Tile& t) {
+  tile_of(u, q, bh, first, end, dim, scratch.zero.data(), t);
+  const int64_t width = tile_width(t.lo, t.hi);
+  scratch.s.resize(TILE * width);
+  scratch.p.resize(TILE * width);
+  tile_scores(t.rows, scratch.kt.data(), scratch.bias.data(), ld, dim, t.lo, t.hi, scale, scratch.s.data(), width);
+  return width;
+}
+
 }  // namespace
 
 extern "C" {
@@ -252,12 +264,7 @@ void listed_attention_forward(const Units* units, const Rows* q, const Rows* k, 
       for (int64_t j = 0; j < n; ++j) value_rows[j] = row_of(*v, bh, tokens[j], dim);
       for (int64_t first = q0; first < q1; first += TILE) {
         Tile t;
-        tile_of(u, *q, bh, first, q1, dim, scratch.zero.data(), t);
-        const int64_t width = tile_width(t.lo, t.hi);
-        scratch.s.resize(TILE * width);
-        scratch.p.resize(TILE * width);
-        tile_scores(t.rows, scratch.kt.data(), scratch.bias.data(), ld, dim, t.lo, t.hi, scale, scratch.s.data(),
-                    width);
+        const int64_t width = score_tile(u, *q, bh, first, q1, dim, ld, scale, scratch, t);
         float maxima[TILE] = {};
         for (int qi = 0; qi < t.count; ++qi) {
           const int64_t lo = u.query_lo[first + qi] - t.lo, hi = u.query_hi[first + qi] - t.lo;
@@ -317,13 +324,8 @@ void listed_attention_backward(const Units* units, const int64_t* group_start, i
         scratch.grad_v.assign(n * dim, 0.0f);
         for (int64_t first = q0; first < q1; first += TILE) {
           Tile t;
-          tile_of(u, *q, bh, first, q1, dim, scratch.zero.data(), t);
-          const int64_t width = tile_width(t.lo, t.hi);
-          scratch.s.resize(TILE * width);
-          scratch.p.resize(TILE * width);
+          const int64_t width = score_tile(u, *q, bh, first, q1, dim, ld, scale, scratch, t);
           scratch.ds.resize(TILE * width);
-          tile_scores(t.rows, scratch.kt.data(), scratch.bias.data(), ld, dim, t.lo, t.hi, scale, scratch.s.data(),
-                      width);
           float shifts[TILE] = {}, deltas[TILE] = {};
           const float* grad_rows[TILE];
           for (int qi = 0; qi < TILE; ++qi) {
