@@ -31,8 +31,8 @@ Decoding gathers each query's W + 1 slots instead.
 On the CPU in float32 without dropout, a compiled kernel does the same attention without any
 layout (kernels/listed_cpu.py, `cluster_units`): one unit per cluster lists its tokens in time
 order, and a token of rank r attends to ranks r - W .. r of it, keys and values read in place. It
-is causal to the bit too, and 2.7x faster than the block layout at 4096 tokens (bench/listed_kernel.py),
-which serves every other case (GPU, bf16 autocast, dropout, no C++ compiler).
+is causal to the bit too, and about 3x faster than the block layout at 4096 tokens (bench/listed_kernel.py,
+docs/benchmarks.md), which serves every other case (GPU, bf16 autocast, dropout, no C++ compiler).
 
 Legend: B batch, T queries, S keys (cached + new), H query heads, R routed heads, L local heads,
 G key/value heads, D head width, C clusters, W window, K = W + 1 key slots (itself + W earlier),

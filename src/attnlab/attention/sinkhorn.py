@@ -173,8 +173,8 @@ def bucket_units(chosen: Tensor, chosen_weights: Tensor, n_tokens: int, bucket_s
     key_start = F.pad(n_listed.cumsum(0), (1, 0))
     n_rows = batch * n_heads
     queries = torch.arange(n_tokens, device=device).expand(n_rows, -1)  # [B H, T]: bucket by bucket
-    query_start = F.pad(torch.full((n_rows, n_buckets), size, device=device).clamp(
-        max=(n_tokens - own[:, 0]).clamp(max=size)).flatten().cumsum(0), (1, 0))
+    per_bucket = (n_tokens - own[:, 0]).clamp(max=size)  # [N]: queries of each bucket (the last may be partial)
+    query_start = F.pad(per_bucket.repeat(n_rows).cumsum(0), (1, 0))
     n_chosen_slots = (valid.sum(-1) * size).flatten(0, 1)  # [B H, N]
     bucket = queries // size
     units = listed_cpu.Units(

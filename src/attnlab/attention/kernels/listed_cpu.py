@@ -136,7 +136,7 @@ def usable(*tensors: Tensor, dropout: float = 0.0) -> bool:
 @dataclass
 class Units:
     """The unit lists (all int64 on the CPU, contiguous). bh [U]; key_start [U + 1] into
-    key_tokens [L]; key_bias [L] float or None; query_start [U + 1] into query_tokens, query_lo,
+    key_tokens [L]; query_start [U + 1] into query_tokens, query_lo,
     query_hi [Q] (lo/hi index the unit's own list, hi inclusive); group_start [G + 1]: the units
     of a group share key rows, and run in order; groups run in parallel."""
 
