@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from attnlab.attention import routing, sinkhorn
-from attnlab.attention.kernels import listed_cpu
+from attnlab.attention.kernels import cpu, listed_cpu
 
 needs_kernel = pytest.mark.skipif(not listed_cpu.available(), reason="no C++ compiler")
 
@@ -21,7 +21,7 @@ def test_kernel_builds_where_a_compiler_exists():
     """CI has a compiler: the kernel must build there, not silently fall back."""
     if shutil.which("c++") is None and shutil.which("g++") is None:
         pytest.skip("no C++ compiler")
-    assert listed_cpu.available(), listed_cpu._failure
+    assert listed_cpu.available(), cpu._failure
 
 
 def random_units(batch_heads: int, n_tokens: int, seed: int) -> tuple[listed_cpu.Units, torch.Tensor, torch.Tensor]:
@@ -169,10 +169,10 @@ def test_usable_only_for_float32_cpu_without_dropout(monkeypatch):
 
 
 def test_a_failed_build_is_logged_once_and_falls_back(monkeypatch, tmp_path, caplog):
-    monkeypatch.setattr(listed_cpu, "_library", None)
-    monkeypatch.setattr(listed_cpu, "_failure", None)
+    monkeypatch.setattr(cpu, "_library", None)
+    monkeypatch.setattr(cpu, "_failure", None)
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    with caplog.at_level("WARNING", logger=listed_cpu.__name__):
+    with caplog.at_level("WARNING", logger=cpu.__name__):
         assert listed_cpu.library() is None
         assert listed_cpu.library() is None  # remembered: no second attempt, no second message
     assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1

@@ -38,6 +38,14 @@ chunk is checkpointed instead). No T x T tensor, no T x blocks x block x D tenso
 
 Back-ends (`backend`): torch (here), flex and triton (attention/kernels/), one semantics.
 
+The CPU kernel (attention/kernels/nsa_cpu.py): on the CPU in float32, for whole sequences (training
+and prefill; cached decoding keeps the torch path), the torch back-end runs all three branches on a
+compiled kernel: each query lists its key blocks (the compressed blocks it sees, its selected
+blocks, the blocks of its window) and reads their keys in place; the compressed pass also makes the
+selection. Without a C++ compiler, or with ATTNLAB_CPU_KERNELS=0, the torch path above runs. With
+straight-through top-k the compressed branch stays on the torch path (its selection scores need a
+gradient).
+
 Legend: B batch, T queries, S keys (cached + new), H query heads, G key/value heads, R = H / G query
 heads per group, D head width, C chunk of queries, N compressed blocks, M selection blocks,
 n selected blocks per query, l compress block, d stride, l' selection block (`block`), U stride units.
@@ -55,7 +63,7 @@ from torch.utils.checkpoint import checkpoint
 
 from attnlab.attention.base import AttentionSpec, KVCache, overlapping_windows
 from attnlab.attention.gathered import additive_mask
-from attnlab.attention.kernels import nsa_flex, nsa_triton
+from attnlab.attention.kernels import nsa_cpu, nsa_flex, nsa_triton
 from attnlab.attention.kernels.flex import worth_flex
 from attnlab.attention.kernels.flex_local import flex_local_attention
 from attnlab.attention.local import local_attention
@@ -530,6 +538,7 @@ def compress(keys: Tensor, first: int, count: int, block: int, stride: int, netw
 
 
 BRANCHES = ("compressed", "selected", "sliding")
+SLIDING_BLOCK = 16  # key blocks of the sliding branch on the CPU kernel (one vector of scores each)
 
 
 class NSACache(KVCache):
@@ -661,7 +670,8 @@ class NativeSparseAttention(nn.Module):
         chunk = config.query_chunk_size
         # the selection scores need a gradient only for straight-through top-k in training
         straight_through = config.use_diff_topk and torch.is_grad_enabled() and q_plain.requires_grad
-        for start in range(0, n_queries, chunk):
+        on_kernel = not straight_through and offset == 0 and nsa_cpu.usable(q_plain, all_k, all_v)
+        for start in range(0, 0 if on_kernel else n_queries, chunk):
             part = slice(start, start + chunk)
             chunk_positions = positions[part]
             last = int(offset + min(n_queries, start + chunk)) - 1
@@ -675,8 +685,15 @@ class NativeSparseAttention(nn.Module):
                 result = (*compressed_attention_fast(*args), None)
             for collected, value in zip((outputs, indices, valid, scores), result, strict=True):
                 collected.append(value)
-        out_cmp = torch.cat(outputs, dim=2)  # [B, H, T, D]
-        indices, valid = torch.cat(indices, dim=2), torch.cat(valid, dim=2)  # [B, G, T, n]
+        if on_kernel:  # a whole sequence on the CPU kernel: the branch and the selection in one pass
+            n_visible = 1 + torch.clamp((positions + 1 - block) // stride + 1, min=0)
+            grouped = rearrange(q_plain, "b (g r) t d -> b g t r d", g=self.spec.n_kv_heads)
+            out_cmp, blocks = nsa_cpu.compressed_selection(grouped, all_k, all_v, positions, n_visible, config)
+            out_cmp = rearrange(out_cmp, "b g t r d -> b (g r) t d")
+            indices, valid = blocks.clamp(min=0), blocks >= 0
+        else:
+            out_cmp = torch.cat(outputs, dim=2)  # [B, H, T, D]
+            indices, valid = torch.cat(indices, dim=2), torch.cat(valid, dim=2)  # [B, G, T, n]
         gates = None
         if straight_through:
             score = torch.cat(scores, dim=2)
@@ -709,6 +726,9 @@ class NativeSparseAttention(nn.Module):
         if backend == "flex" and gates is None and worth_flex(q.shape[2], q.device.type):
             self._check_flex(q)
             return nsa_flex.selected_attention(q, k, v, indices, valid, positions, block)
+        if k.shape[2] == q.shape[2] and indices.shape[-1] <= nsa_cpu.MAX_BLOCKS and nsa_cpu.usable(q, k, v):
+            blocks = torch.where(valid, indices, -1)  # a whole sequence: the CPU kernel
+            return self._on_kernel(q, k, v, blocks, positions, block, 0, gates)
         # check_config holds num_selected >= 2, so choose_blocks always selects block 0 and the own block
         return selected_attention(q, k, v, indices, valid, gates, positions, block, self.config.query_chunk_size,
                                   forced=True)
@@ -717,7 +737,20 @@ class NativeSparseAttention(nn.Module):
         if self.config.backend == "flex" and worth_flex(q.shape[2], q.device.type):
             self._check_flex(q)
             return flex_local_attention(q, k, v, self.config.sliding_window_size)
+        if k.shape[2] == q.shape[2] and nsa_cpu.usable(q, k, v):  # a whole sequence: the CPU kernel
+            window = self.config.sliding_window_size
+            block = SLIDING_BLOCK * -(-window // (SLIDING_BLOCK * (nsa_cpu.MAX_BLOCKS - 1)))  # <= MAX_BLOCKS blocks
+            positions = torch.arange(q.shape[2])
+            blocks = nsa_cpu.window_blocks(positions, window, block).expand(*k.shape[:2], -1, -1)
+            return self._on_kernel(q, k, v, blocks, positions, block, window)
         return local_attention(q, k, v, self.config.sliding_window_size)
+
+    @staticmethod
+    def _on_kernel(q, k, v, blocks, positions, block: int, window: int, gates=None) -> Tensor:
+        """nsa_cpu.block_attention with q [B, H, T, D] -> [B, H, T, D]."""
+        grouped = rearrange(q, "b (g r) t d -> b g t r d", g=k.shape[1])
+        output = nsa_cpu.block_attention(grouped, k, v, blocks, positions, block, window, gates)
+        return rearrange(output, "b g t r d -> b (g r) t d")
 
     @staticmethod
     def _check_flex(q: Tensor) -> None:

@@ -27,26 +27,13 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_vec.h"
+
 namespace {
 
-constexpr int LANES = 16;  // keys (or head-width elements) processed together: one vector
+using namespace attnlab_cpu;
+
 constexpr int TILE = 8;    // queries scored together (consecutive in their unit)
-
-// GCC/Clang vector extensions: one 16-float vector (a zmm register with AVX-512, two ymm with AVX2)
-typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
-typedef int32_t vi __attribute__((vector_size(LANES * sizeof(int32_t))));
-
-inline vf load(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
-inline float sum_lanes(vf v) {  // a fixed order
-  float total = 0.0f;
-  for (int l = 0; l < LANES; ++l) total += v[l];
-  return total;
-}
 
 struct Rows {
   float* data;
@@ -71,27 +58,6 @@ inline float* row_of(const Rows& x, int64_t bh, int64_t token, int64_t dim) {
 }
 
 inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
-
-// exp for x <= 0 (softmax arguments), 16 at a time: 2^n * p(r), |error| about 1 ulp; exactly 0
-// below -87 (where expf is 0 or subnormal).
-inline vf exp_nonpositive(vf x) {
-  const vf low = vf{} - 87.0f;
-  const vf clamped = x < low ? low : x;
-  const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  const vf n = (clamped * 1.44269504088896341f + shifter) - shifter;
-  vf r = clamped - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  vf p = vf{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
-  const vf scale = reinterpret_cast<const vf&>(bits);
-  return x < low ? vf{} : p * scale;
-}
 
 // Per-thread scratch.
 struct Scratch {
@@ -379,6 +345,7 @@ void listed_attention_backward(const Units* units, const int64_t* group_start, i
   }
 }
 
-int listed_attention_abi_version() { return 1; }
+// the version of the functions' signatures in this library (cpu.py checks it)
+int attnlab_cpu_kernels_abi_version() { return 2; }
 
 }  // extern "C"

@@ -8,10 +8,9 @@ and gradients as rows in place (`rows_of`): no block layout is gathered, padded 
 backward keeps only what torch's fused attention keeps (q, k, v, the output, one log-sum-exp per
 query) and the small index lists.
 
-The kernel is compiled on first use with the system's C++ compiler (`c++`, or $CXX) into a cache
-directory keyed by the source, the compiler and this CPU ($ATTNLAB_CACHE, else
-~/.cache/attnlab); about 2 s. Without a compiler, or with ATTNLAB_CPU_KERNELS=0, `available()` is
-False and the attention modules keep their pure-torch paths.
+The kernel is compiled on first use with the other CPU kernels (kernels/cpu.py). Without a
+compiler, or with ATTNLAB_CPU_KERNELS=0, `available()` is False and the attention modules keep
+their pure-torch paths.
 
 Legend: B batch, H heads, T tokens, D head width, U units, L listed keys, Q queries.
 """
@@ -19,30 +18,14 @@ Legend: B batch, H heads, T tokens, D head width, U units, L listed keys, Q quer
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import sys
-import tempfile
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from attnlab.attention.gathered import rows_of
-
-log = logging.getLogger(__name__)
-SOURCE = Path(__file__).with_name("listed_cpu.cpp")
-ABI_VERSION = 1
-_lock = threading.Lock()
-_library: ctypes.CDLL | None = None
-_failure: str | None = None
+from attnlab.attention.kernels.cpu import available, library, usable  # noqa: F401 - this module's API
 
 
 class _Rows(ctypes.Structure):
@@ -55,82 +38,6 @@ class _Units(ctypes.Structure):
         ("key_tokens", ctypes.c_void_p), ("key_bias", ctypes.c_void_p), ("query_start", ctypes.c_void_p),
         ("query_tokens", ctypes.c_void_p), ("query_lo", ctypes.c_void_p), ("query_hi", ctypes.c_void_p),
     ]
-
-
-def _cpu_signature() -> str:
-    """What the compiled code depends on besides its source: the CPU's instruction sets."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _torch_openmp_dir() -> Path | None:
-    """torch's own OpenMP runtime, if it ships one: the kernel links to it, so that one runtime
-    (and one thread pool) serves both."""
-    lib = Path(torch.__file__).parent / "lib"
-    return lib if (lib / "libgomp.so.1").exists() else None
-
-
-def _build() -> ctypes.CDLL:
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if compiler is None:
-        raise RuntimeError("no C++ compiler found (set CXX)")
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    flags = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
-    openmp = _torch_openmp_dir()
-    if openmp is not None:
-        flags += [f"-L{openmp}", f"-Wl,-rpath,{openmp}"]
-    key = hashlib.sha256(
-        "\n".join([SOURCE.read_text(), compiler, version, " ".join(flags), _cpu_signature(), sys.platform]).encode()
-    ).hexdigest()[:16]
-    cache = Path(os.environ.get("ATTNLAB_CACHE") or Path.home() / ".cache" / "attnlab") / "kernels"
-    target = cache / f"listed_cpu-{key}.so"
-    if not target.exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=cache) as scratch:
-            built = Path(scratch) / target.name
-            result = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built)], capture_output=True, text=True)
-            if result.returncode != 0:
-                raise RuntimeError(f"compiling {SOURCE.name} failed:\n{result.stderr[-2000:]}")
-            os.replace(built, target)  # atomic: a concurrent build of the same key writes the same file
-    library = ctypes.CDLL(str(target))
-    if library.listed_attention_abi_version() != ABI_VERSION:
-        raise RuntimeError(f"{target} is not ABI version {ABI_VERSION}")
-    library.listed_attention_forward.restype = None
-    library.listed_attention_backward.restype = None
-    return library
-
-
-def library() -> ctypes.CDLL | None:
-    """The compiled kernel, built on first call; None if disabled or it cannot be built (logged
-    once, with the reason)."""
-    global _library, _failure
-    if os.environ.get("ATTNLAB_CPU_KERNELS", "1") == "0":
-        return None
-    if _library is not None or _failure is not None:
-        return _library
-    with _lock:
-        if _library is None and _failure is None:
-            try:
-                _library = _build()
-            except Exception as error:  # noqa: BLE001 - any failure means: use the torch path
-                _failure = str(error)
-                log.warning("CPU attention kernel unavailable, using the torch path: %s", error)
-    return _library
-
-
-def available() -> bool:
-    return library() is not None
-
-
-def usable(*tensors: Tensor, dropout: float = 0.0) -> bool:
-    """Whether the kernel serves these tensors: float32 on the CPU, no dropout, kernel built."""
-    return (dropout == 0.0 and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
-            and not torch.is_autocast_enabled("cpu") and available())
 
 
 @dataclass

@@ -1,0 +1,114 @@
+"""The compiled CPU attention kernels: listed_cpu.cpp (routing and sinkhorn attention,
+listed_cpu.py) and nsa_cpu.cpp (native sparse attention's selected and sliding branches,
+nsa_cpu.py), built together into one shared library.
+
+The library is compiled on first use with the system's C++ compiler (`c++`, or $CXX) into a cache
+directory keyed by the sources, the compiler and this CPU ($ATTNLAB_CACHE, else ~/.cache/attnlab);
+a few seconds. Without a compiler, or with ATTNLAB_CPU_KERNELS=0, `available()` is False (a failed
+build is logged once) and the attention modules keep their pure-torch paths.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+HERE = Path(__file__).parent
+SOURCES = (HERE / "listed_cpu.cpp", HERE / "nsa_cpu.cpp")
+HEADERS = (HERE / "cpu_vec.h",)
+ABI_VERSION = 2
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+_failure: str | None = None
+
+
+def _cpu_signature() -> str:
+    """What the compiled code depends on besides its source: the CPU's instruction sets."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _torch_openmp_dir() -> Path | None:
+    """torch's own OpenMP runtime, if it ships one: the kernel links to it, so that one runtime
+    (and one thread pool) serves both."""
+    lib = Path(torch.__file__).parent / "lib"
+    return lib if (lib / "libgomp.so.1").exists() else None
+
+
+def _build() -> ctypes.CDLL:
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler found (set CXX)")
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    flags = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+    openmp = _torch_openmp_dir()
+    if openmp is not None:
+        flags += [f"-L{openmp}", f"-Wl,-rpath,{openmp}"]
+    texts = [path.read_text() for path in (*SOURCES, *HEADERS)]
+    key = hashlib.sha256(
+        "\n".join([*texts, compiler, version, " ".join(flags), _cpu_signature(), sys.platform]).encode()
+    ).hexdigest()[:16]
+    cache = Path(os.environ.get("ATTNLAB_CACHE") or Path.home() / ".cache" / "attnlab") / "kernels"
+    target = cache / f"attnlab_cpu-{key}.so"
+    if not target.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cache) as scratch:
+            built = Path(scratch) / target.name
+            command = [compiler, *flags, *map(str, SOURCES), "-o", str(built)]
+            result = subprocess.run(command, capture_output=True, text=True)
+            if result.returncode != 0:
+                raise RuntimeError(f"compiling the CPU kernels failed:\n{result.stderr[-2000:]}")
+            os.replace(built, target)  # atomic: a concurrent build of the same key writes the same file
+    library = ctypes.CDLL(str(target))
+    if library.attnlab_cpu_kernels_abi_version() != ABI_VERSION:
+        raise RuntimeError(f"{target} is not ABI version {ABI_VERSION}")
+    for name in ("listed_attention_forward", "listed_attention_backward", "nsa_block_attention_forward",
+                 "nsa_block_attention_backward"):
+        getattr(library, name).restype = None
+    return library
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, built on first call; None if disabled or it cannot be built (logged
+    once, with the reason)."""
+    global _library, _failure
+    if os.environ.get("ATTNLAB_CPU_KERNELS", "1") == "0":
+        return None
+    if _library is not None or _failure is not None:
+        return _library
+    with _lock:
+        if _library is None and _failure is None:
+            try:
+                _library = _build()
+            except Exception as error:  # noqa: BLE001 - any failure means: use the torch path
+                _failure = str(error)
+                log.warning("CPU attention kernel unavailable, using the torch path: %s", error)
+    return _library
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def usable(*tensors: Tensor, dropout: float = 0.0) -> bool:
+    """Whether the kernels serve these tensors: float32 on the CPU, no dropout, no autocast, library built."""
+    return (dropout == 0.0 and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+            and not torch.is_autocast_enabled("cpu") and available())

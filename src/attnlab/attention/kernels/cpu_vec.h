@@ -1,0 +1,50 @@
+// Vector helpers shared by the CPU attention kernels (listed_cpu.cpp, nsa_cpu.cpp): GCC/Clang
+// vector extensions of 16 floats, loads and stores, a fixed-order lane sum and a vectorised exp.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+namespace attnlab_cpu {
+
+constexpr int LANES = 16;  // keys (or head-width elements) processed together: one vector
+
+// GCC/Clang vector extensions: one 16-float vector (a zmm register with AVX-512, two ymm with AVX2)
+typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
+typedef int32_t vi __attribute__((vector_size(LANES * sizeof(int32_t))));
+
+inline vf load(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
+inline float sum_lanes(vf v) {  // a fixed order
+  float total = 0.0f;
+  for (int l = 0; l < LANES; ++l) total += v[l];
+  return total;
+}
+
+// exp for x <= 0 (softmax arguments), 16 at a time: 2^n * p(r), |error| about 1 ulp; exactly 0
+// below -87 (where expf is 0 or subnormal).
+inline vf exp_nonpositive(vf x) {
+  const vf low = vf{} - 87.0f;
+  const vf clamped = x < low ? low : x;
+  const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const vf n = (clamped * 1.44269504088896341f + shifter) - shifter;
+  vf r = clamped - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  vf p = vf{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+  vf scale;
+  std::memcpy(&scale, &bits, sizeof(scale));  // the bits of 2^n
+  return x < low ? vf{} : p * scale;
+}
+
+}  // namespace attnlab_cpu

@@ -1,0 +1,423 @@
+// Block-listed attention on the CPU, for native sparse attention's selected and sliding branches.
+//
+// Every query token t of a (batch, key/value head) pair bg has a list of n key blocks (block m:
+// key tokens m*block .. m*block + block - 1; -1: an empty slot) and is attended by its group's R
+// query heads. It sees the keys of its blocks at positions lo_t .. pos_t, lo_t = pos_t - window + 1
+// with a window, else 0 (the selected branch: its top blocks, causally; the sliding branch: the
+// blocks covering its window). An optional gate per (query, slot) multiplies the probabilities of
+// the slot's keys after normalisation (NSA's straight-through selection gates).
+//
+// Layouts (contiguous float32): q, out, grad_q, grad_out [B G, T, R, D]; k, v, grad_k, grad_v
+// [B G, S, D]; blocks, gates, grad_gates [B G, T, n]; lse [B G, T, R]; positions [T].
+//
+// The keys and values are first copied transposed per block, [B G, M, D, width] (width: block
+// rounded up to 16), so a query head's scores for a block are one vector multiply-add chain over
+// d: no horizontal sums. Each query is computed on its own keys only (its blocks, in slot order),
+// so its output does not depend on any other key, bit for bit: the selection, not the kernel,
+// decides what a query reads.
+//
+// Threads: the forward runs queries in parallel. The backward runs (bg, part of the queries) in
+// parallel, each adding its key/value gradients into a buffer of its own (the part's own rows of
+// grad_k and grad_v when there is one part per bg), summed in part order at the end.
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "cpu_vec.h"
+
+namespace {
+
+using namespace attnlab_cpu;
+
+struct Shape {
+  int64_t bg, T, R, D, S, n, block, window;  // window 0: no lower bound
+};
+
+inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+// x [B G, S, D] -> [B G, M, D, width] zero-padded (keys past S and past the block: zero)
+std::vector<float> transpose_blocks(const float* x, const Shape& s, int64_t width) {
+  const int64_t M = (s.S + s.block - 1) / s.block;
+  std::vector<float> out(s.bg * M * s.D * width, 0.0f);
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t bg = 0; bg < s.bg; ++bg)
+    for (int64_t m = 0; m < M; ++m) {
+      float* dst = out.data() + (bg * M + m) * s.D * width;
+      for (int64_t j = 0; j < s.block && m * s.block + j < s.S; ++j) {
+        const float* src = x + (bg * s.S + m * s.block + j) * s.D;
+        for (int64_t d = 0; d < s.D; ++d) dst[d * width + j] = src[d];
+      }
+    }
+  return out;
+}
+
+// The visible keys of one query: its slots that see at least one key, in slot order (count of
+// them), each with its slot number, block and range lo .. hi (inclusive) of positions in the block.
+// Scores and probabilities are laid out by these active slots: [R][count * width].
+struct Visible {
+  int64_t count;
+  int64_t slot[64], block[64];
+  int64_t lo[64], hi[64];
+};
+
+void visible_of(const int64_t* blocks, int64_t pos, const Shape& s, Visible& out) {
+  const int64_t first = s.window > 0 ? std::max<int64_t>(0, pos - s.window + 1) : 0;
+  const int64_t last = std::min(pos, s.S - 1);
+  out.count = 0;
+  for (int64_t i = 0; i < s.n; ++i) {
+    const int64_t m = blocks[i];
+    if (m < 0) continue;
+    const int64_t start = m * s.block;
+    const int64_t lo = std::max<int64_t>(0, first - start), hi = std::min<int64_t>(s.block - 1, last - start);
+    if (hi < lo) continue;
+    const int64_t a = out.count++;
+    out.slot[a] = i, out.block[a] = m, out.lo[a] = lo, out.hi[a] = hi;
+  }
+}
+
+constexpr int CHAINS = 8;  // independent multiply-add chains interleaved (hides the FMA latency)
+
+// acc[c] = sum_d q_of[c][d] * k_of[c][d * width .. + LANES]: C chains, in registers (C is a
+// compile-time count), one multiply-add chain over d each
+template <int C>
+void score_chains(const float* const* q_of, const float* const* k_of, int64_t dim, int64_t width, vf* acc) {
+  vf a[C] = {};
+  for (int64_t d = 0; d < dim; ++d)
+    for (int c = 0; c < C; ++c) a[c] += q_of[c][d] * load(k_of[c] + d * width);
+  for (int c = 0; c < C; ++c) acc[c] = a[c];
+}
+
+// acc[c] = sum over the visible keys, slot by slot in order, of w_of[c][slot * width + j] *
+// x[key][d_of[c] .. + LANES]: C chains in registers
+template <int C>
+void combine_chains(const float* const* w_of, const int64_t* d_of, const float* x, const Visible& vis,
+                    int64_t block, int64_t dim, int64_t width, vf* acc) {
+  vf a[C] = {};
+  for (int64_t i = 0; i < vis.count; ++i)
+    for (int64_t j = vis.lo[i]; j <= vis.hi[i]; ++j) {
+      const float* row = x + (vis.block[i] * block + j) * dim;
+      const int64_t at = i * width + j;
+      for (int c = 0; c < C; ++c) a[c] += w_of[c][at] * load(row + d_of[c]);
+    }
+  for (int c = 0; c < C; ++c) acc[c] = a[c];
+}
+
+using ScoreChains = void (*)(const float* const*, const float* const*, int64_t, int64_t, vf*);
+using CombineChains = void (*)(const float* const*, const int64_t*, const float*, const Visible&, int64_t, int64_t,
+                               int64_t, vf*);
+const ScoreChains score_chains_of[CHAINS + 1] = {nullptr, score_chains<1>, score_chains<2>, score_chains<3>,
+                                                 score_chains<4>, score_chains<5>, score_chains<6>, score_chains<7>,
+                                                 score_chains<8>};
+const CombineChains combine_chains_of[CHAINS + 1] = {
+    nullptr, combine_chains<1>, combine_chains<2>, combine_chains<3>, combine_chains<4>,
+    combine_chains<5>, combine_chains<6>, combine_chains<7>, combine_chains<8>};
+
+// scores[r][a * width + j] = scale * <rows[r], keys of active slot a, position j> (transposed keys
+// kt of this bg), -inf outside the visible range; one multiply-add chain over d per score. The
+// chains of up to CHAINS (head, slot) pairs run interleaved.
+void slot_scores(const float* rows, int64_t R, const float* kt, const Visible& vis, const Shape& s, int64_t width,
+                 float scale, float* scores) {
+  const int64_t ld = s.n * width, pairs = R * vis.count;
+  vi lane;
+  for (int l = 0; l < LANES; ++l) lane[l] = l;
+  const vf inf = vf{} - INFINITY;
+  for (int64_t j0 = 0; j0 < width; j0 += LANES) {
+    const vi j = lane + int32_t(j0);
+    for (int64_t p0 = 0; p0 < pairs; p0 += CHAINS) {
+      const int count = int(std::min<int64_t>(CHAINS, pairs - p0));
+      const float* q_of[CHAINS];
+      const float* k_of[CHAINS];
+      float* out_of[CHAINS];
+      int64_t slot_of[CHAINS];
+      for (int c = 0; c < count; ++c) {
+        const int64_t r = (p0 + c) / vis.count, i = (p0 + c) % vis.count;
+        q_of[c] = rows + r * s.D;
+        k_of[c] = kt + vis.block[i] * s.D * width + j0;
+        out_of[c] = scores + r * ld + i * width + j0;
+        slot_of[c] = i;
+      }
+      vf acc[CHAINS];
+      score_chains_of[count](q_of, k_of, s.D, width, acc);
+      for (int c = 0; c < count; ++c) {
+        const int64_t i = slot_of[c];
+        store(out_of[c], (j >= int32_t(vis.lo[i]) && j <= int32_t(vis.hi[i])) ? acc[c] * scale : inf);
+      }
+    }
+  }
+}
+
+// probs[r][0 .. used) = exp(scores - shift_r) (0 where a score is -inf), in place
+void exponentiate(float* scores, int64_t R, int64_t ld, int64_t used, const float* shifts) {
+  for (int64_t r = 0; r < R; ++r) {
+    float* p = scores + r * ld;
+    const float shift = std::isfinite(shifts[r]) ? shifts[r] : 0.0f;
+    for (int64_t j0 = 0; j0 < used; j0 += LANES) store(p + j0, exp_nonpositive(load(p + j0) - shift));
+  }
+}
+
+// out[r][:] = sum over visible keys of weights[r][key] * x[key][:], slot by slot in order: one
+// multiply-add chain per element, up to CHAINS (head, 16 elements) chains interleaved
+void combine(const float* weights, int64_t R, const float* x, const Visible& vis, const Shape& s, int64_t width,
+             float* out) {
+  const int64_t ld = s.n * width, chunks = s.D / LANES, pairs = R * chunks;
+  for (int64_t p0 = 0; p0 < pairs; p0 += CHAINS) {
+    const int count = int(std::min<int64_t>(CHAINS, pairs - p0));
+    const float* w_of[CHAINS];
+    int64_t d_of[CHAINS];
+    for (int c = 0; c < count; ++c) {
+      w_of[c] = weights + (p0 + c) / chunks * ld;
+      d_of[c] = (p0 + c) % chunks * LANES;
+    }
+    vf acc[CHAINS];
+    combine_chains_of[count](w_of, d_of, x, vis, s.block, s.D, width, acc);
+    for (int c = 0; c < count; ++c) store(out + (p0 + c) / chunks * s.D + d_of[c], acc[c]);
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t d0 = chunks * LANES; d0 < s.D; ++d0) {  // explicit fused multiply-adds: the same rounding however compiled
+      float acc = 0.0f;
+      for (int64_t i = 0; i < vis.count; ++i)
+        for (int64_t j = vis.lo[i]; j <= vis.hi[i]; ++j)
+          acc = std::fma(weights[r * ld + i * width + j], x[(vis.block[i] * s.block + j) * s.D + d0], acc);
+      out[r * s.D + d0] = acc;
+    }
+}
+
+// rows[key][:] += sum_r weights[r][key] * sources[r][:] for every visible key
+void accumulate(const float* weights, int64_t R, const float* sources, const Visible& vis, const Shape& s,
+                int64_t width, float* rows) {
+  const int64_t ld = s.n * width;
+  for (int64_t i = 0; i < vis.count; ++i)
+    for (int64_t j = vis.lo[i]; j <= vis.hi[i]; ++j) {
+      float* target = rows + (vis.block[i] * s.block + j) * s.D;
+      int64_t d0 = 0;
+      for (; d0 + LANES <= s.D; d0 += LANES) {
+        vf acc = load(target + d0);
+        for (int64_t r = 0; r < R; ++r) acc += weights[r * ld + i * width + j] * load(sources + r * s.D + d0);
+        store(target + d0, acc);
+      }
+      for (; d0 < s.D; ++d0)
+        for (int64_t r = 0; r < R; ++r)
+          target[d0] = std::fma(weights[r * ld + i * width + j], sources[r * s.D + d0], target[d0]);
+    }
+}
+
+// weights *= the slot's gate (in place), active slot by active slot
+void apply_gates(float* weights, int64_t R, const float* gates, const Visible& vis, const Shape& s, int64_t width) {
+  const int64_t ld = s.n * width;
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t i = 0; i < vis.count; ++i)
+      for (int64_t j0 = 0; j0 < width; j0 += LANES) {
+        float* w = weights + r * ld + i * width + j0;
+        store(w, load(w) * gates[vis.slot[i]]);
+      }
+}
+
+float dot(const float* a, const float* b, int64_t dim) {
+  vf acc = {};
+  int64_t d = 0;
+  for (; d + LANES <= dim; d += LANES) acc += load(a + d) * load(b + d);
+  float total = sum_lanes(acc);
+  for (; d < dim; ++d) total = std::fma(a[d], b[d], total);
+  return total;
+}
+
+// Native sparse attention's block selection for one query at position pos (eq. 9-10 and the top-n
+// rule of attention/nsa.py's block_importance and choose_blocks), from mass [1 + N]: the query's
+// probabilities summed over its heads, of the memory slot, then compressed blocks 0 .. N-1 (block i
+// covers stride units i .. i + l/d - 1). A selection block m (units m l'/d .. (m + 1) l'/d - 1)
+// scores the sum over its units of the mass of the compressed blocks covering them. The query takes
+// block 0, its own block, and the best-scoring other blocks that start at or before it (ties: the
+// lower block), up to n_select: out [n_select], ascending, then -1 for slots left empty.
+// config: compress block l, stride d, selection block l', n_select.
+void choose_blocks(const float* mass, int64_t n_keys, int64_t pos, const int64_t* config, std::vector<float>& importance,
+                   std::vector<int64_t>& order, int64_t* out) {
+  const int64_t per_compress = config[0] / config[1], sel = config[2], n_select = config[3];
+  const int64_t per_select = sel / config[1], n_compressed = n_keys - 1;
+  const float* blocks = mass + 1;
+  const int64_t current = pos / sel;
+  importance.assign(current + 1, 0.0f);
+  for (int64_t m = 0; m <= current; ++m) {
+    float total = 0.0f;
+    for (int64_t u = m * per_select; u < (m + 1) * per_select; ++u) {
+      float unit = 0.0f;
+      for (int64_t shift = 0; shift < per_compress; ++shift) {
+        const int64_t i = u - shift;
+        if (i >= 0 && i < n_compressed) unit += blocks[i];
+      }
+      total += unit;
+    }
+    importance[m] = total;
+  }
+  order.clear();
+  for (int64_t m = 1; m < current; ++m) order.push_back(m);
+  const int64_t n_forced = current == 0 ? 1 : 2;
+  const int64_t n_free = std::min<int64_t>(std::max<int64_t>(0, n_select - n_forced), int64_t(order.size()));
+  std::partial_sort(order.begin(), order.begin() + n_free, order.end(), [&](int64_t a, int64_t b) {
+    return importance[a] > importance[b] || (importance[a] == importance[b] && a < b);
+  });
+  int64_t taken = 0;
+  out[taken++] = 0;
+  for (int64_t f = 0; f < n_free; ++f) out[taken++] = order[f];
+  std::sort(out + 1, out + taken);
+  if (current > 0) out[taken++] = current;
+  for (int64_t f = taken; f < n_select; ++f) out[f] = -1;
+}
+
+}  // namespace
+
+extern "C" {
+
+// out [B G, T, R, D] and lse [B G, T, R] (-inf for a query head that sees no key; its output is 0).
+// With select (compress block, stride, selection block, n_select; else null): the keys are the
+// compressed branch's (memory slot, then compressed blocks), and each query also chooses its
+// selection blocks (choose_blocks) at token position select_positions[t] into selected
+// [B G, T, n_select].
+void nsa_block_attention_forward(const float* q, const float* k, const float* v, const int64_t* blocks,
+                                 const float* gates, const int64_t* positions, float* out, float* lse,
+                                 const int64_t* select, const int64_t* select_positions, int64_t* selected,
+                                 const int64_t* shape, float scale) {
+  const Shape s{shape[0], shape[1], shape[2], shape[3], shape[4], shape[5], shape[6], shape[7]};
+  const int64_t width = round_up(s.block, LANES), ld = s.n * width;
+  const std::vector<float> kt = transpose_blocks(k, s, width);
+  const int64_t M = (s.S + s.block - 1) / s.block;
+#pragma omp parallel
+  {
+    std::vector<float> probs(s.R * ld);
+    std::vector<float> maxima(s.R), mass(select ? s.S : 0), importance;
+    std::vector<int64_t> order;
+    Visible vis;
+#pragma omp for collapse(2) schedule(static)
+    for (int64_t bg = 0; bg < s.bg; ++bg)
+      for (int64_t t = 0; t < s.T; ++t) {
+        const int64_t query = bg * s.T + t;
+        visible_of(blocks + query * s.n, positions[t], s, vis);
+        slot_scores(q + query * s.R * s.D, s.R, kt.data() + bg * M * s.D * width, vis, s, width, scale, probs.data());
+        const int64_t used = vis.count * width;
+        for (int64_t r = 0; r < s.R; ++r) {
+          vf m = vf{} - INFINITY;
+          for (int64_t j0 = 0; j0 < used; j0 += LANES) {
+            const vf x = load(probs.data() + r * ld + j0);
+            m = x > m ? x : m;
+          }
+          float best = -INFINITY;
+          for (int l = 0; l < LANES; ++l) best = std::max(best, m[l]);
+          maxima[r] = best;
+        }
+        exponentiate(probs.data(), s.R, ld, used, maxima.data());
+        float* o = out + query * s.R * s.D;
+        for (int64_t r = 0; r < s.R; ++r) {
+          float* p = probs.data() + r * ld;
+          vf partial = {};
+          for (int64_t j0 = 0; j0 < used; j0 += LANES) partial += load(p + j0);
+          const float total = sum_lanes(partial);
+          const float inverse = total > 0.0f ? 1.0f / total : 0.0f;
+          for (int64_t j0 = 0; j0 < used; j0 += LANES) store(p + j0, load(p + j0) * inverse);
+          lse[query * s.R + r] = total > 0.0f ? maxima[r] + std::log(total) : -INFINITY;
+        }
+        if (select) {  // the keys' probabilities summed over the heads
+          std::fill(mass.begin(), mass.end(), 0.0f);
+          for (int64_t i = 0; i < vis.count; ++i)
+            for (int64_t j = vis.lo[i]; j <= vis.hi[i]; ++j) {
+              float total = 0.0f;
+              for (int64_t r = 0; r < s.R; ++r) total += probs[r * ld + i * width + j];
+              mass[vis.block[i] * s.block + j] = total;
+            }
+          choose_blocks(mass.data(), s.S, select_positions[t], select, importance, order, selected + query * select[3]);
+        }
+        if (gates) apply_gates(probs.data(), s.R, gates + query * s.n, vis, s, width);
+        combine(probs.data(), s.R, v + bg * s.S * s.D, vis, s, width, o);
+      }
+  }
+}
+
+// grad_q [B G, T, R, D] (written); grad_k, grad_v [B G, S, D] (written); grad_gates [B G, T, n]
+// (written when gates are given)
+void nsa_block_attention_backward(const float* q, const float* k, const float* v, const int64_t* blocks,
+                                  const float* gates, const int64_t* positions, const float* out, const float* lse,
+                                  const float* grad_out, float* grad_q, float* grad_k, float* grad_v,
+                                  float* grad_gates, const int64_t* shape, float scale) {
+  const Shape s{shape[0], shape[1], shape[2], shape[3], shape[4], shape[5], shape[6], shape[7]};
+  const int64_t width = round_up(s.block, LANES), ld = s.n * width;
+  const std::vector<float> kt = transpose_blocks(k, s, width), vt = transpose_blocks(v, s, width);
+  const int64_t M = (s.S + s.block - 1) / s.block;
+  const int64_t threads = omp_get_max_threads();
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>((threads + s.bg - 1) / s.bg, s.T));
+  const int64_t rows = s.S * s.D;
+  // one part per bg: its rows of grad_k / grad_v directly; more: a buffer per extra part
+  std::vector<float> extra(parts > 1 ? 2 * s.bg * (parts - 1) * rows : 0, 0.0f);
+  std::fill(grad_k, grad_k + s.bg * rows, 0.0f);
+  std::fill(grad_v, grad_v + s.bg * rows, 0.0f);
+#pragma omp parallel
+  {
+    std::vector<float> probs(s.R * ld), weighted(s.R * ld), grad_scores(s.R * ld);
+    std::vector<float> deltas(s.R);
+    Visible vis;
+#pragma omp for collapse(2) schedule(dynamic, 1)
+    for (int64_t bg = 0; bg < s.bg; ++bg)
+      for (int64_t part = 0; part < parts; ++part) {
+        float* gk = part == 0 ? grad_k + bg * rows : extra.data() + (2 * (bg * (parts - 1) + part - 1)) * rows;
+        float* gv = part == 0 ? grad_v + bg * rows : gk + rows;
+        const int64_t t0 = s.T * part / parts, t1 = s.T * (part + 1) / parts;
+        for (int64_t t = t0; t < t1; ++t) {
+          const int64_t query = bg * s.T + t;
+          const float* rows_q = q + query * s.R * s.D;
+          const float* rows_grad = grad_out + query * s.R * s.D;
+          visible_of(blocks + query * s.n, positions[t], s, vis);
+          slot_scores(rows_q, s.R, kt.data() + bg * M * s.D * width, vis, s, width, scale, probs.data());
+          const int64_t used = vis.count * width;
+          exponentiate(probs.data(), s.R, ld, used, lse + query * s.R);
+          // dP = dO . v (as scores, unit scale), delta = dO . O
+          slot_scores(rows_grad, s.R, vt.data() + bg * M * s.D * width, vis, s, width, 1.0f, grad_scores.data());
+          for (int64_t r = 0; r < s.R; ++r)
+            deltas[r] = dot(rows_grad + r * s.D, out + (query * s.R + r) * s.D, s.D);
+          std::copy(probs.begin(), probs.end(), weighted.begin());
+          const float* g = gates ? gates + query * s.n : nullptr;
+          if (g) {
+            apply_gates(weighted.data(), s.R, g, vis, s, width);
+            float* gg = grad_gates + query * s.n;
+            std::fill(gg, gg + s.n, 0.0f);  // slots that see no key
+            for (int64_t i = 0; i < vis.count; ++i) {
+              float total = 0.0f;  // sum over heads and keys of dP * P
+              for (int64_t r = 0; r < s.R; ++r)
+                for (int64_t j = vis.lo[i]; j <= vis.hi[i]; ++j)
+                  total += grad_scores[r * ld + i * width + j] * probs[r * ld + i * width + j];
+              gg[vis.slot[i]] = total;
+            }
+            apply_gates(grad_scores.data(), s.R, g, vis, s, width);
+          }
+          // dS = scale * P * (gate * dP - delta), 0 outside the visible keys (P is 0 there)
+          for (int64_t r = 0; r < s.R; ++r) {
+            float* ds = grad_scores.data() + r * ld;
+            const float* p = probs.data() + r * ld;
+            for (int64_t j0 = 0; j0 < used; j0 += LANES) {
+              const vf pj = load(p + j0);
+              const vf dp = load(ds + j0);
+              store(ds + j0, pj > 0.0f ? pj * (dp - deltas[r]) * scale : vf{});
+            }
+          }
+          combine(grad_scores.data(), s.R, k + bg * s.S * s.D, vis, s, width, grad_q + query * s.R * s.D);
+          accumulate(grad_scores.data(), s.R, rows_q, vis, s, width, gk);
+          accumulate(weighted.data(), s.R, rows_grad, vis, s, width, gv);
+        }
+      }
+  }
+  if (parts > 1) {
+#pragma omp parallel for schedule(static)
+    for (int64_t bg = 0; bg < s.bg; ++bg)
+      for (int64_t part = 1; part < parts; ++part) {
+        const float* bk = extra.data() + (2 * (bg * (parts - 1) + part - 1)) * rows;
+        const float* bv = bk + rows;
+        float* gk = grad_k + bg * rows;
+        float* gv = grad_v + bg * rows;
+        for (int64_t x = 0; x < rows; ++x) {
+          gk[x] += bk[x];
+          gv[x] += bv[x];
+        }
+      }
+  }
+}
+
+}  // extern "C"

@@ -1,0 +1,134 @@
+"""Block-listed attention on the CPU (nsa_cpu.cpp) for native sparse attention's selected and
+sliding branches (attention/nsa.py): each query token lists n key blocks and is attended by the R
+query heads of its key/value head; it sees their keys from lo to its own position (lo = position -
+window + 1 with a window, else 0), each block's probabilities optionally scaled by a gate.
+
+Forward and backward each take one pass over the queries, reading the keys and values of the
+listed blocks in place (after one transposed copy per call): no T x n x block x D gather, no
+index_add scatter. The backward keeps q, k, v, the block lists, the output and one log-sum-exp per
+query head. Compiled with the other CPU kernels (kernels/cpu.py).
+
+Legend: B batch, G key/value heads, R query heads per key/value head, T queries, S keys, D head
+width, n blocks per query.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import Tensor
+
+from attnlab.attention.kernels.cpu import library, usable
+from attnlab.config import NSAAttentionConfig
+
+MAX_BLOCKS = 64  # blocks per query (nsa_cpu.cpp's Visible)
+LANES = 16  # keys scored together (one vector)
+
+
+def window_blocks(positions: Tensor, window: int, block: int) -> Tensor:
+    """[T, ceil((window - 1) / block) + 1]: the blocks that hold positions p - window + 1 .. p, in
+    ascending order, -1 for blocks before the sequence start."""
+    n_blocks = (window - 1 + block - 1) // block + 1
+    last = positions // block
+    blocks = last[:, None] - torch.arange(n_blocks - 1, -1, -1, device=positions.device)
+    return torch.where(blocks >= 0, blocks, -1)
+
+
+def _shape(q: Tensor, k: Tensor, n_blocks: int, block: int, window: int) -> Tensor:
+    batch, n_groups, n_queries, n_heads, dim = q.shape
+    return torch.tensor([batch * n_groups, n_queries, n_heads, dim, k.shape[2], n_blocks, block, window],
+                        dtype=torch.int64)
+
+
+def _pointer(x: Tensor | None) -> ctypes.c_void_p:
+    return ctypes.c_void_p(0 if x is None else x.data_ptr())
+
+
+def _forward(q, k, v, blocks, gates, positions, block, window, select=None) -> tuple[Tensor, Tensor, Tensor | None]:
+    """-> output, log-sum-exp and, with select = (settings [4], positions [T]), the chosen blocks."""
+    out = torch.empty_like(q)
+    lse = q.new_empty(q.shape[:-1])
+    settings, select_positions = select if select is not None else (None, None)
+    chosen = None if select is None else torch.empty(*q.shape[:3], int(settings[3]), dtype=torch.int64)
+    shape = _shape(q, k, blocks.shape[-1], block, window)
+    library().nsa_block_attention_forward(
+        *map(_pointer, (q, k, v, blocks, gates, positions, out, lse, settings, select_positions, chosen, shape)),
+        ctypes.c_float(q.shape[-1] ** -0.5),
+    )
+    return out, lse, chosen
+
+
+class _BlockAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, blocks, gates, positions, block: int, window: int, select):  # noqa: D102
+        out, lse, chosen = _forward(q, k, v, blocks, gates, positions, block, window, select)
+        ctx.save_for_backward(q, k, v, blocks, gates, positions, out, lse)
+        ctx.block, ctx.window = block, window
+        if chosen is None:
+            return out
+        ctx.mark_non_differentiable(chosen)
+        return out, chosen
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_chosen=None):  # noqa: D102
+        q, k, v, blocks, gates, positions, out, lse = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        grad_q, grad_k, grad_v = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        grad_gates = None if gates is None else torch.empty_like(gates)
+        shape = _shape(q, k, blocks.shape[-1], ctx.block, ctx.window)
+        library().nsa_block_attention_backward(
+            *map(_pointer, (q, k, v, blocks, gates, positions, out, lse, grad_out, grad_q, grad_k, grad_v,
+                            grad_gates, shape)),
+            ctypes.c_float(q.shape[-1] ** -0.5),
+        )
+        return grad_q, grad_k, grad_v, None, grad_gates, None, None, None, None
+
+
+def _prepare(q, k, v, n_blocks: int):
+    if not usable(q, k, v):
+        raise RuntimeError("the NSA CPU kernel needs float32 CPU tensors and the compiled kernel")
+    if n_blocks > MAX_BLOCKS:
+        raise ValueError(f"the NSA CPU kernel takes at most {MAX_BLOCKS} blocks per query, got {n_blocks}")
+    return q.contiguous(), k.contiguous(), v.contiguous()
+
+
+def _run(q, k, v, blocks, gates, positions, block, window, select=None):
+    blocks = blocks.to(torch.int64).contiguous()
+    positions = positions.to(torch.int64).contiguous()
+    gates = None if gates is None else gates.to(q.dtype).contiguous()
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, gates)):
+        return _BlockAttention.apply(q, k, v, blocks, gates, positions, block, window, select)
+    out, _, chosen = _forward(q, k, v, blocks, gates, positions, block, window, select)
+    return out if chosen is None else (out, chosen)
+
+
+def block_attention(q: Tensor, k: Tensor, v: Tensor, blocks: Tensor, positions: Tensor, block: int,
+                    window: int = 0, gates: Tensor | None = None) -> Tensor:
+    """q [B, G, T, R, D] at positions [T]; k, v [B, G, S, D]; blocks [B, G, T, n] (int, -1: an
+    empty slot); gates [B, G, T, n] or None -> [B, G, T, R, D]. A query head that sees no key gets
+    zeros. float32 CPU tensors; the kernel must be built (`usable`)."""
+    q, k, v = _prepare(q, k, v, blocks.shape[-1])
+    return _run(q, k, v, blocks, gates, positions, block, window)
+
+
+def compressed_selection(q: Tensor, keys: Tensor, values: Tensor, positions: Tensor, n_visible: Tensor,
+                         config: NSAAttentionConfig) -> tuple[Tensor, Tensor]:
+    """Native sparse attention's compressed branch and block selection for queries at positions
+    [T] (attention/nsa.py: compressed_attention_chunk without straight-through scores).
+
+    q [B, G, T, R, D] (no rotary); keys, values [B, G, 1 + N, D]: the memory slot, then the
+    compressed blocks; n_visible [T]: how many of them each query sees (1 + its complete blocks).
+    -> the branch output [B, G, T, R, D] and the selected blocks [B, G, T, num_selected]
+    (ascending, -1 for empty slots; `choose_blocks` in nsa_cpu.cpp)."""
+    n_keys = keys.shape[2]
+    block = LANES * -(-n_keys // (LANES * MAX_BLOCKS))  # key blocks of the kernel: at most MAX_BLOCKS per query
+    n_blocks = -(-n_keys // block)
+    last = (n_visible - 1).to(torch.int64)  # the last key each query sees
+    listed = torch.arange(n_blocks)
+    listed = torch.where(listed[None, :] <= (last // block)[:, None], listed, -1)  # [T, n]
+    q, keys, values = _prepare(q, keys, values, n_blocks)
+    settings = torch.tensor([config.compress_block_size, config.compress_stride, config.selection_block_size,
+                             config.num_selected], dtype=torch.int64)
+    select = (settings, positions.to(torch.int64).contiguous())
+    return _run(q, keys, values, listed.expand(*q.shape[:2], -1, -1), None, last, block, 0, select)
