@@ -3,10 +3,11 @@
 # vs full attention at 4096 and 8192 tokens (dim 256, depth 4, heads 4, kv_heads 2, window 64,
 # compress 16 stride 8, selection 16, 4 selected, batch 1, fp32, CPU), with 2 threads and with 1;
 # decode latency and key/value tokens loaded per step; the nsa-small vs full quality run.
-# Writes JSON lines and markdown tables to docs/bench/. Run on an otherwise idle machine.
+# Writes JSON lines and markdown tables to $OUT (default docs/bench/nsa-kernel/). Run on an otherwise
+# idle machine. ATTNLAB_CPU_KERNELS=0 gives the pure-torch path's figures.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-out=docs/bench
+out=${OUT:-docs/bench/nsa-kernel}
 mkdir -p "$out"
 nsa=(kv_heads=2 attention.nsa.sliding_window_size=64 attention.nsa.compress_block_size=16
      attention.nsa.compress_stride=8 attention.nsa.selection_block_size=16 attention.nsa.num_selected=4)
@@ -21,7 +22,7 @@ if [[ $part == all || $part == train ]]; then
         if [[ $run == *-passive ]]; then settings+=(OMP_WAIT_POLICY=PASSIVE); fi
         uptime
         env "${settings[@]}" attnlab bench train --attention full nsa \
-            --threads "$threads" --set "${nsa[@]}" --seq-len 4096 8192 --batch-size 1 --steps 3 --warmup 1 \
+            --threads "$threads" --set "${nsa[@]}" --seq-len 4096 8192 --batch-size 1 --steps 5 --warmup 3 \
             --out "$out/nsa-train-$run.jsonl" --markdown "$out/nsa-train-$run.md"
         uptime
     done
@@ -31,12 +32,15 @@ if [[ $part == all || $part == train ]]; then
         settings=(OMP_NUM_THREADS="$threads")
         if [[ $run == *-passive ]]; then settings+=(OMP_WAIT_POLICY=PASSIVE); fi
         uptime
-        env "${settings[@]}" python bench/nsa_interleaved.py --seq-len 4096 --steps 3 | tee -a "$out/nsa-interleaved.jsonl"
+        env "${settings[@]}" python bench/nsa_interleaved.py --seq-len 4096 --steps 5 | tee -a "$out/nsa-interleaved.jsonl"
     done
+    uptime
+    # the kernel against the torch path, branch by branch (attention cores only)
+    OMP_NUM_THREADS=2 python bench/nsa_kernel.py --seq-len 4096 --rounds 9 | tee "$out/nsa-kernel.txt"
     uptime
     # where the time goes: the same NSA with the parameter-free mean compressor instead of the MLP
     OMP_NUM_THREADS=1 attnlab bench train --attention nsa --threads 1 --set "${nsa[@]}" attention.nsa.compressor=mean \
-        --seq-len 4096 --batch-size 1 --steps 3 --warmup 1 \
+        --seq-len 4096 --batch-size 1 --steps 5 --warmup 3 \
         --out "$out/nsa-train-mean-1.jsonl" --markdown "$out/nsa-train-mean-1.md"
     uptime
 fi

@@ -1,0 +1,100 @@
+"""The NSA CPU kernel (attention/kernels/nsa_cpu.py) against the pure-torch path, branch by branch
+on one layer's attention cores (no projections, no compressor): the compressed branch with the
+block selection, the selected branch and the sliding branch, forward and backward timed
+separately, the two paths interleaved in one process, medians.
+
+    OMP_NUM_THREADS=2 python bench/nsa_kernel.py --seq-len 4096 --rounds 9
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+from einops import rearrange
+
+from attnlab.attention import nsa
+from attnlab.attention.base import AttentionSpec
+from attnlab.attention.kernels import nsa_cpu
+from attnlab.config import NSAAttentionConfig
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--dim-head", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=9)
+    args = parser.parse_args()
+    config = NSAAttentionConfig(sliding_window_size=64, compress_block_size=16, compress_stride=8,
+                                selection_block_size=16, num_selected=4)
+    spec = AttentionSpec(dim=args.heads * args.dim_head, n_heads=args.heads, dim_head=args.dim_head,
+                         n_kv_heads=args.kv_heads, dropout=0.0, max_seq_len=args.seq_len, layer_index=0, n_layers=1, rotary=None)
+    layer = nsa.NativeSparseAttention(spec, config)
+    torch.manual_seed(0)
+    n_tokens, n_groups = args.seq_len, args.kv_heads
+    n_blocks = nsa.n_complete_blocks(n_tokens, config.compress_block_size, config.compress_stride)
+    q = torch.randn(1, args.heads, n_tokens, args.dim_head, requires_grad=True)
+    k, v = (torch.randn(1, n_groups, n_tokens, args.dim_head, requires_grad=True) for _ in range(2))
+    keys, values = (torch.randn(1, n_groups, 1 + n_blocks, args.dim_head, requires_grad=True) for _ in range(2))
+    positions = torch.arange(n_tokens)
+    n_visible = 1 + torch.clamp((positions + 1 - config.compress_block_size) // config.compress_stride + 1, min=0)
+
+    def compressed():  # NativeSparseAttention.forward's two ways of running the branch and the selection
+        if os.environ["ATTNLAB_CPU_KERNELS"] == "1":
+            grouped = rearrange(q, "b (g r) t d -> b g t r d", g=n_groups)
+            out, _ = nsa_cpu.compressed_selection(grouped, keys, values, positions, n_visible, config)
+            return rearrange(out, "b g t r d -> b (g r) t d")
+        outputs = []
+        for start in range(0, n_tokens, config.query_chunk_size):
+            part = slice(start, start + config.query_chunk_size)
+            last = min(n_tokens, start + config.query_chunk_size) - 1
+            seen = 1 + nsa.n_complete_blocks(last + 1, config.compress_block_size, config.compress_stride)
+            out, _, _ = nsa.compressed_attention_fast(q[:, :, part], keys[:, :, :seen], values[:, :, :seen],
+                                                      positions[part], config, last // config.selection_block_size + 1)
+            outputs.append(out)
+        return torch.cat(outputs, dim=2)
+
+    with torch.no_grad():  # the selection both paths' selected branch reads
+        grouped = rearrange(q, "b (g r) t d -> b g t r d", g=n_groups)
+        _, chosen = nsa_cpu.compressed_selection(grouped, keys, values, positions, n_visible, config)
+    indices, valid = chosen.clamp(min=0), chosen >= 0
+    branches = {
+        "compressed + selection": (compressed, (q, keys, values)),
+        "selected": (lambda: layer._selected(q, k, v, indices, valid, None, positions), (q, k, v)),
+        "sliding": (lambda: layer._sliding(q, k, v), (q, k, v)),
+    }
+    paths = {"kernel": "1", "torch": "0"}
+    times = {(name, path, part): [] for name in branches for path in paths for part in ("forward", "backward")}
+    grad = torch.randn(q.shape)
+    for round_ in range(args.rounds + 1):  # round 0 warms up
+        for name, (function, inputs) in branches.items():
+            for path, flag in paths.items():
+                os.environ["ATTNLAB_CPU_KERNELS"] = flag
+                started = time.perf_counter()
+                y = function()
+                middle = time.perf_counter()
+                torch.autograd.grad(y, inputs, grad)
+                if round_:
+                    times[name, path, "forward"].append(middle - started)
+                    times[name, path, "backward"].append(time.perf_counter() - middle)
+    print(f"seq_len {n_tokens}, heads {args.heads}, kv_heads {n_groups}, dim_head {args.dim_head}, "
+          f"{torch.get_num_threads()} threads, median of {args.rounds} (ms)")
+    print()
+    print("| branch | kernel forward | torch forward | kernel backward | torch backward | forward + backward speed-up |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name in branches:
+        median = {(path, part): statistics.median(times[name, path, part]) * 1e3
+                  for path in paths for part in ("forward", "backward")}
+        kernel = median["kernel", "forward"] + median["kernel", "backward"]
+        plain = median["torch", "forward"] + median["torch", "backward"]
+        print(f"| {name} | {median['kernel', 'forward']:.1f} | {median['torch', 'forward']:.1f} | "
+              f"{median['kernel', 'backward']:.1f} | {median['torch', 'backward']:.1f} | {plain / kernel:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
