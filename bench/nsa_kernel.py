@@ -33,7 +33,8 @@ def main() -> None:
     config = NSAAttentionConfig(sliding_window_size=64, compress_block_size=16, compress_stride=8,
                                 selection_block_size=16, num_selected=4)
     spec = AttentionSpec(dim=args.heads * args.dim_head, n_heads=args.heads, dim_head=args.dim_head,
-                         n_kv_heads=args.kv_heads, dropout=0.0, max_seq_len=args.seq_len, layer_index=0, n_layers=1, rotary=None)
+                         n_kv_heads=args.kv_heads, dropout=0.0, max_seq_len=args.seq_len, layer_index=0, n_layers=1,
+                         rotary=None)
     layer = nsa.NativeSparseAttention(spec, config)
     torch.manual_seed(0)
     n_tokens, n_groups = args.seq_len, args.kv_heads
@@ -85,7 +86,8 @@ def main() -> None:
     print(f"seq_len {n_tokens}, heads {args.heads}, kv_heads {n_groups}, dim_head {args.dim_head}, "
           f"{torch.get_num_threads()} threads, median of {args.rounds} (ms)")
     print()
-    print("| branch | kernel forward | torch forward | kernel backward | torch backward | forward + backward speed-up |")
+    print("| branch | kernel forward | torch forward | kernel backward | torch backward "
+          "| forward + backward speed-up |")
     print("|---|---:|---:|---:|---:|---:|")
     for name in branches:
         median = {(path, part): statistics.median(times[name, path, part]) * 1e3

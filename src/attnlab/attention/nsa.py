@@ -670,7 +670,8 @@ class NativeSparseAttention(nn.Module):
         chunk = config.query_chunk_size
         # the selection scores need a gradient only for straight-through top-k in training
         straight_through = config.use_diff_topk and torch.is_grad_enabled() and q_plain.requires_grad
-        on_kernel = not straight_through and offset == 0 and nsa_cpu.usable(q_plain, all_k, all_v)
+        on_kernel = (not straight_through and offset == 0 and nsa_cpu.fits(0, self.spec.n_heads // self.spec.n_kv_heads)
+                     and nsa_cpu.usable(q_plain, all_k, all_v))
         for start in range(0, 0 if on_kernel else n_queries, chunk):
             part = slice(start, start + chunk)
             chunk_positions = positions[part]
@@ -726,7 +727,8 @@ class NativeSparseAttention(nn.Module):
         if backend == "flex" and gates is None and worth_flex(q.shape[2], q.device.type):
             self._check_flex(q)
             return nsa_flex.selected_attention(q, k, v, indices, valid, positions, block)
-        if k.shape[2] == q.shape[2] and indices.shape[-1] <= nsa_cpu.MAX_BLOCKS and nsa_cpu.usable(q, k, v):
+        heads_per_group = q.shape[1] // k.shape[1]
+        if k.shape[2] == q.shape[2] and nsa_cpu.fits(indices.shape[-1], heads_per_group) and nsa_cpu.usable(q, k, v):
             blocks = torch.where(valid, indices, -1)  # a whole sequence: the CPU kernel
             return self._on_kernel(q, k, v, blocks, positions, block, 0, gates)
         # check_config holds num_selected >= 2, so choose_blocks always selects block 0 and the own block
@@ -737,8 +739,8 @@ class NativeSparseAttention(nn.Module):
         if self.config.backend == "flex" and worth_flex(q.shape[2], q.device.type):
             self._check_flex(q)
             return flex_local_attention(q, k, v, self.config.sliding_window_size)
-        if k.shape[2] == q.shape[2] and nsa_cpu.usable(q, k, v):  # a whole sequence: the CPU kernel
-            window = self.config.sliding_window_size
+        if k.shape[2] == q.shape[2] and nsa_cpu.fits(0, q.shape[1] // k.shape[1]) and nsa_cpu.usable(q, k, v):
+            window = self.config.sliding_window_size  # a whole sequence: the CPU kernel
             block = SLIDING_BLOCK * -(-window // (SLIDING_BLOCK * (nsa_cpu.MAX_BLOCKS - 1)))  # <= MAX_BLOCKS blocks
             positions = torch.arange(q.shape[2])
             blocks = nsa_cpu.window_blocks(positions, window, block).expand(*k.shape[:2], -1, -1)

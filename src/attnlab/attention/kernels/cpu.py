@@ -58,7 +58,9 @@ def _build() -> ctypes.CDLL:
     if compiler is None:
         raise RuntimeError("no C++ compiler found (set CXX)")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    flags = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+    flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        flags.insert(2, "-mprefer-vector-width=512")  # full-width AVX-512 where the CPU has it
     openmp = _torch_openmp_dir()
     if openmp is not None:
         flags += [f"-L{openmp}", f"-Wl,-rpath,{openmp}"]

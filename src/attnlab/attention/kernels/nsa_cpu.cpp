@@ -17,8 +17,9 @@
 // decides what a query reads.
 //
 // Threads: the forward runs queries in parallel. The backward runs (bg, part of the queries) in
-// parallel, each adding its key/value gradients into a buffer of its own (the part's own rows of
-// grad_k and grad_v when there is one part per bg), summed in part order at the end.
+// parallel, each adding its key/value gradients into buffers of its own, laid out like the
+// transposed keys (16 positions of a block per vector), summed in part order into grad_k and
+// grad_v at the end.
 #include <omp.h>
 
 #include <algorithm>
@@ -185,23 +186,45 @@ void combine(const float* weights, int64_t R, const float* x, const Visible& vis
     }
 }
 
-// rows[key][:] += sum_r weights[r][key] * sources[r][:] for every visible key
-void accumulate(const float* weights, int64_t R, const float* sources, const Visible& vis, const Shape& s,
-                int64_t width, float* rows) {
-  const int64_t ld = s.n * width;
-  for (int64_t i = 0; i < vis.count; ++i)
-    for (int64_t j = vis.lo[i]; j <= vis.hi[i]; ++j) {
-      float* target = rows + (vis.block[i] * s.block + j) * s.D;
-      int64_t d0 = 0;
-      for (; d0 + LANES <= s.D; d0 += LANES) {
-        vf acc = load(target + d0);
-        for (int64_t r = 0; r < R; ++r) acc += weights[r * ld + i * width + j] * load(sources + r * s.D + d0);
-        store(target + d0, acc);
+// The key (or value) gradients of one query, added into a transposed buffer [M, D, width] (like
+// transpose_blocks' layout): for every active slot, position j and d,
+//   buffer[block][d][j] += sum_r weights[r][slot, j] * sources[r][d],
+// 16 positions at a time (one vector of weights per head, zero where the query sees no key).
+// Element by element the terms are added in head order, query after query.
+template <int RC>
+void accumulate_heads(const float* weights, int64_t R, const float* sources, const Visible& vis, const Shape& s,
+                      int64_t width, float* buffer) {
+  const int64_t ld = s.n * width, heads = RC > 0 ? RC : R;
+  for (int64_t a = 0; a < vis.count; ++a)
+    for (int64_t j0 = 0; j0 < width; j0 += LANES) {
+      vf w[RC > 0 ? RC : 1];
+      float* column = buffer + vis.block[a] * s.D * width + j0;
+      if (RC > 0) {
+        for (int64_t r = 0; r < heads; ++r) w[r] = load(weights + r * ld + a * width + j0);
+        for (int64_t d = 0; d < s.D; ++d) {
+          vf acc = load(column + d * width);
+          for (int64_t r = 0; r < heads; ++r) acc += w[r] * sources[r * s.D + d];
+          store(column + d * width, acc);
+        }
+      } else {
+        for (int64_t d = 0; d < s.D; ++d) {
+          vf acc = load(column + d * width);
+          for (int64_t r = 0; r < heads; ++r) acc += load(weights + r * ld + a * width + j0) * sources[r * s.D + d];
+          store(column + d * width, acc);
+        }
       }
-      for (; d0 < s.D; ++d0)
-        for (int64_t r = 0; r < R; ++r)
-          target[d0] = std::fma(weights[r * ld + i * width + j], sources[r * s.D + d0], target[d0]);
     }
+}
+
+void accumulate(const float* weights, int64_t R, const float* sources, const Visible& vis, const Shape& s,
+                int64_t width, float* buffer) {
+  switch (R) {
+    case 1: return accumulate_heads<1>(weights, R, sources, vis, s, width, buffer);
+    case 2: return accumulate_heads<2>(weights, R, sources, vis, s, width, buffer);
+    case 4: return accumulate_heads<4>(weights, R, sources, vis, s, width, buffer);
+    case 8: return accumulate_heads<8>(weights, R, sources, vis, s, width, buffer);
+    default: return accumulate_heads<0>(weights, R, sources, vis, s, width, buffer);
+  }
 }
 
 // weights *= the slot's gate (in place), active slot by active slot
@@ -345,11 +368,9 @@ void nsa_block_attention_backward(const float* q, const float* k, const float* v
   const int64_t M = (s.S + s.block - 1) / s.block;
   const int64_t threads = omp_get_max_threads();
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>((threads + s.bg - 1) / s.bg, s.T));
-  const int64_t rows = s.S * s.D;
-  // one part per bg: its rows of grad_k / grad_v directly; more: a buffer per extra part
-  std::vector<float> extra(parts > 1 ? 2 * s.bg * (parts - 1) * rows : 0, 0.0f);
-  std::fill(grad_k, grad_k + s.bg * rows, 0.0f);
-  std::fill(grad_v, grad_v + s.bg * rows, 0.0f);
+  // per (bg, part): transposed key and value gradient buffers [M, D, width], summed at the end
+  const int64_t size = M * s.D * width;
+  std::vector<float> buffers(2 * s.bg * parts * size, 0.0f);
 #pragma omp parallel
   {
     std::vector<float> probs(s.R * ld), weighted(s.R * ld), grad_scores(s.R * ld);
@@ -358,8 +379,8 @@ void nsa_block_attention_backward(const float* q, const float* k, const float* v
 #pragma omp for collapse(2) schedule(dynamic, 1)
     for (int64_t bg = 0; bg < s.bg; ++bg)
       for (int64_t part = 0; part < parts; ++part) {
-        float* gk = part == 0 ? grad_k + bg * rows : extra.data() + (2 * (bg * (parts - 1) + part - 1)) * rows;
-        float* gv = part == 0 ? grad_v + bg * rows : gk + rows;
+        float* gk = buffers.data() + 2 * (bg * parts + part) * size;
+        float* gv = gk + size;
         const int64_t t0 = s.T * part / parts, t1 = s.T * (part + 1) / parts;
         for (int64_t t = t0; t < t1; ++t) {
           const int64_t query = bg * s.T + t;
@@ -404,20 +425,22 @@ void nsa_block_attention_backward(const float* q, const float* k, const float* v
         }
       }
   }
-  if (parts > 1) {
-#pragma omp parallel for schedule(static)
-    for (int64_t bg = 0; bg < s.bg; ++bg)
-      for (int64_t part = 1; part < parts; ++part) {
-        const float* bk = extra.data() + (2 * (bg * (parts - 1) + part - 1)) * rows;
-        const float* bv = bk + rows;
-        float* gk = grad_k + bg * rows;
-        float* gv = grad_v + bg * rows;
-        for (int64_t x = 0; x < rows; ++x) {
-          gk[x] += bk[x];
-          gv[x] += bv[x];
+  // grad_k[bg][key][d] = sum over parts (in order) of buffer[block][d][position]
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t bg = 0; bg < s.bg; ++bg)
+    for (int64_t key = 0; key < s.S; ++key) {
+      const int64_t m = key / s.block, j = key % s.block;
+      for (int64_t d = 0; d < s.D; ++d) {
+        float total_k = 0.0f, total_v = 0.0f;
+        for (int64_t part = 0; part < parts; ++part) {
+          const float* gk = buffers.data() + 2 * (bg * parts + part) * size;
+          total_k += gk[(m * s.D + d) * width + j];
+          total_v += gk[size + (m * s.D + d) * width + j];
         }
+        grad_k[(bg * s.S + key) * s.D + d] = total_k;
+        grad_v[(bg * s.S + key) * s.D + d] = total_v;
       }
-  }
+    }
 }
 
 }  // extern "C"

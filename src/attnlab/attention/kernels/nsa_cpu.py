@@ -23,6 +23,7 @@ from attnlab.attention.kernels.cpu import library, usable
 from attnlab.config import NSAAttentionConfig
 
 MAX_BLOCKS = 64  # blocks per query (nsa_cpu.cpp's Visible)
+MAX_HEADS = 64  # query heads per key/value head (nsa_cpu.cpp's accumulate_tile)
 LANES = 16  # keys scored together (one vector)
 
 
@@ -85,9 +86,16 @@ class _BlockAttention(torch.autograd.Function):
         return grad_q, grad_k, grad_v, None, grad_gates, None, None, None, None
 
 
+def fits(n_blocks: int, n_heads: int) -> bool:
+    """Whether the kernel takes n_blocks per query and n_heads query heads per key/value head."""
+    return n_blocks <= MAX_BLOCKS and n_heads <= MAX_HEADS
+
+
 def _prepare(q, k, v, n_blocks: int):
     if not usable(q, k, v):
         raise RuntimeError("the NSA CPU kernel needs float32 CPU tensors and the compiled kernel")
+    if q.shape[3] > MAX_HEADS:
+        raise ValueError(f"the NSA CPU kernel takes at most {MAX_HEADS} query heads per key/value head")
     if n_blocks > MAX_BLOCKS:
         raise ValueError(f"the NSA CPU kernel takes at most {MAX_BLOCKS} blocks per query, got {n_blocks}")
     return q.contiguous(), k.contiguous(), v.contiguous()
