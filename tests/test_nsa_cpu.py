@@ -148,6 +148,11 @@ def test_too_many_blocks_refused():
     blocks = torch.zeros(1, 1, 4, nsa_cpu.MAX_BLOCKS + 1, dtype=torch.int64)
     with pytest.raises(ValueError, match="at most"):
         nsa_cpu.block_attention(q, k, k, blocks, torch.arange(4), 1)
+    many_heads = torch.zeros(1, 1, 4, nsa_cpu.MAX_HEADS + 1, 8)
+    with pytest.raises(ValueError, match="query heads"):
+        nsa_cpu.block_attention(many_heads, k, k, blocks[..., :2], torch.arange(4), 1)
+    assert nsa_cpu.fits(nsa_cpu.MAX_BLOCKS, nsa_cpu.MAX_HEADS)
+    assert not nsa_cpu.fits(nsa_cpu.MAX_BLOCKS + 1, 1) and not nsa_cpu.fits(1, nsa_cpu.MAX_HEADS + 1)
 
 
 SELECTION_CASES = {  # compress block, stride, selection block, selected, tokens

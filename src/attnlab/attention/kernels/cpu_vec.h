@@ -2,6 +2,7 @@
 // vector extensions of 16 floats, loads and stores, a fixed-order lane sum and a vectorised exp.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -22,6 +23,16 @@ inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
 inline float sum_lanes(vf v) {  // a fixed order
   float total = 0.0f;
   for (int l = 0; l < LANES; ++l) total += v[l];
+  return total;
+}
+
+// <a, b> over dim floats: 16 lanes of multiply-add chains, their fixed-order sum, then the tail
+inline float dot(const float* a, const float* b, int64_t dim) {
+  vf acc = {};
+  int64_t d = 0;
+  for (; d + LANES <= dim; d += LANES) acc += load(a + d) * load(b + d);
+  float total = sum_lanes(acc);
+  for (; d < dim; ++d) total = std::fma(a[d], b[d], total);
   return total;
 }
 

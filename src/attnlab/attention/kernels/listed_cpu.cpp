@@ -132,15 +132,6 @@ void tile_accumulate(const float* weights, int64_t width, int count, const float
   }
 }
 
-float dot(const float* a, const float* b, int64_t dim) {
-  vf acc = {};
-  int64_t d = 0;
-  for (; d + LANES <= dim; d += LANES) acc += load(a + d) * load(b + d);
-  float total = sum_lanes(acc);
-  for (; d < dim; ++d) total = std::fma(a[d], b[d], total);
-  return total;
-}
-
 struct Tile {
   int64_t first, count;    // queries [first, first + count) of the unit (global indices)
   int64_t lo, hi;          // union of their key ranges

@@ -238,15 +238,6 @@ void apply_gates(float* weights, int64_t R, const float* gates, const Visible& v
       }
 }
 
-float dot(const float* a, const float* b, int64_t dim) {
-  vf acc = {};
-  int64_t d = 0;
-  for (; d + LANES <= dim; d += LANES) acc += load(a + d) * load(b + d);
-  float total = sum_lanes(acc);
-  for (; d < dim; ++d) total = std::fma(a[d], b[d], total);
-  return total;
-}
-
 // Native sparse attention's block selection for one query at position pos (eq. 9-10 and the top-n
 // rule of attention/nsa.py's block_importance and choose_blocks), from mass [1 + N]: the query's
 // probabilities summed over its heads, of the memory slot, then compressed blocks 0 .. N-1 (block i
