@@ -35,6 +35,12 @@ if [[ $part == all || $part == train ]]; then
         env "${settings[@]}" python bench/nsa_interleaved.py --seq-len 4096 --steps 5 | tee -a "$out/nsa-interleaved.jsonl"
     done
     uptime
+    # NSA with straight-through top-k (the presets' setting), on the kernel and on the torch path
+    for kernels in 1 0; do
+        ATTNLAB_CPU_KERNELS=$kernels OMP_NUM_THREADS=2 python bench/nsa_interleaved.py --seq-len 4096 --steps 5 \
+            --diff-topk | tee -a "$out/nsa-interleaved-diff-topk.jsonl"
+    done
+    uptime
     # the kernel against the torch path, branch by branch (attention cores only)
     OMP_NUM_THREADS=2 python bench/nsa_kernel.py --seq-len 4096 --rounds 9 | tee "$out/nsa-kernel.txt"
     uptime

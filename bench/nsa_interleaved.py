@@ -24,11 +24,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=3, help="measured steps per model (after one warm-up)")
+    parser.add_argument("--diff-topk", action="store_true", help="NSA with straight-through top-k (use_diff_topk)")
     args = parser.parse_args()
     models = {}
     for kind in ("full", "nsa"):
         values = dict(dim=256, depth=4, heads=4, dim_head=64, kv_heads=2, max_seq_len=args.seq_len,
-                      attention=dict(kind=kind, nsa=NSA))
+                      attention=dict(kind=kind, nsa={**NSA, "use_diff_topk": args.diff_topk}))
         torch.manual_seed(0)
         model = Transformer(model_config(values)).train()
         models[kind] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4))
@@ -43,7 +44,8 @@ def main() -> None:
             if step:  # the first round is warm-up
                 seconds[kind].append(time.perf_counter() - started)
     ratios = [full / nsa for full, nsa in zip(seconds["full"], seconds["nsa"], strict=True)]
-    print(json.dumps({"seq_len": args.seq_len, "threads": torch.get_num_threads(), "seconds": seconds,
+    print(json.dumps({"seq_len": args.seq_len, "diff_topk": args.diff_topk, "threads": torch.get_num_threads(),
+                      "seconds": seconds,
                       "full_over_nsa": ratios, "median_full_over_nsa": statistics.median(ratios)}))
 
 

@@ -48,7 +48,7 @@ def main() -> None:
     def compressed():  # NativeSparseAttention.forward's two ways of running the branch and the selection
         if os.environ["ATTNLAB_CPU_KERNELS"] == "1":
             grouped = rearrange(q, "b (g r) t d -> b g t r d", g=n_groups)
-            out, _ = nsa_cpu.compressed_selection(grouped, keys, values, positions, n_visible, config)
+            out, _, _ = nsa_cpu.compressed_selection(grouped, keys, values, positions, n_visible, config)
             return rearrange(out, "b g t r d -> b (g r) t d")
         outputs = []
         for start in range(0, n_tokens, config.query_chunk_size):
@@ -62,7 +62,7 @@ def main() -> None:
 
     with torch.no_grad():  # the selection both paths' selected branch reads
         grouped = rearrange(q, "b (g r) t d -> b g t r d", g=n_groups)
-        _, chosen = nsa_cpu.compressed_selection(grouped, keys, values, positions, n_visible, config)
+        _, chosen, _ = nsa_cpu.compressed_selection(grouped, keys, values, positions, n_visible, config)
     indices, valid = chosen.clamp(min=0), chosen >= 0
     branches = {
         "compressed + selection": (compressed, (q, keys, values)),

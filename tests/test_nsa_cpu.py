@@ -178,27 +178,35 @@ def test_compressed_selection_equals_torch_path(case):
     n_visible = 1 + torch.clamp((positions + 1 - block) // stride + 1, min=0)
 
     grouped = q.unflatten(1, (n_groups, n_heads)).transpose(2, 3)  # [B, G, T, R, D]
-    output, chosen = nsa_cpu.compressed_selection(grouped, keys, values, positions, n_visible, config)
+    output, chosen, scores = nsa_cpu.compressed_selection(grouped, keys, values, positions, n_visible, config)
     output = output.transpose(2, 3).flatten(1, 2)
 
-    outputs, indices, valid = [], [], []
+    # the torch path with selection scores (what straight-through top-k differentiates)
+    outputs, indices, valid, expected_scores = [], [], [], []
     for start in range(0, n_tokens, config.query_chunk_size):
         part = slice(start, start + config.query_chunk_size)
         last = min(n_tokens, start + config.query_chunk_size) - 1
         n_seen = 1 + nsa.n_complete_blocks(last + 1, block, stride)
-        chunk = nsa.compressed_attention_fast(q[:, :, part], keys[:, :, :n_seen], values[:, :, :n_seen],
-                                              positions[part], config, last // selection + 1)
-        for collected, value in zip((outputs, indices, valid), chunk):
+        chunk = nsa.compressed_attention_chunk(q[:, :, part], keys[:, :, :n_seen], values[:, :, :n_seen],
+                                               positions[part], config, last // selection + 1)
+        for collected, value in zip((outputs, indices, valid, expected_scores), chunk):
             collected.append(value)
     expected = torch.cat(outputs, dim=2)
-    expected_blocks = torch.where(torch.cat(valid, dim=2), torch.cat(indices, dim=2), -1)
+    valid = torch.cat(valid, dim=2)
+    expected_blocks = torch.where(valid, torch.cat(indices, dim=2), -1)
+    expected_scores = torch.cat(expected_scores, dim=2) * valid  # empty slots score 0
     assert torch.equal(chosen, expected_blocks)
     torch.testing.assert_close(output, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(scores, expected_scores, atol=1e-5, rtol=1e-5)
     weight = torch.randn(expected.shape, generator=generator)
-    grads = torch.autograd.grad((output * weight).sum(), (q, keys, values))
-    expected_grads = torch.autograd.grad((expected * weight).sum(), (q, keys, values))
-    for got, want in zip(grads, expected_grads):
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    score_weight = torch.randn(scores.shape, generator=generator)
+    for score_factor in (0.0, 1.0):  # without and with a gradient into the selection scores
+        grads = torch.autograd.grad((output * weight).sum() + score_factor * (scores * score_weight).sum(),
+                                    (q, keys, values), retain_graph=True)
+        expected_loss = (expected * weight).sum() + score_factor * (expected_scores * score_weight).sum()
+        expected_grads = torch.autograd.grad(expected_loss, (q, keys, values), retain_graph=True)
+        for got, want in zip(grads, expected_grads):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 @needs_kernel
@@ -216,9 +224,8 @@ def test_layer_equal_on_both_cpu_paths(case, monkeypatch):
         y = layer(x)
         weight = torch.randn(y.shape, generator=torch.Generator().manual_seed(6))
         results.append((y, torch.autograd.grad((y * weight).sum(), [x, *layer.parameters()])))
-    # the kernel ran the selected and sliding branches, and the compressed one without straight-through
-    straight_through = CASES[case].get("use_diff_topk", False)
-    assert calls == [True] * (not straight_through) + [False, False]
+    # the kernel ran the compressed branch with the selection, then the selected and sliding branches
+    assert calls == [True, False, False]
     (y_kernel, grads_kernel), (y_torch, grads_torch) = results
     torch.testing.assert_close(y_kernel, y_torch, atol=1e-5, rtol=1e-5)
     for got, want in zip(grads_kernel, grads_torch, strict=True):

@@ -42,9 +42,8 @@ The CPU kernel (attention/kernels/nsa_cpu.py): on the CPU in float32, for whole 
 and prefill; cached decoding keeps the torch path), the torch back-end runs all three branches on a
 compiled kernel: each query lists its key blocks (the compressed blocks it sees, its selected
 blocks, the blocks of its window) and reads their keys in place; the compressed pass also makes the
-selection. Without a C++ compiler, or with ATTNLAB_CPU_KERNELS=0, the torch path above runs. With
-straight-through top-k the compressed branch stays on the torch path (its selection scores need a
-gradient).
+selection and returns the chosen blocks' scores (differentiable, for straight-through top-k).
+Without a C++ compiler, or with ATTNLAB_CPU_KERNELS=0, the torch path above runs.
 
 Legend: B batch, T queries, S keys (cached + new), H query heads, G key/value heads, R = H / G query
 heads per group, D head width, C chunk of queries, N compressed blocks, M selection blocks,
@@ -670,7 +669,7 @@ class NativeSparseAttention(nn.Module):
         chunk = config.query_chunk_size
         # the selection scores need a gradient only for straight-through top-k in training
         straight_through = config.use_diff_topk and torch.is_grad_enabled() and q_plain.requires_grad
-        on_kernel = (not straight_through and offset == 0 and nsa_cpu.fits(0, self.spec.n_heads // self.spec.n_kv_heads)
+        on_kernel = (offset == 0 and nsa_cpu.fits(0, self.spec.n_heads // self.spec.n_kv_heads)
                      and nsa_cpu.usable(q_plain, all_k, all_v))
         for start in range(0, 0 if on_kernel else n_queries, chunk):
             part = slice(start, start + chunk)
@@ -689,15 +688,15 @@ class NativeSparseAttention(nn.Module):
         if on_kernel:  # a whole sequence on the CPU kernel: the branch and the selection in one pass
             n_visible = 1 + torch.clamp((positions + 1 - block) // stride + 1, min=0)
             grouped = rearrange(q_plain, "b (g r) t d -> b g t r d", g=self.spec.n_kv_heads)
-            out_cmp, blocks = nsa_cpu.compressed_selection(grouped, all_k, all_v, positions, n_visible, config)
+            out_cmp, blocks, score = nsa_cpu.compressed_selection(grouped, all_k, all_v, positions, n_visible, config)
             out_cmp = rearrange(out_cmp, "b g t r d -> b (g r) t d")
             indices, valid = blocks.clamp(min=0), blocks >= 0
         else:
             out_cmp = torch.cat(outputs, dim=2)  # [B, H, T, D]
             indices, valid = torch.cat(indices, dim=2), torch.cat(valid, dim=2)  # [B, G, T, n]
+            score = torch.cat(scores, dim=2) if straight_through else None
         gates = None
         if straight_through:
-            score = torch.cat(scores, dim=2)
             gates = (1 + score - score.detach()).to(q.dtype)  # straight-through: exactly 1 forward
 
         # selected branch

@@ -35,6 +35,7 @@ using namespace attnlab_cpu;
 
 struct Shape {
   int64_t bg, T, R, D, S, n, block, window;  // window 0: no lower bound
+  int64_t prefix;  // 1: every query lists blocks 0 .. position / block (`blocks` is not read)
 };
 
 inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
@@ -69,7 +70,7 @@ void visible_of(const int64_t* blocks, int64_t pos, const Shape& s, Visible& out
   const int64_t last = std::min(pos, s.S - 1);
   out.count = 0;
   for (int64_t i = 0; i < s.n; ++i) {
-    const int64_t m = blocks[i];
+    const int64_t m = s.prefix ? (i * s.block <= pos ? i : -1) : blocks[i];
     if (m < 0) continue;
     const int64_t start = m * s.block;
     const int64_t lo = std::max<int64_t>(0, first - start), hi = std::min<int64_t>(s.block - 1, last - start);
@@ -247,7 +248,7 @@ void apply_gates(float* weights, int64_t R, const float* gates, const Visible& v
 // lower block), up to n_select: out [n_select], ascending, then -1 for slots left empty.
 // config: compress block l, stride d, selection block l', n_select.
 void choose_blocks(const float* mass, int64_t n_keys, int64_t pos, const int64_t* config, std::vector<float>& importance,
-                   std::vector<int64_t>& order, int64_t* out) {
+                   std::vector<int64_t>& order, int64_t* out, float* scores) {
   const int64_t per_compress = config[0] / config[1], sel = config[2], n_select = config[3];
   const int64_t per_select = sel / config[1], n_compressed = n_keys - 1;
   const float* blocks = mass + 1;
@@ -278,6 +279,27 @@ void choose_blocks(const float* mass, int64_t n_keys, int64_t pos, const int64_t
   std::sort(out + 1, out + taken);
   if (current > 0) out[taken++] = current;
   for (int64_t f = taken; f < n_select; ++f) out[f] = -1;
+  if (scores)
+    for (int64_t f = 0; f < n_select; ++f) scores[f] = out[f] >= 0 ? importance[out[f]] : 0.0f;
+}
+
+// The straight-through gradient of one query's selection scores, as extra gradient of its
+// compressed probabilities: coef[1 + i] = sum over its chosen slots of grad_scores[slot] times
+// the number of the slot's stride units compressed block i covers (the derivative of
+// choose_blocks' importance); coef[0] (the memory slot) = 0. coef [n_keys] is overwritten.
+void score_gradient(const int64_t* chosen, const float* grad_scores, int64_t n_keys, const int64_t* config,
+                    float* coef) {
+  const int64_t per_compress = config[0] / config[1], per_select = config[2] / config[1], n_select = config[3];
+  std::fill(coef, coef + n_keys, 0.0f);
+  for (int64_t slot = 0; slot < n_select; ++slot) {
+    const int64_t m = chosen[slot];
+    if (m < 0) continue;
+    for (int64_t u = m * per_select; u < (m + 1) * per_select; ++u)
+      for (int64_t shift = 0; shift < per_compress; ++shift) {
+        const int64_t i = u - shift;
+        if (i >= 0 && i < n_keys - 1) coef[1 + i] += grad_scores[slot];
+      }
+  }
 }
 
 }  // namespace
@@ -288,12 +310,12 @@ extern "C" {
 // With select (compress block, stride, selection block, n_select; else null): the keys are the
 // compressed branch's (memory slot, then compressed blocks), and each query also chooses its
 // selection blocks (choose_blocks) at token position select_positions[t] into selected
-// [B G, T, n_select].
+// [B G, T, n_select], and their scores into scores [B G, T, n_select] (may be null).
 void nsa_block_attention_forward(const float* q, const float* k, const float* v, const int64_t* blocks,
                                  const float* gates, const int64_t* positions, float* out, float* lse,
                                  const int64_t* select, const int64_t* select_positions, int64_t* selected,
-                                 const int64_t* shape, float scale) {
-  const Shape s{shape[0], shape[1], shape[2], shape[3], shape[4], shape[5], shape[6], shape[7]};
+                                 float* scores, const int64_t* shape, float scale) {
+  const Shape s{shape[0], shape[1], shape[2], shape[3], shape[4], shape[5], shape[6], shape[7], shape[8]};
   const int64_t width = round_up(s.block, LANES), ld = s.n * width;
   const std::vector<float> kt = transpose_blocks(k, s, width);
   const int64_t M = (s.S + s.block - 1) / s.block;
@@ -307,7 +329,7 @@ void nsa_block_attention_forward(const float* q, const float* k, const float* v,
     for (int64_t bg = 0; bg < s.bg; ++bg)
       for (int64_t t = 0; t < s.T; ++t) {
         const int64_t query = bg * s.T + t;
-        visible_of(blocks + query * s.n, positions[t], s, vis);
+        visible_of(s.prefix ? nullptr : blocks + query * s.n, positions[t], s, vis);
         slot_scores(q + query * s.R * s.D, s.R, kt.data() + bg * M * s.D * width, vis, s, width, scale, probs.data());
         const int64_t used = vis.count * width;
         for (int64_t r = 0; r < s.R; ++r) {
@@ -339,7 +361,8 @@ void nsa_block_attention_forward(const float* q, const float* k, const float* v,
               for (int64_t r = 0; r < s.R; ++r) total += probs[r * ld + i * width + j];
               mass[vis.block[i] * s.block + j] = total;
             }
-          choose_blocks(mass.data(), s.S, select_positions[t], select, importance, order, selected + query * select[3]);
+          choose_blocks(mass.data(), s.S, select_positions[t], select, importance, order, selected + query * select[3],
+                        scores ? scores + query * select[3] : nullptr);
         }
         if (gates) apply_gates(probs.data(), s.R, gates + query * s.n, vis, s, width);
         combine(probs.data(), s.R, v + bg * s.S * s.D, vis, s, width, o);
@@ -348,12 +371,15 @@ void nsa_block_attention_forward(const float* q, const float* k, const float* v,
 }
 
 // grad_q [B G, T, R, D] (written); grad_k, grad_v [B G, S, D] (written); grad_gates [B G, T, n]
-// (written when gates are given)
+// (written when gates are given). With select (as in the forward; else null), the gradient of the
+// selection scores the forward returned, grad_selection [B G, T, n_select], for the chosen blocks
+// selected [B G, T, n_select], is added (score_gradient).
 void nsa_block_attention_backward(const float* q, const float* k, const float* v, const int64_t* blocks,
                                   const float* gates, const int64_t* positions, const float* out, const float* lse,
                                   const float* grad_out, float* grad_q, float* grad_k, float* grad_v,
-                                  float* grad_gates, const int64_t* shape, float scale) {
-  const Shape s{shape[0], shape[1], shape[2], shape[3], shape[4], shape[5], shape[6], shape[7]};
+                                  float* grad_gates, const int64_t* select, const int64_t* selected,
+                                  const float* grad_selection, const int64_t* shape, float scale) {
+  const Shape s{shape[0], shape[1], shape[2], shape[3], shape[4], shape[5], shape[6], shape[7], shape[8]};
   const int64_t width = round_up(s.block, LANES), ld = s.n * width;
   const std::vector<float> kt = transpose_blocks(k, s, width), vt = transpose_blocks(v, s, width);
   const int64_t M = (s.S + s.block - 1) / s.block;
@@ -365,7 +391,7 @@ void nsa_block_attention_backward(const float* q, const float* k, const float* v
 #pragma omp parallel
   {
     std::vector<float> probs(s.R * ld), weighted(s.R * ld), grad_scores(s.R * ld);
-    std::vector<float> deltas(s.R);
+    std::vector<float> deltas(s.R), coef(select ? s.S : 0);
     Visible vis;
 #pragma omp for collapse(2) schedule(dynamic, 1)
     for (int64_t bg = 0; bg < s.bg; ++bg)
@@ -377,7 +403,7 @@ void nsa_block_attention_backward(const float* q, const float* k, const float* v
           const int64_t query = bg * s.T + t;
           const float* rows_q = q + query * s.R * s.D;
           const float* rows_grad = grad_out + query * s.R * s.D;
-          visible_of(blocks + query * s.n, positions[t], s, vis);
+          visible_of(s.prefix ? nullptr : blocks + query * s.n, positions[t], s, vis);
           slot_scores(rows_q, s.R, kt.data() + bg * M * s.D * width, vis, s, width, scale, probs.data());
           const int64_t used = vis.count * width;
           exponentiate(probs.data(), s.R, ld, used, lse + query * s.R);
@@ -385,6 +411,16 @@ void nsa_block_attention_backward(const float* q, const float* k, const float* v
           slot_scores(rows_grad, s.R, vt.data() + bg * M * s.D * width, vis, s, width, 1.0f, grad_scores.data());
           for (int64_t r = 0; r < s.R; ++r)
             deltas[r] = dot(rows_grad + r * s.D, out + (query * s.R + r) * s.D, s.D);
+          if (select) {  // dP += the scores' gradient per key; delta += its probability-weighted sum
+            score_gradient(selected + query * select[3], grad_selection + query * select[3], s.S, select, coef.data());
+            for (int64_t r = 0; r < s.R; ++r)
+              for (int64_t i = 0; i < vis.count; ++i)
+                for (int64_t j = vis.lo[i]; j <= vis.hi[i]; ++j) {
+                  const float c = coef[vis.block[i] * s.block + j];
+                  grad_scores[r * ld + i * width + j] += c;
+                  deltas[r] += probs[r * ld + i * width + j] * c;
+                }
+          }
           std::copy(probs.begin(), probs.end(), weighted.begin());
           const float* g = gates ? gates + query * s.n : nullptr;
           if (g) {

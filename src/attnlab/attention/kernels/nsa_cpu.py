@@ -36,51 +36,66 @@ def window_blocks(positions: Tensor, window: int, block: int) -> Tensor:
     return torch.where(blocks >= 0, blocks, -1)
 
 
-def _shape(q: Tensor, k: Tensor, n_blocks: int, block: int, window: int) -> Tensor:
+def _shape(q: Tensor, k: Tensor, blocks: Tensor, block: int, window: int) -> Tensor:
+    """The kernel's Shape. blocks [B, G, T, n], or an empty [0, n]: every query lists blocks
+    0 .. position // block (the compressed branch's prefixes, never materialised)."""
     batch, n_groups, n_queries, n_heads, dim = q.shape
-    return torch.tensor([batch * n_groups, n_queries, n_heads, dim, k.shape[2], n_blocks, block, window],
-                        dtype=torch.int64)
+    prefix = int(blocks.numel() == 0)
+    return torch.tensor([batch * n_groups, n_queries, n_heads, dim, k.shape[2], blocks.shape[-1], block, window,
+                         prefix], dtype=torch.int64)
 
 
 def _pointer(x: Tensor | None) -> ctypes.c_void_p:
     return ctypes.c_void_p(0 if x is None else x.data_ptr())
 
 
-def _forward(q, k, v, blocks, gates, positions, block, window, select=None) -> tuple[Tensor, Tensor, Tensor | None]:
-    """-> output, log-sum-exp and, with select = (settings [4], positions [T]), the chosen blocks."""
+def _forward(q, k, v, blocks, gates, positions, block, window, select=None):
+    """-> output, log-sum-exp and, with select = (settings [4], positions [T]), the chosen blocks
+    and their selection scores (else None, None)."""
     out = torch.empty_like(q)
     lse = q.new_empty(q.shape[:-1])
     settings, select_positions = select if select is not None else (None, None)
-    chosen = None if select is None else torch.empty(*q.shape[:3], int(settings[3]), dtype=torch.int64)
-    shape = _shape(q, k, blocks.shape[-1], block, window)
+    chosen = scores = None
+    if select is not None:
+        chosen = torch.empty(*q.shape[:3], int(settings[3]), dtype=torch.int64)
+        scores = q.new_empty(chosen.shape)
+    shape = _shape(q, k, blocks, block, window)
     library().nsa_block_attention_forward(
-        *map(_pointer, (q, k, v, blocks, gates, positions, out, lse, settings, select_positions, chosen, shape)),
+        *map(_pointer, (q, k, v, blocks, gates, positions, out, lse, settings, select_positions, chosen, scores,
+                        shape)),
         ctypes.c_float(q.shape[-1] ** -0.5),
     )
-    return out, lse, chosen
+    return out, lse, chosen, scores
 
 
 class _BlockAttention(torch.autograd.Function):
+    """Outputs: the attention output; with select also the chosen blocks (no gradient) and their
+    selection scores, whose gradient (straight-through top-k) flows back through the compressed
+    probabilities."""
+
     @staticmethod
     def forward(ctx, q, k, v, blocks, gates, positions, block: int, window: int, select):  # noqa: D102
-        out, lse, chosen = _forward(q, k, v, blocks, gates, positions, block, window, select)
-        ctx.save_for_backward(q, k, v, blocks, gates, positions, out, lse)
-        ctx.block, ctx.window = block, window
+        out, lse, chosen, scores = _forward(q, k, v, blocks, gates, positions, block, window, select)
+        ctx.save_for_backward(q, k, v, blocks, gates, positions, out, lse, chosen)
+        ctx.block, ctx.window, ctx.settings = block, window, None if select is None else select[0]
         if chosen is None:
             return out
         ctx.mark_non_differentiable(chosen)
-        return out, chosen
+        return out, chosen, scores
 
     @staticmethod
-    def backward(ctx, grad_out, _grad_chosen=None):  # noqa: D102
-        q, k, v, blocks, gates, positions, out, lse = ctx.saved_tensors
+    def backward(ctx, grad_out, _grad_chosen=None, grad_scores=None):  # noqa: D102
+        q, k, v, blocks, gates, positions, out, lse, chosen = ctx.saved_tensors
         grad_out = grad_out.contiguous()
         grad_q, grad_k, grad_v = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         grad_gates = None if gates is None else torch.empty_like(gates)
-        shape = _shape(q, k, blocks.shape[-1], ctx.block, ctx.window)
+        settings = None
+        if grad_scores is not None:  # straight-through: the selection scores have a gradient
+            settings, grad_scores = ctx.settings, grad_scores.contiguous()
+        shape = _shape(q, k, blocks, ctx.block, ctx.window)
         library().nsa_block_attention_backward(
             *map(_pointer, (q, k, v, blocks, gates, positions, out, lse, grad_out, grad_q, grad_k, grad_v,
-                            grad_gates, shape)),
+                            grad_gates, settings, None if settings is None else chosen, grad_scores, shape)),
             ctypes.c_float(q.shape[-1] ** -0.5),
         )
         return grad_q, grad_k, grad_v, None, grad_gates, None, None, None, None
@@ -107,8 +122,8 @@ def _run(q, k, v, blocks, gates, positions, block, window, select=None):
     gates = None if gates is None else gates.to(q.dtype).contiguous()
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, gates)):
         return _BlockAttention.apply(q, k, v, blocks, gates, positions, block, window, select)
-    out, _, chosen = _forward(q, k, v, blocks, gates, positions, block, window, select)
-    return out if chosen is None else (out, chosen)
+    out, _, chosen, scores = _forward(q, k, v, blocks, gates, positions, block, window, select)
+    return out if chosen is None else (out, chosen, scores)
 
 
 def block_attention(q: Tensor, k: Tensor, v: Tensor, blocks: Tensor, positions: Tensor, block: int,
@@ -121,22 +136,23 @@ def block_attention(q: Tensor, k: Tensor, v: Tensor, blocks: Tensor, positions: 
 
 
 def compressed_selection(q: Tensor, keys: Tensor, values: Tensor, positions: Tensor, n_visible: Tensor,
-                         config: NSAAttentionConfig) -> tuple[Tensor, Tensor]:
+                         config: NSAAttentionConfig) -> tuple[Tensor, Tensor, Tensor]:
     """Native sparse attention's compressed branch and block selection for queries at positions
     [T] (attention/nsa.py: compressed_attention_chunk without straight-through scores).
 
     q [B, G, T, R, D] (no rotary); keys, values [B, G, 1 + N, D]: the memory slot, then the
     compressed blocks; n_visible [T]: how many of them each query sees (1 + its complete blocks).
-    -> the branch output [B, G, T, R, D] and the selected blocks [B, G, T, num_selected]
-    (ascending, -1 for empty slots; `choose_blocks` in nsa_cpu.cpp)."""
+    -> the branch output [B, G, T, R, D], the selected blocks [B, G, T, num_selected] (ascending,
+    -1 for empty slots; `choose_blocks` in nsa_cpu.cpp) and their selection scores [B, G, T,
+    num_selected] (0 for empty slots), which carry a gradient back to q, keys and values when one
+    flows to them (straight-through top-k)."""
     n_keys = keys.shape[2]
     block = LANES * -(-n_keys // (LANES * MAX_BLOCKS))  # key blocks of the kernel: at most MAX_BLOCKS per query
     n_blocks = -(-n_keys // block)
-    last = (n_visible - 1).to(torch.int64)  # the last key each query sees
-    listed = torch.arange(n_blocks)
-    listed = torch.where(listed[None, :] <= (last // block)[:, None], listed, -1)  # [T, n]
+    last = (n_visible - 1).to(torch.int64)  # the last key each query sees: it lists blocks 0 .. last // block
     q, keys, values = _prepare(q, keys, values, n_blocks)
     settings = torch.tensor([config.compress_block_size, config.compress_stride, config.selection_block_size,
                              config.num_selected], dtype=torch.int64)
     select = (settings, positions.to(torch.int64).contiguous())
-    return _run(q, keys, values, listed.expand(*q.shape[:2], -1, -1), None, last, block, 0, select)
+    prefixes = torch.empty(0, n_blocks, dtype=torch.int64)
+    return _run(q, keys, values, prefixes, None, last, block, 0, select)
