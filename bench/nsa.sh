@@ -67,10 +67,11 @@ if [[ $part == all || $part == quality ]]; then
     # nsa-small and the same model with full attention: same seed, data and steps; one thread each,
     # the two runs side by side
     steps=${NSA_QUALITY_STEPS:-100}
+    runs=runs/nsa-quality/$(date -u +%Y%m%d-%H%M%S)  # a new directory per run: attnlab never overwrites a run
     uptime
     for kind in nsa full; do
         OMP_NUM_THREADS=1 attnlab train -p nsa-small model.attention.kind=$kind name=nsa-small-$kind \
-            out_dir=runs/nsa-quality train.max_steps=$steps train.batch_size=8 train.eval_every=50 \
+            out_dir="$runs" train.max_steps=$steps train.batch_size=8 train.eval_every=50 \
             train.eval_batches=8 train.sample_every=0 train.save_every=$steps log.progress=false \
             > "$out/nsa-quality-$kind.log" 2>&1 &
     done
