@@ -1,7 +1,8 @@
-"""Block-listed attention on the CPU (nsa_cpu.cpp) for native sparse attention's selected and
-sliding branches (attention/nsa.py): each query token lists n key blocks and is attended by the R
-query heads of its key/value head; it sees their keys from lo to its own position (lo = position -
-window + 1 with a window, else 0), each block's probabilities optionally scaled by a gate.
+"""Block-listed attention on the CPU (nsa_cpu.cpp) for native sparse attention's three branches
+(attention/nsa.py): each query token lists n key blocks and is attended by the R query heads of
+its key/value head; it sees their keys from lo to its own position (lo = position - window + 1
+with a window, else 0), each block's probabilities optionally scaled by a gate. The compressed
+branch's pass also makes the block selection (`compressed_selection`).
 
 Forward and backward each take one pass over the queries, reading the keys and values of the
 listed blocks in place (after one transposed copy per call): no T x n x block x D gather, no
@@ -23,7 +24,7 @@ from attnlab.attention.kernels.cpu import library, usable
 from attnlab.config import NSAAttentionConfig
 
 MAX_BLOCKS = 64  # blocks per query (nsa_cpu.cpp's Visible)
-MAX_HEADS = 64  # query heads per key/value head (nsa_cpu.cpp's accumulate_tile)
+MAX_HEADS = 64  # query heads per key/value head accepted (a bound on the per-query scratch)
 LANES = 16  # keys scored together (one vector)
 
 
@@ -138,7 +139,7 @@ def block_attention(q: Tensor, k: Tensor, v: Tensor, blocks: Tensor, positions: 
 def compressed_selection(q: Tensor, keys: Tensor, values: Tensor, positions: Tensor, n_visible: Tensor,
                          config: NSAAttentionConfig) -> tuple[Tensor, Tensor, Tensor]:
     """Native sparse attention's compressed branch and block selection for queries at positions
-    [T] (attention/nsa.py: compressed_attention_chunk without straight-through scores).
+    [T] (attention/nsa.py: compressed_attention_chunk).
 
     q [B, G, T, R, D] (no rotary); keys, values [B, G, 1 + N, D]: the memory slot, then the
     compressed blocks; n_visible [T]: how many of them each query sees (1 + its complete blocks).
