@@ -1,10 +1,12 @@
-// Block-listed attention on the CPU, for native sparse attention's selected and sliding branches.
+// Block-listed attention on the CPU, for native sparse attention's three branches.
 //
 // Every query token t of a (batch, key/value head) pair bg has a list of n key blocks (block m:
 // key tokens m*block .. m*block + block - 1; -1: an empty slot) and is attended by its group's R
 // query heads. It sees the keys of its blocks at positions lo_t .. pos_t, lo_t = pos_t - window + 1
-// with a window, else 0 (the selected branch: its top blocks, causally; the sliding branch: the
-// blocks covering its window). An optional gate per (query, slot) multiplies the probabilities of
+// with a window, else 0. The compressed branch lists the blocks of compressed keys up to its last
+// visible one (implicitly: Shape::prefix) and, in the same pass, chooses the query's selection
+// blocks (choose_blocks); the selected branch lists those, causally; the sliding branch lists the
+// blocks covering its window. An optional gate per (query, slot) multiplies the probabilities of
 // the slot's keys after normalisation (NSA's straight-through selection gates).
 //
 // Layouts (contiguous float32): q, out, grad_q, grad_out [B G, T, R, D]; k, v, grad_k, grad_v
