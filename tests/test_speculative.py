@@ -365,3 +365,18 @@ def test_speculative_command_reports_both_decodings(trained_pair, draft_argument
     ])
     assert code == 0
     assert "speedup" in capsys.readouterr().out
+
+
+def test_decoding_past_the_training_length_warns(trained_pair, caplog):
+    """The pair was trained on windows of 32 tokens: a decoding that reaches further is flagged for
+    each model, one that stays within is not."""
+    from attnlab.cli.speculative import warn_beyond_training
+    from attnlab.train.checkpoint import load_model
+
+    root = trained_pair[0]
+    target, draft = load_model(root / "target"), load_model(root / "draft")
+    with caplog.at_level("WARNING", logger="attnlab.cli.speculative"):
+        assert not warn_beyond_training(target, "target", 32)
+        assert warn_beyond_training(target, "target", 33) and warn_beyond_training(draft, "draft", 40)
+    messages = [record.getMessage() for record in caplog.records]
+    assert len(messages) == 2 and "trained on windows of 32 tokens" in messages[0] and "reaches 40" in messages[1]

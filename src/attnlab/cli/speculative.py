@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import statistics
 import sys
 import time
@@ -25,6 +26,8 @@ from attnlab.errors import AttnlabError, ConfigError
 from attnlab.generate.sampling import SamplingConfig, generate
 from attnlab.generate.speculative import EarlyExitDraft, speculative_generate, train_pair
 from attnlab.train.checkpoint import load_model
+
+log = logging.getLogger(__name__)
 
 
 def register(subparsers) -> None:
@@ -118,6 +121,19 @@ def build_prompt(args: argparse.Namespace, target, tokenizer) -> torch.Tensor:
     return torch.tensor([tokens] * args.batch_size, device=args.device)
 
 
+def warn_beyond_training(model, name: str, length: int) -> bool:
+    """Warn (and return True) when decoding reaches past the windows `model` was trained on: its
+    predictions there are extrapolated, and they degrade fast (a byte model trained on 128 tokens
+    gives about twice the bits per byte at positions 256-383), and so does the draft's agreement
+    with the target (docs/speculative.md)."""
+    config = getattr(model, "run_config", None)
+    if config is None or length <= config.train.seq_len:
+        return False
+    log.warning("warning: the %s was trained on windows of %d tokens, and this decoding reaches %d; past %d its "
+                "predictions are extrapolated and degrade", name, config.train.seq_len, length, config.train.seq_len)
+    return True
+
+
 def run(args: argparse.Namespace) -> int:
     if args.target is None or (args.draft is None and args.early_exit is None):
         raise AttnlabError("give --target RUN and --draft RUN (or --early-exit K); or use `speculative train`")
@@ -142,6 +158,8 @@ def run(args: argparse.Namespace) -> int:
     decode = decode_bytes if tokenizer is None else tokenizer.decode
     prompt = build_prompt(args, target, tokenizer)  # [B, T]
     n_new = args.max_new_tokens
+    warn_beyond_training(target, "target", prompt.shape[1] + n_new)
+    warn_beyond_training(draft, "draft", prompt.shape[1] + n_new)
 
     def base(seed: int) -> torch.Tensor:
         generator = torch.Generator(device=device).manual_seed(seed)

@@ -1,0 +1,113 @@
+"""Where a draft disagrees with its target: the per-token acceptance sum_v min(p, q) of
+speculative decoding (temperature 1, no filters), split two ways.
+
+- By position, on validation windows as long as the decoding (prime + new tokens), in bands of
+  `--band` tokens, with each model's bits per byte there: past the windows a model was trained
+  on, its predictions are extrapolated, and they and the pair's agreement fall.
+- By whether the next token repeats the context, i.e. the n-gram it ends (the last n - 1 tokens
+  and itself) already occurred earlier in the same text. Copying such a repeat takes attention
+  that finds the earlier occurrence (an "induction head", two layers or more). This split is made
+  on validation text and on the target's own temperature-1 continuations of validation primes,
+  the text speculative decoding verifies, with the mean probability each model gives the actual
+  next token.
+
+One JSON line per measurement.
+
+    python bench/speculative_acceptance.py TARGET_RUN DRAFT_RUN [--ngram 4] [--band 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from attnlab.data.bytes import load_corpus
+from attnlab.data.sampler import eval_windows
+from attnlab.generate.sampling import generate
+from attnlab.train.checkpoint import load_model
+
+
+def repeats(row: list[int], ngram: int) -> list[bool]:
+    """For each position i >= 1: whether the n-gram ending at token i occurred earlier in the row
+    (ending before i)."""
+    seen: set[tuple[int, ...]] = set()
+    flags = [False]
+    for i in range(1, len(row)):
+        gram = tuple(row[max(0, i - ngram + 1) : i + 1])
+        flags.append(len(gram) == ngram and gram in seen)
+        if len(gram) == ngram:
+            seen.add(gram)
+    return flags
+
+
+@torch.inference_mode()
+def split(target, draft, tokens: torch.Tensor, first: int, ngram: int) -> dict:
+    """tokens [n, L]: positions first .. L-2 predict tokens first + 1 .. L-1."""
+    inputs, nexts = tokens[:, :-1], tokens[:, 1:]
+    p = torch.softmax(target(inputs).logits.float(), dim=-1)[:, first:]  # [n, L - 1 - first, V]
+    q = torch.softmax(draft(inputs).logits.float(), dim=-1)[:, first:]
+    nexts = nexts[:, first:]
+    accept = torch.minimum(p, q).sum(dim=-1)  # [n, L - 1 - first]
+    p_next = p.gather(-1, nexts[..., None]).squeeze(-1)
+    q_next = q.gather(-1, nexts[..., None]).squeeze(-1)
+    copy = torch.tensor([repeats(row, ngram)[first + 1 :] for row in tokens.tolist()])  # by next token
+    result = {"positions": int(copy.numel()), "copy_fraction": round(float(copy.float().mean()), 4),
+              "acceptance_all": round(float(accept.mean()), 4)}
+    for name, mask in (("copy", copy), ("other", ~copy)):
+        if mask.any():
+            result[f"acceptance_{name}"] = round(float(accept[mask].mean()), 4)
+            result[f"target_p_next_{name}"] = round(float(p_next[mask].mean()), 4)
+            result[f"draft_p_next_{name}"] = round(float(q_next[mask].mean()), 4)
+    return result
+
+
+@torch.inference_mode()
+def by_position(target, draft, tokens: torch.Tensor, band: int) -> list[dict]:
+    """tokens [n, L]: acceptance and each model's bits per byte in bands of positions."""
+    inputs, nexts = tokens[:, :-1], tokens[:, 1:]
+    p = torch.softmax(target(inputs).logits.float(), dim=-1)
+    q = torch.softmax(draft(inputs).logits.float(), dim=-1)
+    accept = torch.minimum(p, q).sum(dim=-1)
+    bits_p = -torch.log2(p.gather(-1, nexts[..., None]).squeeze(-1))
+    bits_q = -torch.log2(q.gather(-1, nexts[..., None]).squeeze(-1))
+    rows = []
+    for start in range(0, inputs.shape[1], band):
+        part = slice(start, start + band)
+        rows.append({"positions": f"{start}-{min(start + band, inputs.shape[1]) - 1}",
+                     "acceptance": round(float(accept[:, part].mean()), 4),
+                     "target_bits": round(float(bits_p[:, part].mean()), 4),
+                     "draft_bits": round(float(bits_q[:, part].mean()), 4)})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("target")
+    parser.add_argument("draft")
+    parser.add_argument("--ngram", type=int, default=4)
+    parser.add_argument("--band", type=int, default=128)
+    parser.add_argument("--rows", type=int, default=8)
+    parser.add_argument("--prime", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    args = parser.parse_args()
+    target, draft = load_model(args.target).eval(), load_model(args.draft).eval()
+    trained = {"target_train_seq_len": target.run_config.train.seq_len,
+               "draft_train_seq_len": draft.run_config.train.seq_len}
+    val = load_corpus(target.run_config.data).val
+    length = args.prime + args.new_tokens
+    windows = eval_windows(val, length, args.rows, seed=0).long()
+    print(json.dumps({"split": "position", "text": "validation", **trained,
+                      "bands": by_position(target, draft, windows, args.band)}))
+    print(json.dumps({"split": "repeat", "text": "validation", "ngram": args.ngram,
+                      **split(target, draft, windows, args.prime - 1, args.ngram)}))
+    primes = windows[:, : args.prime]
+    with torch.inference_mode():
+        own = generate(target, primes, args.new_tokens, generator=torch.Generator().manual_seed(0))
+    print(json.dumps({"split": "repeat", "text": "target samples (temperature 1)", "ngram": args.ngram,
+                      **split(target, draft, own, args.prime - 1, args.ngram)}))
+
+
+if __name__ == "__main__":
+    main()
