@@ -14,11 +14,9 @@ import statistics
 import time
 
 import torch
-from einops import rearrange
 
 from attnlab.attention import nsa
 from attnlab.attention.base import AttentionSpec
-from attnlab.attention.kernels import nsa_cpu
 from attnlab.config import NSAAttentionConfig
 
 
@@ -43,27 +41,12 @@ def main() -> None:
     k, v = (torch.randn(1, n_groups, n_tokens, args.dim_head, requires_grad=True) for _ in range(2))
     keys, values = (torch.randn(1, n_groups, 1 + n_blocks, args.dim_head, requires_grad=True) for _ in range(2))
     positions = torch.arange(n_tokens)
-    n_visible = 1 + torch.clamp((positions + 1 - config.compress_block_size) // config.compress_stride + 1, min=0)
 
-    def compressed():  # NativeSparseAttention.forward's two ways of running the branch and the selection
-        if os.environ["ATTNLAB_CPU_KERNELS"] == "1":
-            grouped = rearrange(q, "b (g r) t d -> b g t r d", g=n_groups)
-            out, _, _ = nsa_cpu.compressed_selection(grouped, keys, values, positions, n_visible, config)
-            return rearrange(out, "b g t r d -> b (g r) t d")
-        outputs = []
-        for start in range(0, n_tokens, config.query_chunk_size):
-            part = slice(start, start + config.query_chunk_size)
-            last = min(n_tokens, start + config.query_chunk_size) - 1
-            seen = 1 + nsa.n_complete_blocks(last + 1, config.compress_block_size, config.compress_stride)
-            out, _, _ = nsa.compressed_attention_fast(q[:, :, part], keys[:, :, :seen], values[:, :, :seen],
-                                                      positions[part], config, last // config.selection_block_size + 1)
-            outputs.append(out)
-        return torch.cat(outputs, dim=2)
+    def compressed():  # NativeSparseAttention.forward's compressed branch, on the path the flag selects
+        return nsa.compressed_branch(q, keys, values, 0, config, straight_through=False)[0]
 
     with torch.no_grad():  # the selection both paths' selected branch reads
-        grouped = rearrange(q, "b (g r) t d -> b g t r d", g=n_groups)
-        _, chosen, _ = nsa_cpu.compressed_selection(grouped, keys, values, positions, n_visible, config)
-    indices, valid = chosen.clamp(min=0), chosen >= 0
+        _, indices, valid, _ = nsa.compressed_branch(q, keys, values, 0, config, straight_through=False)
     branches = {
         "compressed + selection": (compressed, (q, keys, values)),
         "selected": (lambda: layer._selected(q, k, v, indices, valid, None, positions), (q, k, v)),

@@ -165,7 +165,7 @@ SELECTION_CASES = {  # compress block, stride, selection block, selected, tokens
 
 @needs_kernel
 @pytest.mark.parametrize("case", sorted(SELECTION_CASES))
-def test_compressed_selection_equals_torch_path(case):
+def test_compressed_selection_equals_torch_path(case, monkeypatch):
     block, stride, selection, n_selected, n_tokens = SELECTION_CASES[case]
     config = NSAAttentionConfig(compress_block_size=block, compress_stride=stride, selection_block_size=selection,
                                 num_selected=n_selected, query_chunk_size=32)
@@ -174,27 +174,13 @@ def test_compressed_selection_equals_torch_path(case):
     n_blocks = nsa.n_complete_blocks(n_tokens, block, stride)
     q = torch.randn(1, n_groups * n_heads, n_tokens, dim, generator=generator, requires_grad=True)
     keys, values = (torch.randn(1, n_groups, 1 + n_blocks, dim, generator=generator).requires_grad_() for _ in "kv")
-    positions = torch.arange(n_tokens)
-    n_visible = 1 + torch.clamp((positions + 1 - block) // stride + 1, min=0)
 
-    grouped = q.unflatten(1, (n_groups, n_heads)).transpose(2, 3)  # [B, G, T, R, D]
-    output, chosen, scores = nsa_cpu.compressed_selection(grouped, keys, values, positions, n_visible, config)
-    output = output.transpose(2, 3).flatten(1, 2)
-
-    # the torch path with selection scores (what straight-through top-k differentiates)
-    outputs, indices, valid, expected_scores = [], [], [], []
-    for start in range(0, n_tokens, config.query_chunk_size):
-        part = slice(start, start + config.query_chunk_size)
-        last = min(n_tokens, start + config.query_chunk_size) - 1
-        n_seen = 1 + nsa.n_complete_blocks(last + 1, block, stride)
-        chunk = nsa.compressed_attention_chunk(q[:, :, part], keys[:, :, :n_seen], values[:, :, :n_seen],
-                                               positions[part], config, last // selection + 1)
-        for collected, value in zip((outputs, indices, valid, expected_scores), chunk):
-            collected.append(value)
-    expected = torch.cat(outputs, dim=2)
-    valid = torch.cat(valid, dim=2)
-    expected_blocks = torch.where(valid, torch.cat(indices, dim=2), -1)
-    expected_scores = torch.cat(expected_scores, dim=2) * valid  # empty slots score 0
+    output, chosen, scores = nsa_cpu.compressed_selection(q, keys, values, torch.arange(n_tokens), config)
+    # the torch path, with selection scores (what straight-through top-k differentiates)
+    monkeypatch.setenv("ATTNLAB_CPU_KERNELS", "0")
+    expected, indices, valid, expected_scores = nsa.compressed_branch(q, keys, values, 0, config, True)
+    expected_blocks = torch.where(valid, indices, -1)
+    expected_scores = expected_scores * valid  # empty slots score 0
     assert torch.equal(chosen, expected_blocks)
     torch.testing.assert_close(output, expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(scores, expected_scores, atol=1e-5, rtol=1e-5)

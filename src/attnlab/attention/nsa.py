@@ -220,6 +220,43 @@ def compressed_attention_fast(
         return CompressedChunkAttention.apply(q, keys, values, positions, config, n_selection_blocks)
 
 
+def compressed_branch(
+    q: Tensor, keys: Tensor, values: Tensor, offset: int, config: NSAAttentionConfig, straight_through: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """The compressed branch and the block selection of queries at positions offset .. offset + T - 1.
+
+    q [B, H, T, D] (no rotary); keys, values [B, G, 1 + N, D]: the memory slot, then the compressed
+    blocks complete by the last query. -> output [B, H, T, D], indices, valid [B, G, T, n] and, with
+    straight_through, the selection scores [B, G, T, n] (differentiable; else None).
+
+    A whole sequence on the CPU runs on the kernel (kernels/nsa_cpu.py: one pass, the selection
+    included); otherwise chunks of `query_chunk_size` queries, each seeing only the blocks complete
+    by its last query, with a custom backward (checkpointed under straight-through top-k).
+    """
+    n_groups, n_queries = keys.shape[1], q.shape[2]
+    positions = torch.arange(offset, offset + n_queries, device=q.device)
+    if offset == 0 and nsa_cpu.fits(0, q.shape[1] // n_groups) and nsa_cpu.usable(q, keys, values):
+        out, blocks, score = nsa_cpu.compressed_selection(q, keys, values, positions, config)
+        return out, blocks.clamp(min=0), blocks >= 0, score if straight_through else None
+    block, stride, chunk = config.compress_block_size, config.compress_stride, config.query_chunk_size
+    outputs, indices, valid, scores = [], [], [], []
+    for start in range(0, n_queries, chunk):
+        part = slice(start, start + chunk)
+        last = offset + min(n_queries, start + chunk) - 1
+        n_visible = n_complete_blocks(last + 1, block, stride)  # causal skipping of later blocks
+        n_selection = last // config.selection_block_size + 1
+        args = (q[:, :, part], keys[:, :, : 1 + n_visible], values[:, :, : 1 + n_visible], positions[part], config,
+                n_selection)
+        if straight_through:
+            result = checkpoint(compressed_attention_chunk, *args, use_reentrant=False)
+        else:
+            result = (*compressed_attention_fast(*args), None)
+        for collected, value in zip((outputs, indices, valid, scores), result, strict=True):
+            collected.append(value)
+    score = torch.cat(scores, dim=2) if straight_through else None
+    return torch.cat(outputs, dim=2), torch.cat(indices, dim=2), torch.cat(valid, dim=2), score
+
+
 def _block_rows(blocked: Tensor, indices: Tensor) -> tuple[Tensor, Tensor]:
     """blocked [B, G, M, l', D] as rows [B G M, l' D] (a view), and indices [B, G, C, n] as row numbers [B G C n]."""
     batch, n_groups, n_blocks, block, dim_head = blocked.shape
@@ -537,7 +574,6 @@ def compress(keys: Tensor, first: int, count: int, block: int, stride: int, netw
 
 
 BRANCHES = ("compressed", "selected", "sliding")
-SLIDING_BLOCK = 16  # key blocks of the sliding branch on the CPU kernel (one vector of scores each)
 
 
 class NSACache(KVCache):
@@ -664,37 +700,10 @@ class NativeSparseAttention(nn.Module):
         else:
             all_k, all_v = memory_k, memory_v
 
-        # compressed branch and selection, chunk by chunk (recomputed in backward: memory per chunk)
-        outputs, indices, valid, scores = [], [], [], []
-        chunk = config.query_chunk_size
+        # compressed branch and selection
         # the selection scores need a gradient only for straight-through top-k in training
         straight_through = config.use_diff_topk and torch.is_grad_enabled() and q_plain.requires_grad
-        on_kernel = (offset == 0 and nsa_cpu.fits(0, self.spec.n_heads // self.spec.n_kv_heads)
-                     and nsa_cpu.usable(q_plain, all_k, all_v))
-        for start in range(0, 0 if on_kernel else n_queries, chunk):
-            part = slice(start, start + chunk)
-            chunk_positions = positions[part]
-            last = int(offset + min(n_queries, start + chunk)) - 1
-            n_visible = n_complete_blocks(last + 1, block, stride)  # causal skipping of later blocks
-            n_selection = last // config.selection_block_size + 1
-            args = (q_plain[:, :, part], all_k[:, :, : 1 + n_visible], all_v[:, :, : 1 + n_visible],
-                    chunk_positions, config, n_selection)
-            if straight_through:
-                result = checkpoint(compressed_attention_chunk, *args, use_reentrant=False)
-            else:
-                result = (*compressed_attention_fast(*args), None)
-            for collected, value in zip((outputs, indices, valid, scores), result, strict=True):
-                collected.append(value)
-        if on_kernel:  # a whole sequence on the CPU kernel: the branch and the selection in one pass
-            n_visible = 1 + torch.clamp((positions + 1 - block) // stride + 1, min=0)
-            grouped = rearrange(q_plain, "b (g r) t d -> b g t r d", g=self.spec.n_kv_heads)
-            out_cmp, blocks, score = nsa_cpu.compressed_selection(grouped, all_k, all_v, positions, n_visible, config)
-            out_cmp = rearrange(out_cmp, "b g t r d -> b (g r) t d")
-            indices, valid = blocks.clamp(min=0), blocks >= 0
-        else:
-            out_cmp = torch.cat(outputs, dim=2)  # [B, H, T, D]
-            indices, valid = torch.cat(indices, dim=2), torch.cat(valid, dim=2)  # [B, G, T, n]
-            score = torch.cat(scores, dim=2) if straight_through else None
+        out_cmp, indices, valid, score = compressed_branch(q_plain, all_k, all_v, offset, config, straight_through)
         gates = None
         if straight_through:
             gates = (1 + score - score.detach()).to(q.dtype)  # straight-through: exactly 1 forward
@@ -729,7 +738,7 @@ class NativeSparseAttention(nn.Module):
         heads_per_group = q.shape[1] // k.shape[1]
         if k.shape[2] == q.shape[2] and nsa_cpu.fits(indices.shape[-1], heads_per_group) and nsa_cpu.usable(q, k, v):
             blocks = torch.where(valid, indices, -1)  # a whole sequence: the CPU kernel
-            return self._on_kernel(q, k, v, blocks, positions, block, 0, gates)
+            return nsa_cpu.selected_attention(q, k, v, blocks, positions, block, gates)
         # check_config holds num_selected >= 2, so choose_blocks always selects block 0 and the own block
         return selected_attention(q, k, v, indices, valid, gates, positions, block, self.config.query_chunk_size,
                                   forced=True)
@@ -739,19 +748,8 @@ class NativeSparseAttention(nn.Module):
             self._check_flex(q)
             return flex_local_attention(q, k, v, self.config.sliding_window_size)
         if k.shape[2] == q.shape[2] and nsa_cpu.fits(0, q.shape[1] // k.shape[1]) and nsa_cpu.usable(q, k, v):
-            window = self.config.sliding_window_size  # a whole sequence: the CPU kernel
-            block = SLIDING_BLOCK * -(-window // (SLIDING_BLOCK * (nsa_cpu.MAX_BLOCKS - 1)))  # <= MAX_BLOCKS blocks
-            positions = torch.arange(q.shape[2])
-            blocks = nsa_cpu.window_blocks(positions, window, block).expand(*k.shape[:2], -1, -1)
-            return self._on_kernel(q, k, v, blocks, positions, block, window)
+            return nsa_cpu.sliding_attention(q, k, v, self.config.sliding_window_size)  # a whole sequence
         return local_attention(q, k, v, self.config.sliding_window_size)
-
-    @staticmethod
-    def _on_kernel(q, k, v, blocks, positions, block: int, window: int, gates=None) -> Tensor:
-        """nsa_cpu.block_attention with q [B, H, T, D] -> [B, H, T, D]."""
-        grouped = rearrange(q, "b (g r) t d -> b g t r d", g=k.shape[1])
-        output = nsa_cpu.block_attention(grouped, k, v, blocks, positions, block, window, gates)
-        return rearrange(output, "b g t r d -> b (g r) t d")
 
     @staticmethod
     def _check_flex(q: Tensor) -> None:

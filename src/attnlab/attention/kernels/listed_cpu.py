@@ -100,6 +100,7 @@ class _ListedAttention(torch.autograd.Function):
         out, lse = _forward(q, rotated, v, bias, units)
         ctx.save_for_backward(q, k, v, bias, out, lse)
         ctx.units, ctx.rotary = units, rotary
+        ctx.library = library()  # the backward runs on the library the forward ran on, whatever the settings then
         return out
 
     @staticmethod
@@ -113,7 +114,7 @@ class _ListedAttention(torch.autograd.Function):
         grad_q, grad_k, grad_v = (torch.zeros(x.shape, dtype=x.dtype) for x in (q, k, v))
         grad_bias = None if bias is None else torch.empty_like(bias)
         views = [_rows(x) for x in (q, rotated.detach(), v, out, lse, grad_out, grad_q, grad_k, grad_v)]
-        library().listed_attention_backward(
+        ctx.library.listed_attention_backward(
             ctypes.byref(units.struct(bias)), ctypes.c_void_p(units.group_start.data_ptr()),
             ctypes.c_int64(units.group_start.numel() - 1), *(ctypes.byref(view) for view, _ in views),
             ctypes.c_void_p(0 if grad_bias is None else grad_bias.data_ptr()), ctypes.c_int64(dim),

@@ -35,6 +35,8 @@ namespace {
 
 using namespace attnlab_cpu;
 
+constexpr int64_t MAX_HEADS = 64;  // query heads per key/value head (nsa_cpu.py refuses more)
+
 struct Shape {
   int64_t bg, T, R, D, S, n, block, window;  // window 0: no lower bound
   int64_t prefix;  // 1: every query lists blocks 0 .. position / block (`blocks` is not read)
@@ -198,23 +200,15 @@ template <int RC>
 void accumulate_heads(const float* weights, int64_t R, const float* sources, const Visible& vis, const Shape& s,
                       int64_t width, float* buffer) {
   const int64_t ld = s.n * width, heads = RC > 0 ? RC : R;
+  vf w[RC > 0 ? RC : MAX_HEADS];  // the heads' weights of 16 positions (registers when RC is known)
   for (int64_t a = 0; a < vis.count; ++a)
     for (int64_t j0 = 0; j0 < width; j0 += LANES) {
-      vf w[RC > 0 ? RC : 1];
+      for (int64_t r = 0; r < heads; ++r) w[r] = load(weights + r * ld + a * width + j0);
       float* column = buffer + vis.block[a] * s.D * width + j0;
-      if (RC > 0) {
-        for (int64_t r = 0; r < heads; ++r) w[r] = load(weights + r * ld + a * width + j0);
-        for (int64_t d = 0; d < s.D; ++d) {
-          vf acc = load(column + d * width);
-          for (int64_t r = 0; r < heads; ++r) acc += w[r] * sources[r * s.D + d];
-          store(column + d * width, acc);
-        }
-      } else {
-        for (int64_t d = 0; d < s.D; ++d) {
-          vf acc = load(column + d * width);
-          for (int64_t r = 0; r < heads; ++r) acc += load(weights + r * ld + a * width + j0) * sources[r * s.D + d];
-          store(column + d * width, acc);
-        }
+      for (int64_t d = 0; d < s.D; ++d) {
+        vf acc = load(column + d * width);
+        for (int64_t r = 0; r < heads; ++r) acc += w[r] * sources[r * s.D + d];
+        store(column + d * width, acc);
       }
     }
 }

@@ -18,13 +18,14 @@ from __future__ import annotations
 import ctypes
 
 import torch
+from einops import rearrange
 from torch import Tensor
 
 from attnlab.attention.kernels.cpu import library, usable
 from attnlab.config import NSAAttentionConfig
 
 MAX_BLOCKS = 64  # blocks per query (nsa_cpu.cpp's Visible)
-MAX_HEADS = 64  # query heads per key/value head accepted (a bound on the per-query scratch)
+MAX_HEADS = 64  # query heads per key/value head (nsa_cpu.cpp's MAX_HEADS)
 LANES = 16  # keys scored together (one vector)
 
 
@@ -79,6 +80,7 @@ class _BlockAttention(torch.autograd.Function):
         out, lse, chosen, scores = _forward(q, k, v, blocks, gates, positions, block, window, select)
         ctx.save_for_backward(q, k, v, blocks, gates, positions, out, lse, chosen)
         ctx.block, ctx.window, ctx.settings = block, window, None if select is None else select[0]
+        ctx.library = library()  # the backward runs on the library the forward ran on, whatever the settings then
         if chosen is None:
             return out
         ctx.mark_non_differentiable(chosen)
@@ -94,7 +96,7 @@ class _BlockAttention(torch.autograd.Function):
         if grad_scores is not None:  # straight-through: the selection scores have a gradient
             settings, grad_scores = ctx.settings, grad_scores.contiguous()
         shape = _shape(q, k, blocks, ctx.block, ctx.window)
-        library().nsa_block_attention_backward(
+        ctx.library.nsa_block_attention_backward(
             *map(_pointer, (q, k, v, blocks, gates, positions, out, lse, grad_out, grad_q, grad_k, grad_v,
                             grad_gates, settings, None if settings is None else chosen, grad_scores, shape)),
             ctypes.c_float(q.shape[-1] ** -0.5),
@@ -136,24 +138,54 @@ def block_attention(q: Tensor, k: Tensor, v: Tensor, blocks: Tensor, positions: 
     return _run(q, k, v, blocks, gates, positions, block, window)
 
 
-def compressed_selection(q: Tensor, keys: Tensor, values: Tensor, positions: Tensor, n_visible: Tensor,
+def _grouped(q: Tensor, n_groups: int) -> Tensor:
+    """[B, H, T, D] -> the kernel's [B, G, T, R, D]."""
+    return rearrange(q, "b (g r) t d -> b g t r d", g=n_groups)
+
+
+def _merged(out: Tensor) -> Tensor:
+    """The kernel's [B, G, T, R, D] -> [B, H, T, D] (a view)."""
+    return rearrange(out, "b g t r d -> b (g r) t d")
+
+
+def selected_attention(q: Tensor, k: Tensor, v: Tensor, blocks: Tensor, positions: Tensor, block: int,
+                       gates: Tensor | None = None) -> Tensor:
+    """NSA's selected branch: q [B, H, T, D] at positions [T], each query's blocks [B, G, T, n] (-1:
+    empty) of k, v [B, G, S, D], causally; gates [B, G, T, n] or None -> [B, H, T, D]."""
+    return _merged(block_attention(_grouped(q, k.shape[1]), k, v, blocks, positions, block, 0, gates))
+
+
+def sliding_attention(q: Tensor, k: Tensor, v: Tensor, window: int) -> Tensor:
+    """NSA's sliding branch for a whole sequence: q [B, H, T, D], k, v [B, G, T, D], each query seeing
+    the last `window` tokens -> [B, H, T, D]. Blocks of 16 keys, wider for long windows so that a
+    window spans at most MAX_BLOCKS of them."""
+    block = LANES * -(-window // (LANES * (MAX_BLOCKS - 1)))
+    positions = torch.arange(q.shape[2])
+    blocks = window_blocks(positions, window, block).expand(*k.shape[:2], -1, -1)
+    return _merged(block_attention(_grouped(q, k.shape[1]), k, v, blocks, positions, block, window))
+
+
+def compressed_selection(q: Tensor, keys: Tensor, values: Tensor, positions: Tensor,
                          config: NSAAttentionConfig) -> tuple[Tensor, Tensor, Tensor]:
     """Native sparse attention's compressed branch and block selection for queries at positions
     [T] (attention/nsa.py: compressed_attention_chunk).
 
-    q [B, G, T, R, D] (no rotary); keys, values [B, G, 1 + N, D]: the memory slot, then the
-    compressed blocks; n_visible [T]: how many of them each query sees (1 + its complete blocks).
-    -> the branch output [B, G, T, R, D], the selected blocks [B, G, T, num_selected] (ascending,
+    q [B, H, T, D] (no rotary); keys, values [B, G, 1 + N, D]: the memory slot, then the compressed
+    blocks; a query sees the memory slot and the blocks complete at its position.
+    -> the branch output [B, H, T, D], the selected blocks [B, G, T, num_selected] (ascending,
     -1 for empty slots; `choose_blocks` in nsa_cpu.cpp) and their selection scores [B, G, T,
     num_selected] (0 for empty slots), which carry a gradient back to q, keys and values when one
     flows to them (straight-through top-k)."""
     n_keys = keys.shape[2]
     block = LANES * -(-n_keys // (LANES * MAX_BLOCKS))  # key blocks of the kernel: at most MAX_BLOCKS per query
     n_blocks = -(-n_keys // block)
-    last = (n_visible - 1).to(torch.int64)  # the last key each query sees: it lists blocks 0 .. last // block
-    q, keys, values = _prepare(q, keys, values, n_blocks)
+    positions = positions.to(torch.int64).contiguous()
+    # the last key each query sees: key 0 is the memory slot, key i + 1 compressed block i, complete
+    # once its last token is at or before the query; the query lists kernel blocks 0 .. last // block
+    last = torch.clamp((positions + 1 - config.compress_block_size) // config.compress_stride + 1, min=0)
+    grouped, keys, values = _prepare(_grouped(q, keys.shape[1]), keys, values, n_blocks)
     settings = torch.tensor([config.compress_block_size, config.compress_stride, config.selection_block_size,
                              config.num_selected], dtype=torch.int64)
-    select = (settings, positions.to(torch.int64).contiguous())
     prefixes = torch.empty(0, n_blocks, dtype=torch.int64)
-    return _run(q, keys, values, prefixes, None, last, block, 0, select)
+    out, chosen, scores = _run(grouped, keys, values, prefixes, None, last, block, 0, (settings, positions))
+    return _merged(out), chosen, scores
