@@ -9,6 +9,14 @@ continuations of validation primes, and what the first predicts at batch 1: toke
 (1 - alpha^(gamma+1)) / (1 - alpha) and speedup = that * t(target token) / (gamma t(draft token)
 + t(verification)) (their eq. 1 and Theorem 3.8 with these measured costs, loop overhead ignored).
 
+Forwards timed in isolation run with warm caches. Inside decoding they do not: a verification
+streams the target's weights through the caches between the draft's tokens. So the last lines
+("in_loop", one per batch size) time the forwards inside `speculative_generate` and `generate`
+themselves, on the validation primes `attnlab speculative --prime-from-val` uses (256 new
+tokens, temperature 1): per step, the draft's forwards, the verification and everything else
+(sampling, accept/reject, cache roll-back), each in units of one cached target token of the base
+decoding, and the speedup that decomposition gives, which is the measured one.
+
     python bench/speculative_costs.py TARGET_RUN DRAFT_RUN [--rounds 200] [--context 200]
 """
 
@@ -63,6 +71,8 @@ def main() -> None:
         step_cost = args.gamma * ratios["draft_over_target"] + ratios["verify_over_token"]
         predicted = {"predicted_speedup_batch_1": round(tokens_per_step / step_cost, 3)} if batch == 1 else {}
         print(json.dumps({"batch_size": batch, "threads": torch.get_num_threads(), **medians, **ratios, **predicted}))
+    for batch in (1, 4):
+        print(json.dumps({"in_loop": in_loop_costs(target, draft, batch, args.gamma, repeats=3)}))
 
 
 @torch.inference_mode()
@@ -91,6 +101,71 @@ def acceptance_on_validation(target, draft, n_windows: int = 16, seq_len: int = 
     p = torch.softmax(target(tokens).logits.float(), dim=-1)  # [n, T, V]
     q = torch.softmax(draft(tokens).logits.float(), dim=-1)
     return float(torch.minimum(p, q).sum(dim=-1).mean())
+
+
+class ForwardTimer:
+    """Wraps a model's forward and keeps the wall time of each call."""
+
+    def __init__(self, model) -> None:
+        self.model, self.forward = model, model.forward
+        self.seconds: list[float] = []
+        model.forward = self
+
+    def __call__(self, *args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return self.forward(*args, **kwargs)
+        finally:
+            self.seconds.append(time.perf_counter() - started)
+
+    def remove(self) -> None:
+        del self.model.forward  # the instance attribute: the class's forward again
+
+
+def in_loop_costs(target, draft, batch: int, gamma: int, repeats: int, n_new: int = 256, prime: int = 128) -> dict:
+    """Medians over `repeats` alternating runs of base and speculative decoding (seeds 0, 1, ..;
+    one warm-up run of each first) of where a speculative step's time goes, in cached target
+    tokens of the base decoding. Each decoder's first forward feeds the prompt (prefill); it is
+    counted apart."""
+    from attnlab.data.bytes import load_corpus
+    from attnlab.data.sampler import eval_windows
+    from attnlab.generate.sampling import generate
+    from attnlab.generate.speculative import speculative_generate
+
+    prompt = eval_windows(load_corpus(target.run_config.data).val, prime, batch, seed=0)[:, :prime].long()
+    rows = []
+    for repeat in range(repeats + 1):
+        timer = ForwardTimer(target)
+        try:
+            started = time.perf_counter()
+            with torch.inference_mode():
+                generate(target, prompt, n_new, generator=torch.Generator().manual_seed(repeat))
+            base = time.perf_counter() - started
+        finally:
+            timer.remove()
+        base_prefill, token = timer.seconds[0], statistics.mean(timer.seconds[1:])
+        target_timer, draft_timer = ForwardTimer(target), ForwardTimer(draft)
+        try:
+            started = time.perf_counter()
+            result = speculative_generate(target, draft, prompt, n_new, gamma,
+                                          generator=torch.Generator().manual_seed(repeat))
+            speculative = time.perf_counter() - started
+        finally:
+            target_timer.remove()
+            draft_timer.remove()
+        steps = result.n_steps
+        prefill = target_timer.seconds[0] + draft_timer.seconds[0]
+        verify, drafted = sum(target_timer.seconds[1:]) / steps, sum(draft_timer.seconds[1:]) / steps
+        other = (speculative - prefill) / steps - verify - drafted
+        rows.append({
+            "base_ms": 1000 * base, "speculative_ms": 1000 * speculative, "speedup": base / speculative,
+            "target_token_ms": 1000 * token, "base_prefill_ms": 1000 * base_prefill,
+            "speculative_prefill_ms": 1000 * prefill, "tokens_per_step": n_new / steps,
+            "draft_forwards_per_step": (len(draft_timer.seconds) - 1) / steps,
+            "draft_per_step": drafted / token, "verify_per_step": verify / token, "other_per_step": other / token,
+        })
+    medians = {key: round(statistics.median(row[key] for row in rows[1:]), 3) for key in rows[0]}
+    return {"batch_size": batch, "threads": torch.get_num_threads(), **medians}
 
 
 if __name__ == "__main__":
