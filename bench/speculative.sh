@@ -5,7 +5,7 @@
 # target's own cached decoding against speculative decoding (gamma 5) with each draft, at batch 1
 # and 4, temperature 1 without and with the seed's top-k 26 filter, and greedy; with the load
 # average written before and after every figure. Outputs JSON lines in $OUT.
-#   RUNS=dir (trained runs, reused when present)  OUT=dir  REPEATS=n  STEPS=n (default 3000)
+#   RUNS=dir (trained runs, reused when present)  OUT=dir  REPEATS=n  STEPS=n (default 1200)
 #   TRAIN_THREADS=n  THREADS=n (default 2; on a machine busier than its cores, 1: two OpenMP
 #   threads that must meet at a barrier make each small forward many times slower there)
 #   DRAFTS="plain distilled" (which drafts to time)
@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 runs=${RUNS:-runs/bench-speculative}
 out=${OUT:-docs/bench/speculative}
 repeats=${REPEATS:-7}
-steps=${STEPS:-3000}
+steps=${STEPS:-1200}
 attnlab=${ATTNLAB:-attnlab}
 python=${PYTHON:-python}
 mkdir -p "$out"
