@@ -329,11 +329,19 @@ def trained_pair(tmp_path_factory):
         ])
         assert code == 0
         later_batches = seen[:4]
-    return root, target_batches, draft_batches, later_batches
+        seen.clear()
+        # a longer draft for the existing target: the target's batches, then the ones after them
+        code = main([
+            "speculative", "train", "--target", str(root / "target"), "--draft-preset", "spec-small-draft",
+            "--draft-steps", "6", *TINY, f"data.path={corpus}", f"out_dir={root}", "draft.name=draft3",
+        ])
+        assert code == 0
+        longer_batches = seen[:]
+    return root, target_batches, draft_batches, later_batches, longer_batches
 
 
 def test_pair_trained_on_the_same_batches(trained_pair):
-    root, target_batches, draft_batches, later_batches = trained_pair
+    root, target_batches, draft_batches, later_batches, _ = trained_pair
     for target_batch, draft_batch, later_batch in zip(target_batches, draft_batches, later_batches, strict=True):
         assert torch.equal(target_batch, draft_batch) and torch.equal(target_batch, later_batch)
     assert len({tuple(batch.flatten().tolist()) for batch in target_batches}) == 4  # not one batch repeated
@@ -341,6 +349,26 @@ def test_pair_trained_on_the_same_batches(trained_pair):
 
     assert len(load_model(root / "target").blocks) == 2 and len(load_model(root / "draft").blocks) == 1
     assert len(load_model(root / "draft2").blocks) == 1
+
+
+def test_a_draft_can_train_longer_than_its_target(trained_pair):
+    """--draft-steps: the target's batches in order, then the ones the same stream gives next."""
+    from attnlab.train.checkpoint import load_model
+
+    root, target_batches, _, _, longer_batches = trained_pair
+    assert len(longer_batches) == 6
+    for target_batch, draft_batch in zip(target_batches, longer_batches[:4], strict=True):
+        assert torch.equal(target_batch, draft_batch)
+    assert all(not torch.equal(extra, seen) for extra in longer_batches[4:] for seen in target_batches)
+    assert load_model(root / "draft3").run_config.train.max_steps == 6
+
+
+def test_draft_steps_need_an_existing_target(tmp_path, capsys):
+    from attnlab.cli.main import main
+
+    code = main(["speculative", "train", "--target-preset", "spec-small-target", "--draft-preset",
+                 "spec-small-draft", "--draft-steps", "6", f"out_dir={tmp_path}"])
+    assert code == 2 and "--draft-steps needs --target RUN" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("draft_arguments", [["--draft", "draft"], ["--early-exit", "1"]])

@@ -4,7 +4,7 @@ training a draft with its target.
     attnlab speculative --target RUN (--draft RUN | --early-exit K) [--gamma 5]
         (--prompt TEXT | --prime-from-val) [--batch-size B] [--max-new-tokens N] [--repeats R]
         [--temperature T --top-k K --top-p P --min-p M] [--json]
-    attnlab speculative train (--target-preset P | --target RUN) --draft-preset Q [--distill W]
+    attnlab speculative train (--target-preset P | --target RUN [--draft-steps N]) --draft-preset Q [--distill W]
         [key.path=value (both) | target.key.path=value | draft.key.path=value ...] [--resume]
 """
 
@@ -80,6 +80,11 @@ def register(subparsers) -> None:
         "--distill", type=float, default=None, metavar="W",
         help="train the draft toward the target's distribution too: its loss is (1 - W) cross-entropy + W "
         "KL(target || draft), from the target's final checkpoint (train.distill_from / distill_weight)",
+    )
+    trainer.add_argument(
+        "--draft-steps", type=int, default=None, metavar="N",
+        help="with --target RUN: train the draft for N steps (default: the target's), on the target's batches "
+        "and then the ones that follow them",
     )
     trainer.add_argument("overrides", nargs="*", metavar="key.path=value")
     trainer.set_defaults(func=run_train)
@@ -262,9 +267,12 @@ def run_train(args: argparse.Namespace) -> int:
             raise ConfigError("with --target RUN the target is not trained: target.* overrides do not apply")
         target_result, draft_result = train_pair(
             None, draft_config, target_settings=load_config(settings), resume=args.resume, command_line=command_line,
-            distill_weight=args.distill, target_dir=Path(args.target_run),
+            distill_weight=args.distill, target_dir=Path(args.target_run), draft_steps=args.draft_steps,
         )
     else:
+        if args.draft_steps is not None:
+            raise ConfigError("--draft-steps needs --target RUN: a draft trained together with its target "
+                              "sees exactly the target's batches")
         target_config = load_config(args.target_preset, target_overrides)
         target_result, draft_result = train_pair(
             target_config, draft_config, resume=args.resume, command_line=command_line, distill_weight=args.distill

@@ -343,19 +343,31 @@ def train_pair(
     command_line: list[str] | None = None,
     distill_weight: float | None = None,
     target_dir: Path | None = None,
+    draft_steps: int | None = None,
 ) -> tuple[TrainResult | None, TrainResult]:
     """Train a target and its draft on the same batches (one after the other, each with its own
     optimiser), or, with target None, only a draft for the existing target whose config is
     `target_settings` and whose run is `target_dir`. Returns (target result or None, draft result).
 
     distill_weight: the draft also learns the target's distribution, from the target's final
-    checkpoint (train.distill_from and train.distill_weight, train/distill.py)."""
+    checkpoint (train.distill_from and train.distill_weight, train/distill.py).
+    draft_steps: only for a draft of an existing target: train it for this many steps instead of
+    the target's. It still reads the target's batch stream: the target's batches first, in order,
+    then the ones that follow them."""
     from attnlab.train.loop import train  # training pulls in data and metrics; decoding does not
 
     reference = target if target is not None else target_settings
     if reference is None:
         raise ValueError("give a target config to train, or the settings of an existing target")
     draft = draft_config_for(reference, draft)
+    if draft_steps is not None:
+        if target is not None:
+            raise ConfigError("a draft trained together with its target takes the target's steps: "
+                              "train the target first, then the draft for it with more steps")
+        if draft_steps < 1:
+            raise ConfigError(f"the draft's steps must be >= 1, got {draft_steps}")
+        log.info("draft %s trains for %d steps (the target took %d)", draft.name, draft_steps, draft.train.max_steps)
+        draft = dataclasses.replace(draft, train=dataclasses.replace(draft.train, max_steps=draft_steps))
     if distill_weight is not None:
         teacher = target.run_dir if target is not None else target_dir
         if teacher is None:
