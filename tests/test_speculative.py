@@ -368,7 +368,8 @@ def test_draft_steps_need_an_existing_target(tmp_path, capsys):
 
     code = main(["speculative", "train", "--target-preset", "spec-small-target", "--draft-preset",
                  "spec-small-draft", "--draft-steps", "6", f"out_dir={tmp_path}"])
-    assert code == 2 and "--draft-steps needs --target RUN" in capsys.readouterr().err
+    assert code == 2 and "needs an existing target (--target RUN)" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # refused before anything trained
 
 
 @pytest.mark.parametrize("draft_arguments", [["--draft", "draft"], ["--early-exit", "1"]])

@@ -270,12 +270,10 @@ def run_train(args: argparse.Namespace) -> int:
             distill_weight=args.distill, target_dir=Path(args.target_run), draft_steps=args.draft_steps,
         )
     else:
-        if args.draft_steps is not None:
-            raise ConfigError("--draft-steps needs --target RUN: a draft trained together with its target "
-                              "sees exactly the target's batches")
         target_config = load_config(args.target_preset, target_overrides)
         target_result, draft_result = train_pair(
-            target_config, draft_config, resume=args.resume, command_line=command_line, distill_weight=args.distill
+            target_config, draft_config, resume=args.resume, command_line=command_line, distill_weight=args.distill,
+            draft_steps=args.draft_steps,
         )
     for role, result in (("target", target_result), ("draft", draft_result)):
         if result is None:

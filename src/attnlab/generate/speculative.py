@@ -362,8 +362,8 @@ def train_pair(
     draft = draft_config_for(reference, draft)
     if draft_steps is not None:
         if target is not None:
-            raise ConfigError("a draft trained together with its target takes the target's steps: "
-                              "train the target first, then the draft for it with more steps")
+            raise ConfigError("the draft's own step count (--draft-steps) needs an existing target (--target RUN): "
+                              "a draft trained together with its target sees exactly the target's batches")
         if draft_steps < 1:
             raise ConfigError(f"the draft's steps must be >= 1, got {draft_steps}")
         log.info("draft %s trains for %d steps (the target took %d)", draft.name, draft_steps, draft.train.max_steps)
