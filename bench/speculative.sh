@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Speculative decoding on CPU (issue 5, docs/benchmarks.md "Speculative decoding"): train the
 # 6-layer target and the 1-layer draft (dim 256) on the same batches of the built-in corpus, and a
-# second 1-layer draft distilled from that target (same batches, --distill 1.0); then time the
+# second 1-layer draft distilled from that target (--distill 1.0, --draft-steps: the target's
+# batches, then the stream's next ones, DRAFT_STEPS in all, default 3000); then time the
 # target's own cached decoding against speculative decoding (gamma 5) with each draft, at batch 1
 # and 4, temperature 1 without and with the seed's top-k 26 filter, and greedy; with the load
 # average written before and after every figure. Outputs JSON lines in $OUT.
@@ -35,8 +36,8 @@ fi
 if ! trained "${draft_dirs[distilled]}"; then
     # the same batches again, the loss pulled toward the trained target's distribution
     OMP_NUM_THREADS=$train_threads $attnlab speculative train --target "$target" \
-        --draft-preset spec-small-draft --distill 1.0 draft.name=spec-small-draft-distill \
-        out_dir="$runs" log.progress=false
+        --draft-preset spec-small-draft --distill 1.0 --draft-steps "${DRAFT_STEPS:-3000}" \
+        draft.name=spec-small-draft-distill out_dir="$runs" log.progress=false
 fi
 
 export OMP_NUM_THREADS=${THREADS:-2}
