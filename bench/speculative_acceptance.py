@@ -43,12 +43,16 @@ def repeats(row: list[int], ngram: int) -> list[bool]:
 
 
 @torch.inference_mode()
-def split(target, draft, tokens: torch.Tensor, first: int, ngram: int) -> dict:
-    """tokens [n, L]: positions first .. L-2 predict tokens first + 1 .. L-1."""
-    inputs, nexts = tokens[:, :-1], tokens[:, 1:]
-    p = torch.softmax(target(inputs).logits.float(), dim=-1)[:, first:]  # [n, L - 1 - first, V]
-    q = torch.softmax(draft(inputs).logits.float(), dim=-1)[:, first:]
-    nexts = nexts[:, first:]
+def next_token_probs(target, draft, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """tokens [n, L] -> (p, q) [n, L - 1, V]: the target's and the draft's temperature-1
+    distributions of tokens 1 .. L-1. Their acceptance is sum_v min(p, q)."""
+    inputs = tokens[:, :-1]
+    return torch.softmax(target(inputs).logits.float(), dim=-1), torch.softmax(draft(inputs).logits.float(), dim=-1)
+
+
+def split(p: torch.Tensor, q: torch.Tensor, tokens: torch.Tensor, first: int, ngram: int) -> dict:
+    """p, q of tokens [n, L] (next_token_probs); positions first .. L-2 predict tokens first + 1 .. L-1."""
+    p, q, nexts = p[:, first:], q[:, first:], tokens[:, first + 1 :]
     accept = torch.minimum(p, q).sum(dim=-1)  # [n, L - 1 - first]
     p_next = p.gather(-1, nexts[..., None]).squeeze(-1)
     q_next = q.gather(-1, nexts[..., None]).squeeze(-1)
@@ -63,19 +67,18 @@ def split(target, draft, tokens: torch.Tensor, first: int, ngram: int) -> dict:
     return result
 
 
-@torch.inference_mode()
-def by_position(target, draft, tokens: torch.Tensor, band: int) -> list[dict]:
-    """tokens [n, L]: acceptance and each model's bits per byte in bands of positions."""
-    inputs, nexts = tokens[:, :-1], tokens[:, 1:]
-    p = torch.softmax(target(inputs).logits.float(), dim=-1)
-    q = torch.softmax(draft(inputs).logits.float(), dim=-1)
+def by_position(p: torch.Tensor, q: torch.Tensor, tokens: torch.Tensor, band: int) -> list[dict]:
+    """p, q of tokens [n, L] (next_token_probs): acceptance and each model's bits per byte in bands
+    of positions."""
+    nexts = tokens[:, 1:]
     accept = torch.minimum(p, q).sum(dim=-1)
     bits_p = -torch.log2(p.gather(-1, nexts[..., None]).squeeze(-1))
     bits_q = -torch.log2(q.gather(-1, nexts[..., None]).squeeze(-1))
     rows = []
-    for start in range(0, inputs.shape[1], band):
+    width = nexts.shape[1]
+    for start in range(0, width, band):
         part = slice(start, start + band)
-        rows.append({"positions": f"{start}-{min(start + band, inputs.shape[1]) - 1}",
+        rows.append({"positions": f"{start}-{min(start + band, width) - 1}",
                      "acceptance": round(float(accept[:, part].mean()), 4),
                      "target_bits": round(float(bits_p[:, part].mean()), 4),
                      "draft_bits": round(float(bits_q[:, part].mean()), 4)})
@@ -98,15 +101,17 @@ def main() -> None:
     val = load_corpus(target.run_config.data).val
     length = args.prime + args.new_tokens
     windows = eval_windows(val, length, args.rows, seed=0).long()
+    p, q = next_token_probs(target, draft, windows)  # once for both splits of the validation text
     print(json.dumps({"split": "position", "text": "validation", **trained,
-                      "bands": by_position(target, draft, windows, args.band)}))
+                      "bands": by_position(p, q, windows, args.band)}))
     print(json.dumps({"split": "repeat", "text": "validation", "ngram": args.ngram,
-                      **split(target, draft, windows, args.prime - 1, args.ngram)}))
+                      **split(p, q, windows, args.prime - 1, args.ngram)}))
     primes = windows[:, : args.prime]
     with torch.inference_mode():
         own = generate(target, primes, args.new_tokens, generator=torch.Generator().manual_seed(0))
+    p, q = next_token_probs(target, draft, own)
     print(json.dumps({"split": "repeat", "text": "target samples (temperature 1)", "ngram": args.ngram,
-                      **split(target, draft, own, args.prime - 1, args.ngram)}))
+                      **split(p, q, own, args.prime - 1, args.ngram)}))
 
 
 if __name__ == "__main__":

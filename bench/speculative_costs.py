@@ -15,7 +15,9 @@ streams the target's weights through the caches between the draft's tokens. So t
 themselves, on the validation primes `attnlab speculative --prime-from-val` uses (256 new
 tokens, temperature 1): per step, the draft's forwards, the verification and everything else
 (sampling, accept/reject, cache roll-back), each in units of one cached target token of the base
-decoding, and the speedup that decomposition gives, which is the measured one.
+decoding, and the measured speedup of the same runs. Every figure is the median of its own
+(3 runs after a warm-up), so tokens_per_step / (draft + verify + other) comes near the speedup but
+need not equal it.
 
     python bench/speculative_costs.py TARGET_RUN DRAFT_RUN [--rounds 200] [--context 200]
 """
@@ -28,6 +30,7 @@ import statistics
 import time
 
 import torch
+from speculative_acceptance import next_token_probs  # this folder's script: python bench/...
 
 from attnlab.train.checkpoint import load_model
 
@@ -84,9 +87,9 @@ def acceptance_on_own_samples(target, draft, n_rows: int = 8, prime: int = 128, 
     from attnlab.generate.sampling import generate
 
     primes = eval_windows(load_corpus(target.run_config.data).val, prime, n_rows, seed=0)[:, :prime].long()
-    tokens = generate(target, primes, n_new, generator=torch.Generator().manual_seed(0))[:, :-1]  # [n, T + N - 1]
-    p = torch.softmax(target(tokens).logits[:, prime - 1 :].float(), dim=-1)  # [n, N, V]
-    q = torch.softmax(draft(tokens).logits[:, prime - 1 :].float(), dim=-1)
+    tokens = generate(target, primes, n_new, generator=torch.Generator().manual_seed(0))  # [n, T + N]
+    p, q = next_token_probs(target, draft, tokens)
+    p, q = p[:, prime - 1 :], q[:, prime - 1 :]  # [n, N, V]: the continuation's tokens
     return float(torch.minimum(p, q).sum(dim=-1).mean())
 
 
@@ -97,9 +100,7 @@ def acceptance_on_validation(target, draft, n_windows: int = 16, seq_len: int = 
     from attnlab.data.sampler import eval_windows
 
     windows = eval_windows(load_corpus(target.run_config.data).val, seq_len, n_windows).long()
-    tokens = windows[:, :-1]  # [n, T]
-    p = torch.softmax(target(tokens).logits.float(), dim=-1)  # [n, T, V]
-    q = torch.softmax(draft(tokens).logits.float(), dim=-1)
+    p, q = next_token_probs(target, draft, windows)  # [n, T - 1, V]
     return float(torch.minimum(p, q).sum(dim=-1).mean())
 
 
