@@ -104,6 +104,35 @@ def test_rollback(name):
     torch.testing.assert_close(resumed, expected, atol=1e-5, rtol=1e-5)
 
 
+def test_per_row_rollback(name):
+    """A cache that rolls rows back to lengths of their own then equals, row by row, the parallel
+    forward of that row's own tokens (a chunk and single tokens); one that cannot says so."""
+    model = make_model(name)
+    a, b, c = tokens(3, 20, seed=2), tokens(3, 7, seed=3), tokens(3, 9, seed=4)
+    kept = [0, 3, 7]  # tokens of b each row keeps
+    with torch.no_grad():
+        cache = model.new_cache(3, 64)
+        model(a, cache=cache)
+        model(b, cache=cache)
+        if not cache.per_row_rollback:
+            with pytest.raises(NotImplementedError, match="one length only"):
+                cache.truncate_rows(torch.tensor([20, 23, 27]))
+            return
+        cache.truncate_rows(torch.tensor([20 + n for n in kept]))
+        assert cache.length == 27 and cache.offset.tolist() == [20, 23, 27]
+        resumed = torch.cat([model(c[:, :7], cache=cache).logits] + [model(c[:, t : t + 1], cache=cache).logits
+                                                                   for t in (7, 8)], dim=1)
+        assert cache.offset.tolist() == [29, 32, 36]
+        for row, n in enumerate(kept):
+            own = torch.cat((a[row], b[row, :n], c[row]))[None]
+            expected = model(own).logits[0, 20 + n :]
+            torch.testing.assert_close(resumed[row], expected, atol=1e-5, rtol=1e-5)
+        cache.truncate(25)  # level again, at a length every row has
+        assert cache.offset == 25
+        with pytest.raises(ValueError, match="cannot truncate"):
+            cache.truncate_rows(torch.tensor([26, 0, 0]))
+
+
 def test_batch_rows_independent(name):
     model = make_model(name)
     x = tokens(3, LENGTH)

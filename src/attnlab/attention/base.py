@@ -7,6 +7,7 @@ The contract (DESIGN.md), for every registered variant:
                                     cache given: x holds the next T >= 1 tokens, cache updated in place
     new_cache(batch, max_len, device, dtype) -> KVCache
     KVCache.length, KVCache.truncate(n)   exact rollback (speculative decoding)
+    KVCache.truncate_rows(lengths, longest)   optional (per_row_rollback): a length per row
     aux_losses: dict[str, Tensor]   named auxiliary losses of the last training forward
 
 Dimension legend: B batch, T new tokens, S keys, H query heads, G key/value heads, D head width.
@@ -44,13 +45,29 @@ class AttentionSpec:
 
 
 class KVCache:
-    """Per-layer decoding state. `length` counts the tokens already fed."""
+    """Per-layer decoding state. `length` counts the tokens already fed.
+
+    A cache with `per_row_rollback` can also roll each row back to its own length
+    (`truncate_rows`); from then on `row_lengths` [B] holds them, `length` is the longest, and
+    the next tokens of each row go to that row's own positions. Speculative decoding uses it to
+    let every row of a batch keep exactly the tokens it accepted."""
 
     length: int = 0
+    row_lengths: Tensor | None = None  # [B] while rows differ in length; None while they are level
+    per_row_rollback: bool = False
+
+    @property
+    def offset(self) -> int | Tensor:
+        """The position of the next token: an int, or [B] per row after truncate_rows."""
+        return self.length if self.row_lengths is None else self.row_lengths
 
     def truncate(self, length: int) -> None:
         """Forget everything after the first `length` tokens, exactly."""
         raise NotImplementedError
+
+    def truncate_rows(self, lengths: Tensor, longest: int) -> None:
+        """Forget everything of row b after its first lengths[b] tokens; longest = max(lengths)."""
+        raise NotImplementedError(f"{type(self).__name__} rolls back all rows to one length only")
 
     def _check_truncate(self, length: int) -> None:
         if not 0 <= length <= self.length:
@@ -79,16 +96,30 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos().float(), persistent=False)
         self.register_buffer("sin", angles.sin().float(), persistent=False)
 
-    def forward(self, x: Tensor, offset: int) -> Tensor:
-        """x [B, H, T, D] at positions offset..offset+T-1 -> rotated x."""
+    def forward(self, x: Tensor, offset: int | Tensor, end: int | None = None) -> Tensor:
+        """x [B, H, T, D] at positions offset..offset+T-1 -> rotated x. offset is an int, or a
+        tensor [B] of per-row offsets (a cache after truncate_rows), whose bound `end` (the
+        largest position + 1) must then be given."""
         length = x.shape[-2]
-        if offset + length > self.cos.shape[0]:
-            self._build(offset + length)
-            self.cos, self.sin = self.cos.to(x.device), self.sin.to(x.device)
-        cos = self.cos[offset : offset + length].to(x.dtype)  # [T, D/2]
-        sin = self.sin[offset : offset + length].to(x.dtype)
+        if isinstance(offset, Tensor):
+            if end is None:
+                raise ValueError("per-row rotary offsets need their bound (end)")
+            self._reserve(end, x.device)
+            positions = offset[:, None] + torch.arange(length, device=offset.device)  # [B, T]
+            cos = self.cos[positions].to(x.dtype)[:, None]  # [B, 1, T, D/2]
+            sin = self.sin[positions].to(x.dtype)[:, None]
+        else:
+            self._reserve(offset + length, x.device)
+            cos = self.cos[offset : offset + length].to(x.dtype)  # [T, D/2]
+            sin = self.sin[offset : offset + length].to(x.dtype)
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    def _reserve(self, end: int, device: torch.device) -> None:
+        """Grow the table to hold positions < end."""
+        if end > self.cos.shape[0]:
+            self._build(end)
+            self.cos, self.sin = self.cos.to(device), self.sin.to(device)
 
 
 def expand_kv(x: Tensor, n_heads: int) -> Tensor:
@@ -176,14 +207,15 @@ class HeadProjections(nn.Module):
     # Head split and merge are a view and a transpose rather than einops.rearrange: the same
     # layout, but rearrange's per-call parsing cost is paid 4 times per layer per decoded token.
 
-    def split(self, x: Tensor, offset: int) -> tuple[Tensor, Tensor, Tensor]:
-        """x [B, T, dim] at positions offset.. -> q [B, H, T, D], k and v [B, G, T, D]."""
+    def split(self, x: Tensor, offset: int | Tensor, end: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """x [B, T, dim] at positions offset.. -> q [B, H, T, D], k and v [B, G, T, D]. offset may
+        be per row ([B], with `end` its bound, RotaryEmbedding.forward)."""
         dim_head = self.spec.dim_head
         q = self.to_q(x).unflatten(-1, (-1, dim_head)).transpose(1, 2)  # b t (h d) -> b h t d
         k = self.to_k(x).unflatten(-1, (-1, dim_head)).transpose(1, 2)  # b t (g d) -> b g t d
         v = self.to_v(x).unflatten(-1, (-1, dim_head)).transpose(1, 2)  # b t (g d) -> b g t d
         if self.spec.rotary is not None:
-            q, k = self.spec.rotary(q, offset), self.spec.rotary(k, offset)
+            q, k = self.spec.rotary(q, offset, end), self.spec.rotary(k, offset, end)
         return q, k, v
 
     def merge(self, y: Tensor) -> Tensor:

@@ -23,27 +23,57 @@ class FullAttentionConfig:
 
 
 class FullCache(KVCache):
-    """Keys and values of every fed token, preallocated to max_len."""
+    """Keys and values of every fed token, preallocated to max_len. Rows may have lengths of
+    their own (truncate_rows): row b's tokens then sit at positions 0..row_lengths[b]-1, and
+    anything past them (rejected draft tokens) is masked until overwritten."""
+
+    per_row_rollback = True
 
     def __init__(self, batch: int, n_kv_heads: int, dim_head: int, max_len: int, device, dtype) -> None:
         shape = (batch, n_kv_heads, max_len, dim_head)
         self.keys = torch.zeros(shape, device=device, dtype=dtype)
         self.values = torch.zeros(shape, device=device, dtype=dtype)
         self.length = 0
+        self.row_lengths = None
 
-    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Store k, v [B, G, T, D]; return all keys and values so far, [B, G, L+T, D]."""
-        start, end = self.length, self.length + k.shape[2]
+    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Store k, v [B, G, T, D]; return all keys and values so far, [B, G, S, D] (S = the
+        longest row), and the mask the T new queries need: None (one token, rows level), [T, S]
+        causal (rows level), or [B, 1, T, S] with each row's own causal band."""
+        n_new = k.shape[2]
+        start, end = self.length, self.length + n_new
         if end > self.keys.shape[2]:
             raise ValueError(f"cache holds {self.keys.shape[2]} tokens; {end} were fed")
-        self.keys[:, :, start:end] = k
-        self.values[:, :, start:end] = v
+        if self.row_lengths is None:
+            self.keys[:, :, start:end] = k
+            self.values[:, :, start:end] = v
+            self.length = end
+            mask = None if n_new == 1 else causal_mask(n_new, end, k.device)
+            return self.keys[:, :, :end], self.values[:, :, :end], mask
+        positions = self.row_lengths[:, None] + torch.arange(n_new, device=k.device)  # [B, T]
+        rows = torch.arange(k.shape[0], device=k.device)[:, None]  # [B, 1]
+        self.keys.transpose(1, 2)[rows, positions] = k.transpose(1, 2)  # b t g d, written in place
+        self.values.transpose(1, 2)[rows, positions] = v.transpose(1, 2)
+        self.row_lengths = self.row_lengths + n_new
         self.length = end
-        return self.keys[:, :, :end], self.values[:, :, :end]
+        keys = torch.arange(end, device=k.device)
+        mask = keys <= positions[:, :, None]  # [B, T, S]: a query sees its row's keys up to itself
+        return self.keys[:, :, :end], self.values[:, :, :end], mask[:, None]
 
     def truncate(self, length: int) -> None:
         self._check_truncate(length)
+        if self.row_lengths is not None:
+            if bool((self.row_lengths < length).any()):
+                raise ValueError(f"cannot truncate rows of lengths {self.row_lengths.tolist()} to {length}")
+            self.row_lengths = None
         self.length = length  # slots past length are overwritten by the next append
+
+    def truncate_rows(self, lengths: Tensor, longest: int) -> None:
+        """Rows checked by the caller (ModelCache.truncate_rows: one device sync for all layers)."""
+        if longest > self.length:
+            raise ValueError(f"cannot truncate a cache of length {self.length} to rows up to {longest}")
+        self.row_lengths = lengths.to(device=self.keys.device, dtype=torch.long)
+        self.length = longest
 
 
 @ATTENTION.register("full")
@@ -63,15 +93,12 @@ class FullAttention(nn.Module):
 
     def forward(self, x: Tensor, cache: FullCache | None = None) -> Tensor:
         dropout = self.spec.dropout if self.training else 0.0
-        offset = 0 if cache is None else cache.length
-        q, k, v = self.heads.split(x, offset)  # q [B, H, T, D], k v [B, G, T, D]
         if cache is None:
+            q, k, v = self.heads.split(x, 0)  # q [B, H, T, D], k v [B, G, T, D]
             y = sdpa(q, k, v, mask=None, causal=True, dropout=dropout)
         else:
-            k, v = cache.append(k, v)  # [B, G, L+T, D]
-            n_new, n_keys = q.shape[2], k.shape[2]
-            # one new token sees every key; a chunk needs the causal mask shifted by L
-            mask = None if n_new == 1 else causal_mask(n_new, n_keys, q.device)
+            q, k, v = self.heads.split(x, cache.offset, cache.length + x.shape[1])
+            k, v, mask = cache.append(k, v)  # [B, G, S, D]; mask: rows' own causal bands
             y = sdpa(q, k, v, mask=mask, causal=False, dropout=dropout)
         return self.heads.merge(y)
 

@@ -57,6 +57,11 @@ def register(subparsers) -> None:
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--min-p", type=float, default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--batch-scheme", choices=["auto", "per-row", "shared"], default="auto",
+        help="how rows of a batch roll back: per-row (each to its own length; full attention caches), shared "
+        "(all to the shortest committed prefix; any cache), auto (per-row where both models can)",
+    )
     parser.add_argument("--repeats", type=int, default=1, help="timed runs of each decoder; medians reported")
     parser.add_argument("--weights", choices=["auto", "model", "ema"], default="auto")
     parser.add_argument("--device", default="cpu")
@@ -166,6 +171,11 @@ def run(args: argparse.Namespace) -> int:
     warn_beyond_training(target, "target", prompt.shape[1] + n_new)
     warn_beyond_training(draft, "draft", prompt.shape[1] + n_new)
 
+    per_row = {"auto": None, "per-row": True, "shared": False}[args.batch_scheme]
+    if per_row and not all(getattr(model.new_cache(1, 1), "per_row_rollback", False) for model in (target, draft)):
+        raise AttnlabError("--batch-scheme per-row needs caches that roll back per row (full attention) in both "
+                           "models; use auto or shared")
+
     def base(seed: int) -> torch.Tensor:
         generator = torch.Generator(device=device).manual_seed(seed)
         with torch.inference_mode():  # the same mode speculative_generate runs in
@@ -173,7 +183,9 @@ def run(args: argparse.Namespace) -> int:
 
     def speculative(seed: int):
         generator = torch.Generator(device=device).manual_seed(seed)
-        return speculative_generate(target, draft, prompt, n_new, args.gamma, sampling, generator=generator)
+        return speculative_generate(
+            target, draft, prompt, n_new, args.gamma, sampling, generator=generator, per_row=per_row
+        )
 
     # warm-up of both paths (allocator, first-call costs), then alternating timed runs
     base(args.seed)
@@ -215,6 +227,7 @@ def run(args: argparse.Namespace) -> int:
             "steps": statistics.mean(result.n_steps for result in results),
             "mean_accepted": statistics.mean(result.mean_accepted for result in results),
             "acceptance_rate": statistics.mean(result.acceptance_rate for result in results),
+            "batch_scheme": "per-row" if results[0].per_row else "shared",
         },
         "speedup": base_seconds / speculative_seconds,
     }
@@ -222,8 +235,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report))
         return 0
     spec = report["speculative"]
-    print(f"target {report['target']}, draft {draft_name}, gamma {args.gamma}, batch {args.batch_size}, "
-          f"{n_new} new tokens, {args.repeats} repeat(s) on {device}")
+    print(f"target {report['target']}, draft {draft_name}, gamma {args.gamma}, batch {args.batch_size} "
+          f"({spec['batch_scheme']} rollback), {n_new} new tokens, {args.repeats} repeat(s) on {device}")
     print(f"--- prompt (row 0) ---\n{report['prompt']}")
     print(f"--- base decoding (target, cached) ---\n{report['base']['text']}")
     print(f"--- speculative decoding ---\n{spec['text']}")

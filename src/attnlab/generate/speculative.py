@@ -21,7 +21,18 @@ Temperature 0 makes p and q one-hot: a draft token is accepted iff it is the tar
 the output equals greedy decoding of the target.
 
 Batches (a departure from both papers, which describe one sequence). Rows accept different
-numbers of tokens, but a cache can only be truncated to one length for all rows. So:
+numbers of tokens. Two schemes keep every row exact; speculative_generate picks per-row rollback
+for batches > 1 when both models' caches support it (full attention), else the shared window.
+
+Per-row rollback (caches with per_row_rollback, KVCache.truncate_rows): after each step, row b's
+target cache is cut to its committed length L_b minus one and its draft cache to L_b minus one or
+two, so every row drafts gamma tokens from its own length at the next step. The next forwards
+write each row's tokens at that row's own positions (per-row rotary offsets), and a per-row mask
+hides whatever lies past a row's length (its rejected draft tokens, until overwritten). Each row
+is then exactly the single-sequence algorithm. A row that has stopped stays frozen: it still
+takes part in the batched forwards, but commits nothing more.
+
+Shared window (any cache): a cache is truncated to one length for all rows. So:
   - every row keeps all of its committed tokens (accepted drafts and the corrected/bonus token);
   - both caches are truncated to the shortest committed prefix, so no row's cache holds a token
     that row did not commit (never a rejected draft token, never another row's token);
@@ -33,8 +44,9 @@ For each row this is the papers' step with a number of draft tokens (gamma minus
 is ahead) fixed before the step's randomness is drawn, so each committed token is still the
 target's conditional: the output is exact at any batch size, and no accepted token is thrown
 away. A row is never more than gamma tokens ahead of the slowest one (it drafts less the further
-ahead it is). The exactness tests (tests/test_speculative.py) enumerate the target distribution
-and run a chi-square test at batch 1, 4 and in large batches.
+ahead it is), which costs a batch about a quarter of its tokens per step at batch 4 (the
+per-row scheme's reason to be). The exactness tests (tests/test_speculative.py) enumerate the
+target distribution and run a chi-square test of both schemes at batch 1, 4 and in large batches.
 
 Legend: B batch, T prompt tokens, W verification window (gamma + 1), V vocabulary, N new tokens.
 Positions are absolute indices into the sequence; slot s of a step is position start + s, where
@@ -137,10 +149,12 @@ class EarlyExitDraft(nn.Module):
     def forward(self, tokens: Tensor, cache: ModelCache | None = None) -> ModelOutput:
         """tokens [B, T] -> ModelOutput(logits [B, T, V]), as Transformer.forward without a loss."""
         target = self.target
-        offset = 0 if cache is None else cache.length
         x = target.token_embedding(tokens)  # [B, T, dim]
         if target.position_embedding is not None:
-            positions = torch.arange(offset, offset + tokens.shape[1], device=tokens.device)
+            if cache is None:
+                positions = torch.arange(tokens.shape[1], device=tokens.device)
+            else:
+                positions = cache.positions(tokens.shape[1], tokens.device)  # [T] or [B, T]
             x = x + target.position_embedding(positions)
         for index, block in enumerate(target.blocks[: self.n_layers]):
             x = block(x, None if cache is None else cache.layers[index])
@@ -170,6 +184,8 @@ class SpeculativeResult:
     n_drafted: int  # draft tokens proposed, summed over rows
     n_accepted: int  # of them accepted
     gamma: int
+    n_row_steps: int  # steps summed over the rows that took part (a row stopped early takes none)
+    per_row: bool  # the caches rolled back per row (else to the shortest committed prefix)
 
     @property
     def acceptance_rate(self) -> float:
@@ -178,13 +194,164 @@ class SpeculativeResult:
     @property
     def mean_accepted(self) -> float:
         """Accepted draft tokens per row and step (out of gamma)."""
-        n_rows = self.tokens.shape[0]
-        return self.n_accepted / max(self.n_steps * n_rows, 1)
+        return self.n_accepted / max(self.n_row_steps, 1)
 
 
 def _next_probs(model: CachedLanguageModel, tokens: Tensor, cache: ModelCache, sampling: SamplingConfig) -> Tensor:
     """Feed tokens [B, t] through the cache; the sampling distribution after the last one [B, V]."""
     return probabilities(model(tokens, cache=cache).logits[:, -1], sampling)
+
+
+@dataclass
+class _Decoding:
+    """The state both batch schemes share: committed tokens, their lengths and the counters."""
+
+    sequence: Tensor  # [B, T + N + 2W] committed tokens of row b: sequence[b, :lengths[b]]
+    lengths: Tensor  # [B]
+    goal: int  # T + N
+    prompt_length: int
+    end_token: int | None
+    n_steps: int = 0
+    n_row_steps: Tensor | int = 0  # steps summed over the rows decoding in them
+    n_drafted: Tensor | int = 0  # summed on the device: no sync per step
+    n_accepted: Tensor | int = 0
+
+    def done(self) -> Tensor:
+        """[B] rows that have reached the goal or committed the end token."""
+        done = self.lengths >= self.goal
+        if self.end_token is not None:
+            positions = torch.arange(self.sequence.shape[1], device=self.sequence.device)
+            generated = positions >= self.prompt_length  # [T + N + 2W]
+            committed = positions < self.lengths[:, None]  # [B, T + N + 2W]
+            done |= ((self.sequence == self.end_token) & generated & committed).any(dim=1)
+        return done
+
+
+def _decode_shared_window(
+    target: CachedLanguageModel,
+    draft: CachedLanguageModel,
+    target_cache: ModelCache,
+    draft_cache: ModelCache,
+    state: _Decoding,
+    gamma: int,
+    sampling: SamplingConfig,
+    generator: torch.Generator | None,
+) -> None:
+    """Decode until every row stops, both caches cut to the shortest committed prefix after each
+    step (any cache; the module docstring, "Batches"). Stopped rows keep decoding; their output
+    is cut afterwards."""
+    sequence = state.sequence
+    batch, width = sequence.shape[0], gamma + 1
+    device = sequence.device
+    slots = torch.arange(width - 1, device=device)  # [W-1]
+    rows = torch.arange(batch, device=device)
+    start = state.prompt_length  # first slot: every row has committed the tokens before it
+    while not bool(state.done().all()):
+        lengths = state.lengths
+        # both caches hold (at most) the first start - 1 tokens, committed by every row
+        n_ahead = int(lengths.max()) - start  # slots the leading row has committed (0: rows level)
+        known = start + slots < lengths[:, None]  # [B, W-1] slots a row has already committed
+        # Draft tokens are written straight into `sequence` past each row's committed length
+        # (nothing there is committed), so the window is a view: no copies, no concatenation.
+        window = sequence[:, start : start + width - 1]  # [B, W-1] view
+
+        # 1. draft: catch up to start - 1 in one chunk, then one token per slot (known or drafted)
+        draft_probs = []
+        probs = _next_probs(draft, sequence[:, draft_cache.length : start], draft_cache, sampling)  # [B, V]
+        for slot in range(width - 1):
+            draft_probs.append(probs)  # q at this slot [B, V]
+            proposed = sample_from(probs, generator)  # [B]
+            if slot < n_ahead:  # some row has committed this slot already: it keeps its token
+                proposed = torch.where(known[:, slot], window[:, slot], proposed)
+            window[:, slot] = proposed
+            if slot < width - 2:
+                probs = _next_probs(draft, window[:, slot : slot + 1], draft_cache, sampling)
+        draft_probs = torch.stack(draft_probs, dim=1)  # [B, W-1, V]
+
+        # 2. target: score the last common token and the W-1 slots in one forward
+        inputs = sequence[:, start - 1 : start + width - 1]  # [B, W] view
+        target_probs = probabilities(target(inputs, cache=target_cache).logits, sampling)  # [B, W, V]
+
+        # 3. accept/reject per row; the accepted slots are already in place, commit the next token
+        accepted, next_token = accept_reject(target_probs, draft_probs, window, known, generator)
+        sequence[rows, start + accepted] = next_token
+        n_known = known.sum() if n_ahead else 0  # known slots are neither drafted nor counted
+        state.n_drafted += batch * (width - 1) - n_known
+        state.n_accepted += accepted.sum() - n_known
+        state.lengths = start + accepted + 1
+        state.n_steps += 1
+        state.n_row_steps += batch
+
+        # roll both caches back to the shortest committed prefix minus its last token
+        start = int(state.lengths.min())
+        common = start - 1
+        target_cache.truncate(common)
+        draft_cache.truncate(min(common, draft_cache.length))
+
+
+def _decode_per_row(
+    target: CachedLanguageModel,
+    draft: CachedLanguageModel,
+    target_cache: ModelCache,
+    draft_cache: ModelCache,
+    state: _Decoding,
+    gamma: int,
+    sampling: SamplingConfig,
+    generator: torch.Generator | None,
+) -> None:
+    """Decode until every row stops, each row's caches rolled back to its own committed length
+    (caches with per_row_rollback; the module docstring, "Per-row rollback"). A stopped row is
+    frozen: it still takes part in the forwards, but commits nothing more."""
+    sequence = state.sequence
+    batch, width = sequence.shape[0], gamma + 1
+    device = sequence.device
+    rows = torch.arange(batch, device=device)
+    window_slots = torch.arange(width, device=device)  # [W]
+    no_known = torch.zeros(batch, width - 1, dtype=torch.bool, device=device)
+    # the draft cache holds each row's committed tokens but the last n_catch_up ones
+    n_catch_up = 1
+    while True:
+        done = state.done()
+        if bool(done.all()):
+            break
+        lengths = state.lengths  # [B] committed tokens of each row (L)
+        # 1. draft: feed each row's last n_catch_up committed tokens, then one token per slot
+        catch_up = lengths[:, None] - n_catch_up + window_slots[:n_catch_up]  # [B, c] positions
+        probs = _next_probs(draft, sequence.gather(1, catch_up), draft_cache, sampling)  # [B, V]
+        draft_probs, drafted = [], []
+        for slot in range(width - 1):
+            draft_probs.append(probs)  # q at position L + slot [B, V]
+            proposed = sample_from(probs, generator)  # [B]
+            drafted.append(proposed)
+            if slot < width - 2:
+                probs = _next_probs(draft, proposed[:, None], draft_cache, sampling)
+        draft_probs = torch.stack(draft_probs, dim=1)  # [B, W-1, V]
+        drafted = torch.stack(drafted, dim=1)  # [B, W-1]
+        # past each row's committed length: nothing there is committed
+        sequence.scatter_(1, lengths[:, None] + window_slots[: width - 1], drafted)
+
+        # 2. target: each row's last committed token and its W-1 drafted ones, at its own positions
+        inputs = sequence.gather(1, lengths[:, None] - 1 + window_slots)  # [B, W]
+        target_probs = probabilities(target(inputs, cache=target_cache).logits, sampling)  # [B, W, V]
+
+        # 3. accept/reject per row; a stopped row keeps its length (its step is discarded)
+        accepted, next_token = accept_reject(target_probs, draft_probs, drafted, no_known, generator)
+        running = ~done
+        sequence[rows, lengths + accepted] = torch.where(running, next_token, sequence[rows, lengths + accepted])
+        state.n_row_steps += running.sum()
+        state.n_drafted += running.sum() * (width - 1)
+        state.n_accepted += (accepted * running).sum()
+        new_lengths = torch.where(running, lengths + accepted + 1, lengths)
+        state.lengths = new_lengths
+        state.n_steps += 1
+
+        # 4. roll back: the target keeps each row's committed tokens but the last (the next
+        # window's first input). The draft has fed L - 1 + gamma - 1 tokens of a row: all of
+        # them committed up to L + accepted - 1; a row that accepted all gamma lacks the last
+        # drafted one, so then every row rolls back one more and re-feeds it (one chunk shape).
+        target_cache.truncate_rows(new_lengths - 1)
+        n_catch_up = 2 if bool((accepted == width - 1).any()) else 1
+        draft_cache.truncate_rows(new_lengths - n_catch_up)
 
 
 @torch.inference_mode()
@@ -197,11 +364,14 @@ def speculative_generate(
     sampling: SamplingConfig | None = None,
     end_token: int | None = None,
     generator: torch.Generator | None = None,
+    per_row: bool | None = None,
 ) -> SpeculativeResult:
     """prompt [B, T] -> T + max_new_tokens tokens per row, distributed as sampling from `target`.
 
     A row stops after `max_new_tokens` or after emitting `end_token`; the loop runs until every
-    row has stopped (stopped rows keep decoding internally; their output is cut and padded).
+    row has stopped (the output is cut after a row's end token and padded with it).
+    per_row: roll each row's caches back to its own length (when both models' caches can: full
+    attention), else the shared-window scheme; None picks per-row for batches > 1 where possible.
     """
     if gamma < 1:
         raise ValueError("gamma must be >= 1")
@@ -217,76 +387,38 @@ def speculative_generate(
     for module in was_training:
         module.eval()
 
-    # committed tokens of each row: sequence[i, :lengths[i]]; room for a window past the goal
-    sequence = torch.zeros(batch, goal + width, dtype=torch.long, device=device)  # [B, T + N + W]
+    # room for two windows past the goal: a row that stops at most gamma + 1 tokens past it still
+    # feeds (and drafts) one window more while others decode
+    capacity = goal + 2 * width
+    sequence = torch.zeros(batch, capacity, dtype=torch.long, device=device)  # [B, T + N + 2W]
     sequence[:, :prompt_length] = prompt
-    lengths = torch.full((batch,), prompt_length, dtype=torch.long, device=device)  # [B]
-    target_cache = target.new_cache(batch, goal + width)
-    draft_cache = draft.new_cache(batch, goal + width)
-    slots = torch.arange(width - 1, device=device)  # [W-1]
-    rows = torch.arange(batch, device=device)
-    positions = torch.arange(sequence.shape[1], device=device)  # [T + N + W]
-    n_steps = 0
-    n_drafted = torch.zeros((), dtype=torch.long, device=device)  # summed on the device: no sync per step
-    n_accepted = torch.zeros((), dtype=torch.long, device=device)
-
+    state = _Decoding(
+        sequence=sequence,
+        lengths=torch.full((batch,), prompt_length, dtype=torch.long, device=device),
+        goal=goal,
+        prompt_length=prompt_length,
+        end_token=end_token,
+    )
+    target_cache = target.new_cache(batch, capacity)
+    draft_cache = draft.new_cache(batch, capacity)
+    can_split = all(getattr(cache, "per_row_rollback", False) for cache in (target_cache, draft_cache))
+    if per_row and not can_split:
+        raise ValueError("per-row rollback needs caches that support it (full attention) in both models")
+    per_row = can_split and batch > 1 if per_row is None else per_row
     try:
         # the prompt minus its last token; the last one opens the first window
         if prompt_length > 1:
             target(prompt[:, :-1], cache=target_cache)
             draft(prompt[:, :-1], cache=draft_cache)
-        start = prompt_length  # first slot: every row has committed the tokens before it
-        while True:
-            done = lengths >= goal
-            if end_token is not None:
-                generated = positions >= prompt_length  # [T + N + W]
-                committed = positions < lengths[:, None]  # [B, T + N + W]
-                done |= ((sequence == end_token) & generated & committed).any(dim=1)
-            if bool(done.all()):
-                break
-            # both caches hold (at most) the first start - 1 tokens, committed by every row
-            n_ahead = int(lengths.max()) - start  # slots the leading row has committed (0: rows level)
-            known = start + slots < lengths[:, None]  # [B, W-1] slots a row has already committed
-            # Draft tokens are written straight into `sequence` past each row's committed length
-            # (nothing there is committed), so the window is a view: no copies, no concatenation.
-            window = sequence[:, start : start + width - 1]  # [B, W-1] view
-
-            # 1. draft: catch up to start - 1 in one chunk, then one token per slot (known or drafted)
-            draft_probs = []
-            probs = _next_probs(draft, sequence[:, draft_cache.length : start], draft_cache, sampling)  # [B, V]
-            for slot in range(width - 1):
-                draft_probs.append(probs)  # q at this slot [B, V]
-                proposed = sample_from(probs, generator)  # [B]
-                if slot < n_ahead:  # some row has committed this slot already: it keeps its token
-                    proposed = torch.where(known[:, slot], window[:, slot], proposed)
-                window[:, slot] = proposed
-                if slot < width - 2:
-                    probs = _next_probs(draft, window[:, slot : slot + 1], draft_cache, sampling)
-            draft_probs = torch.stack(draft_probs, dim=1)  # [B, W-1, V]
-
-            # 2. target: score the last common token and the W-1 slots in one forward
-            inputs = sequence[:, start - 1 : start + width - 1]  # [B, W] view
-            target_probs = probabilities(target(inputs, cache=target_cache).logits, sampling)  # [B, W, V]
-
-            # 3. accept/reject per row; the accepted slots are already in place, commit the next token
-            accepted, next_token = accept_reject(target_probs, draft_probs, window, known, generator)
-            sequence[rows, start + accepted] = next_token
-            n_known = known.sum() if n_ahead else 0  # known slots are neither drafted nor counted
-            n_drafted += batch * (width - 1) - n_known
-            n_accepted += accepted.sum() - n_known
-            lengths = start + accepted + 1
-            n_steps += 1
-
-            # roll both caches back to the shortest committed prefix minus its last token
-            start = int(lengths.min())
-            common = start - 1
-            target_cache.truncate(common)
-            draft_cache.truncate(min(common, draft_cache.length))
+        decode = _decode_per_row if per_row else _decode_shared_window
+        decode(target, draft, target_cache, draft_cache, state, gamma, sampling, generator)
     finally:
         for module in was_training:
             module.train()
 
-    n_drafted, n_accepted = int(n_drafted), int(n_accepted)
+    sequence, lengths = state.sequence, state.lengths
+    n_steps, n_drafted, n_accepted = state.n_steps, int(state.n_drafted), int(state.n_accepted)
+    n_row_steps = int(state.n_row_steps)
     new = sequence[:, prompt_length:goal].clone()  # [B, N]
     produced = (lengths.clamp(max=goal) - prompt_length).clamp(min=0)  # [B]
     if end_token is not None:
@@ -300,7 +432,8 @@ def speculative_generate(
         n_steps, n_accepted, n_drafted, gamma, batch,
     )
     return SpeculativeResult(
-        tokens=tokens, lengths=produced, n_steps=n_steps, n_drafted=n_drafted, n_accepted=n_accepted, gamma=gamma
+        tokens=tokens, lengths=produced, n_steps=n_steps, n_drafted=n_drafted, n_accepted=n_accepted, gamma=gamma,
+        n_row_steps=n_row_steps, per_row=per_row,
     )
 
 

@@ -46,11 +46,38 @@ class ModelCache:
 
     @property
     def length(self) -> int:
+        """Tokens fed (the longest row's, after truncate_rows)."""
         return self.layers[0].length
+
+    @property
+    def offset(self) -> int | Tensor:
+        """The position of the next token: an int, or [B] per row after truncate_rows."""
+        return self.layers[0].offset
+
+    @property
+    def per_row_rollback(self) -> bool:
+        """Whether every layer can roll rows back to lengths of their own (truncate_rows)."""
+        return all(layer.per_row_rollback for layer in self.layers)
 
     def truncate(self, length: int) -> None:
         for layer in self.layers:
             layer.truncate(length)
+
+    def truncate_rows(self, lengths: Tensor) -> None:
+        """Roll row b back to its first lengths[b] tokens (speculative decoding's per-row rollback)."""
+        offset = self.offset
+        longest, invalid = torch.stack((lengths.max(), ((lengths < 0) | (lengths > offset)).any())).tolist()
+        if invalid:
+            current = offset if isinstance(offset, int) else offset.tolist()
+            raise ValueError(f"cannot truncate rows of lengths {current} to {lengths.tolist()}")
+        for layer in self.layers:
+            layer.truncate_rows(lengths, longest)
+
+    def positions(self, n_tokens: int, device: torch.device) -> Tensor:
+        """Positions of the next n_tokens: [T], or [B, T] when rows differ in length."""
+        offset = self.offset
+        steps = torch.arange(n_tokens, device=device)
+        return offset + steps if isinstance(offset, int) else offset[:, None] + steps
 
 
 def make_norm(config: ModelConfig) -> nn.Module:
@@ -135,7 +162,7 @@ class Transformer(nn.Module):
         loss_mask: Tensor | None = None,
     ) -> ModelOutput:
         """tokens [B, T]; targets [B, T] (next tokens) for the loss; loss_mask [B, T] (0 = ignore)."""
-        offset = 0 if cache is None else cache.length
+        offset = 0 if cache is None else cache.length  # the longest row's, when rows differ
         n_tokens = tokens.shape[1]
         x = self.token_embedding(tokens)  # [B, T, dim]
         if self.position_embedding is not None:
@@ -144,7 +171,10 @@ class Transformer(nn.Module):
                     f"learned positions stop at max_seq_len={self.config.max_seq_len}; "
                     f"got position {offset + n_tokens - 1}"
                 )
-            positions = torch.arange(offset, offset + n_tokens, device=tokens.device)
+            if cache is None:
+                positions = torch.arange(n_tokens, device=tokens.device)
+            else:
+                positions = cache.positions(n_tokens, tokens.device)  # [T] or [B, T]
             x = x + self.position_embedding(positions)
         if self.config.reversible:  # two-stream reversible residuals (model/reversible.py)
             x = reversible_blocks(self.blocks, x, None if cache is None else cache.layers)
