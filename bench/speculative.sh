@@ -4,8 +4,9 @@
 # second 1-layer draft distilled from that target (--distill 1.0, --draft-steps: the target's
 # batches, then the stream's next ones, DRAFT_STEPS in all, default 3000); then time the
 # target's own cached decoding against speculative decoding (gamma 5) with each draft, at batch 1
-# and 4, temperature 1 without and with the seed's top-k 26 filter, and greedy; with the load
-# average written before and after every figure. Outputs JSON lines in $OUT.
+# and 4 (batch 4 with each row's caches rolled back to its own length, and with all rows rolled
+# back to the shortest one), temperature 1 without and with the seed's top-k 26 filter, and
+# greedy; with the load average written before and after every figure. Outputs JSON lines in $OUT.
 #   RUNS=dir (trained runs, reused when present)  OUT=dir  REPEATS=n  STEPS=n (default 1200)
 #   TRAIN_THREADS=n  THREADS=n (default 2; on a machine busier than its cores, 1: two OpenMP
 #   threads that must meet at a barrier make each small forward many times slower there)
@@ -51,11 +52,14 @@ for kind in ${DRAFTS:-plain distilled}; do
     } | tee "$out/costs-$kind.jsonl"
     : > "$out/decode-$kind.jsonl"
     for sampling in "--temperature 1" "--temperature 1 --top-k 26" "--temperature 0"; do
-        for batch in 1 4; do
+        # batch 4 twice: each row rolled back to its own length (per-row), and all rows to the
+        # shortest committed prefix (shared), side by side
+        for run in "1 auto" "4 per-row" "4 shared"; do
+            read -r batch scheme <<< "$run"
             stamp | tee -a "$out/decode-$kind.jsonl"
             # shellcheck disable=SC2086  # $sampling is two or four words on purpose
             $attnlab speculative --target "$target" --draft "$draft" --gamma 5 --prime-from-val \
-                --max-new-tokens 256 --batch-size "$batch" $sampling \
+                --max-new-tokens 256 --batch-size "$batch" --batch-scheme "$scheme" $sampling \
                 --repeats "$repeats" --json | tee -a "$out/decode-$kind.jsonl"
         done
     done
