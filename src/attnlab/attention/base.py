@@ -7,7 +7,7 @@ The contract (DESIGN.md), for every registered variant:
                                     cache given: x holds the next T >= 1 tokens, cache updated in place
     new_cache(batch, max_len, device, dtype) -> KVCache
     KVCache.length, KVCache.truncate(n)   exact rollback (speculative decoding)
-    KVCache.truncate_rows(lengths, longest)   optional (per_row_rollback): a length per row
+    KVCache.truncate_rows(RowLengths)   optional (per_row_rollback): a length per row
     aux_losses: dict[str, Tensor]   named auxiliary losses of the last training forward
 
 Dimension legend: B batch, T new tokens, S keys, H query heads, G key/value heads, D head width.
@@ -44,29 +44,51 @@ class AttentionSpec:
             raise ValueError(f"heads ({self.n_heads}) must be a multiple of kv_heads ({self.n_kv_heads})")
 
 
+class RowLengths:
+    """Lengths of the rows of a batch [B] that differ (after a per-row rollback), shared by every
+    layer of one model's cache. The positions of the next tokens and the mask they need are the
+    same in every layer, so they are built once per forward (`advance`), not once per layer."""
+
+    def __init__(self, lengths: Tensor, longest: int) -> None:
+        self.lengths = lengths  # [B]
+        self.longest = longest  # max(lengths), known on the host
+        self._next: tuple[int, RowLengths, Tensor, Tensor] | None = None
+
+    def advance(self, n_new: int) -> tuple[RowLengths, Tensor, Tensor]:
+        """Feed n_new tokens to every row -> (the lengths after them, their positions [B, T], the
+        mask [B, 1, T, S] of the keys each may see, S = longest + T: its row's, up to itself)."""
+        if self._next is None or self._next[0] != n_new:
+            steps = torch.arange(n_new, device=self.lengths.device)
+            positions = self.lengths[:, None] + steps  # [B, T]
+            keys = torch.arange(self.longest + n_new, device=self.lengths.device)
+            mask = (keys <= positions[:, :, None])[:, None]  # [B, 1, T, S]
+            self._next = (n_new, RowLengths(self.lengths + n_new, self.longest + n_new), positions, mask)
+        return self._next[1:]
+
+
 class KVCache:
     """Per-layer decoding state. `length` counts the tokens already fed.
 
     A cache with `per_row_rollback` can also roll each row back to its own length
-    (`truncate_rows`); from then on `row_lengths` [B] holds them, `length` is the longest, and
-    the next tokens of each row go to that row's own positions. Speculative decoding uses it to
-    let every row of a batch keep exactly the tokens it accepted."""
+    (`truncate_rows`); from then on `rows` holds the lengths, `length` is the longest, and the
+    next tokens of each row go to that row's own positions. Speculative decoding uses it to let
+    every row of a batch keep exactly the tokens it accepted."""
 
     length: int = 0
-    row_lengths: Tensor | None = None  # [B] while rows differ in length; None while they are level
+    rows: RowLengths | None = None  # while rows differ in length; None while they are level
     per_row_rollback: bool = False
 
     @property
     def offset(self) -> int | Tensor:
         """The position of the next token: an int, or [B] per row after truncate_rows."""
-        return self.length if self.row_lengths is None else self.row_lengths
+        return self.length if self.rows is None else self.rows.lengths
 
     def truncate(self, length: int) -> None:
         """Forget everything after the first `length` tokens, exactly."""
         raise NotImplementedError
 
-    def truncate_rows(self, lengths: Tensor, longest: int) -> None:
-        """Forget everything of row b after its first lengths[b] tokens; longest = max(lengths)."""
+    def truncate_rows(self, rows: RowLengths) -> None:
+        """Forget everything of row b after its first rows.lengths[b] tokens."""
         raise NotImplementedError(f"{type(self).__name__} rolls back all rows to one length only")
 
     def _check_truncate(self, length: int) -> None:
@@ -87,6 +109,7 @@ class RotaryEmbedding(nn.Module):
             raise ValueError("rotary positions need an even head width")
         self.dim_head = dim_head
         self.theta = theta
+        self._row_memo: tuple | None = None  # (offsets [B], (T, dtype), cos, sin) of the last per-row call
         self._build(max_seq_len)
 
     def _build(self, length: int) -> None:
@@ -104,10 +127,15 @@ class RotaryEmbedding(nn.Module):
         if isinstance(offset, Tensor):
             if end is None:
                 raise ValueError("per-row rotary offsets need their bound (end)")
-            self._reserve(end, x.device)
-            positions = offset[:, None] + torch.arange(length, device=offset.device)  # [B, T]
-            cos = self.cos[positions].to(x.dtype)[:, None]  # [B, 1, T, D/2]
-            sin = self.sin[positions].to(x.dtype)[:, None]
+            memo = self._row_memo
+            if memo is not None and memo[0] is offset and memo[1] == (length, x.dtype):
+                cos, sin = memo[2], memo[3]  # queries and keys, and every layer, share one offset tensor
+            else:
+                self._reserve(end, x.device)
+                positions = offset[:, None] + torch.arange(length, device=offset.device)  # [B, T]
+                cos = self.cos[positions].to(x.dtype)[:, None]  # [B, 1, T, D/2]
+                sin = self.sin[positions].to(x.dtype)[:, None]
+                self._row_memo = (offset, (length, x.dtype), cos, sin)
         else:
             self._reserve(offset + length, x.device)
             cos = self.cos[offset : offset + length].to(x.dtype)  # [T, D/2]

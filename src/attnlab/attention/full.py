@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from attnlab.attention.base import AttentionSpec, HeadProjections, KVCache, causal_mask, sdpa
+from attnlab.attention.base import AttentionSpec, HeadProjections, KVCache, RowLengths, causal_mask, sdpa
 from attnlab.registry import ATTENTION
 
 
@@ -24,7 +24,7 @@ class FullAttentionConfig:
 
 class FullCache(KVCache):
     """Keys and values of every fed token, preallocated to max_len. Rows may have lengths of
-    their own (truncate_rows): row b's tokens then sit at positions 0..row_lengths[b]-1, and
+    their own (truncate_rows): row b's tokens then sit at positions 0..rows.lengths[b]-1, and
     anything past them (rejected draft tokens) is masked until overwritten."""
 
     per_row_rollback = True
@@ -34,7 +34,7 @@ class FullCache(KVCache):
         self.keys = torch.zeros(shape, device=device, dtype=dtype)
         self.values = torch.zeros(shape, device=device, dtype=dtype)
         self.length = 0
-        self.row_lengths = None
+        self.rows = None
 
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         """Store k, v [B, G, T, D]; return all keys and values so far, [B, G, S, D] (S = the
@@ -44,36 +44,33 @@ class FullCache(KVCache):
         start, end = self.length, self.length + n_new
         if end > self.keys.shape[2]:
             raise ValueError(f"cache holds {self.keys.shape[2]} tokens; {end} were fed")
-        if self.row_lengths is None:
+        if self.rows is None:
             self.keys[:, :, start:end] = k
             self.values[:, :, start:end] = v
             self.length = end
             mask = None if n_new == 1 else causal_mask(n_new, end, k.device)
             return self.keys[:, :, :end], self.values[:, :, :end], mask
-        positions = self.row_lengths[:, None] + torch.arange(n_new, device=k.device)  # [B, T]
+        self.rows, positions, mask = self.rows.advance(n_new)  # shared by the layers: built once
         rows = torch.arange(k.shape[0], device=k.device)[:, None]  # [B, 1]
         self.keys.transpose(1, 2)[rows, positions] = k.transpose(1, 2)  # b t g d, written in place
         self.values.transpose(1, 2)[rows, positions] = v.transpose(1, 2)
-        self.row_lengths = self.row_lengths + n_new
         self.length = end
-        keys = torch.arange(end, device=k.device)
-        mask = keys <= positions[:, :, None]  # [B, T, S]: a query sees its row's keys up to itself
-        return self.keys[:, :, :end], self.values[:, :, :end], mask[:, None]
+        return self.keys[:, :, :end], self.values[:, :, :end], mask
 
     def truncate(self, length: int) -> None:
         self._check_truncate(length)
-        if self.row_lengths is not None:
-            if bool((self.row_lengths < length).any()):
-                raise ValueError(f"cannot truncate rows of lengths {self.row_lengths.tolist()} to {length}")
-            self.row_lengths = None
+        if self.rows is not None:
+            if bool((self.rows.lengths < length).any()):
+                raise ValueError(f"cannot truncate rows of lengths {self.rows.lengths.tolist()} to {length}")
+            self.rows = None
         self.length = length  # slots past length are overwritten by the next append
 
-    def truncate_rows(self, lengths: Tensor, longest: int) -> None:
+    def truncate_rows(self, rows: RowLengths) -> None:
         """Rows checked by the caller (ModelCache.truncate_rows: one device sync for all layers)."""
-        if longest > self.length:
-            raise ValueError(f"cannot truncate a cache of length {self.length} to rows up to {longest}")
-        self.row_lengths = lengths.to(device=self.keys.device, dtype=torch.long)
-        self.length = longest
+        if rows.longest > self.length:
+            raise ValueError(f"cannot truncate a cache of length {self.length} to rows up to {rows.longest}")
+        self.rows = rows
+        self.length = rows.longest
 
 
 @ATTENTION.register("full")

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 import attnlab.attention  # noqa: F401  (registers the attention variants)
 import attnlab.model.moe  # noqa: F401  (registers the mixture-of-experts feed-forward)
-from attnlab.attention.base import AttentionSpec, KVCache, RotaryEmbedding
+from attnlab.attention.base import AttentionSpec, KVCache, RotaryEmbedding, RowLengths
 from attnlab.config import ModelConfig
 from attnlab.model.layers import Chunked, TokenEmbedding
 from attnlab.model.loss import IGNORE_INDEX, chunked_linear_cross_entropy  # IGNORE_INDEX: padding, masked
@@ -70,8 +70,9 @@ class ModelCache:
         if invalid:
             current = offset if isinstance(offset, int) else offset.tolist()
             raise ValueError(f"cannot truncate rows of lengths {current} to {lengths.tolist()}")
+        rows = RowLengths(lengths.to(dtype=torch.long), longest)  # one object for every layer
         for layer in self.layers:
-            layer.truncate_rows(lengths, longest)
+            layer.truncate_rows(rows)
 
     def positions(self, n_tokens: int, device: torch.device) -> Tensor:
         """Positions of the next n_tokens: [T], or [B, T] when rows differ in length."""
