@@ -199,6 +199,14 @@ def test_per_row_rollback_follows_the_target(full_pair, batch, n_samples, sampli
     assert chi_square_p_value(counts, expected) > 0.01
 
 
+def test_per_row_needs_caches_that_roll_back_per_row(pair):
+    target, draft = pair  # the draft's local-attention cache rolls back all rows to one length
+    with pytest.raises(ValueError, match="per-row rollback needs caches"):
+        speculative_generate(target, draft, PROMPT.expand(2, -1), 3, gamma=GAMMA, per_row=True)
+    result = speculative_generate(target, draft, PROMPT.expand(2, -1), 3, gamma=GAMMA)
+    assert not result.per_row
+
+
 def test_accept_always_is_detected(pair, monkeypatch):
     """Accepting every draft token samples the draft, not the target: the test must notice."""
     target, draft = pair
@@ -442,12 +450,34 @@ def test_speculative_command_reports_both_decodings(trained_pair, draft_argument
     report = json.loads(capsys.readouterr().out)
     assert report["base"]["text"] == report["speculative"]["text"]  # greedy: token for token
     assert report["speedup"] > 0 and 0 <= report["speculative"]["mean_accepted"] <= 3
+    assert report["speculative"]["batch_scheme"] == "per-row"  # full attention: auto rolls back per row
+    code = main([
+        "speculative", "--target", str(root / "target"), *draft_arguments, "--gamma", "3", "--prompt", "def ",
+        "--max-new-tokens", "12", "--batch-size", "2", "--temperature", "0", "--batch-scheme", "shared", "--json",
+    ])
+    assert code == 0
+    shared = json.loads(capsys.readouterr().out)
+    assert shared["speculative"]["batch_scheme"] == "shared"
+    assert shared["speculative"]["text"] == report["base"]["text"]
     code = main([
         "speculative", "--target", str(root / "target"), *draft_arguments, "--prime-from-val", "--prime-length", "8",
         "--max-new-tokens", "8", "--top-k", "5",
     ])
     assert code == 0
     assert "speedup" in capsys.readouterr().out
+
+
+def test_per_row_scheme_refused_for_caches_without_it(trained_pair, monkeypatch, capsys):
+    from attnlab.cli.main import main
+
+    root = trained_pair[0]
+    monkeypatch.setattr(FullCache, "per_row_rollback", False)  # as a local-attention cache
+    code = main([
+        "speculative", "--target", str(root / "target"), "--draft", str(root / "draft"), "--prompt", "def ",
+        "--max-new-tokens", "4", "--batch-size", "2", "--batch-scheme", "per-row",
+    ])
+    assert code == 2
+    assert "--batch-scheme per-row needs caches that roll back per row" in capsys.readouterr().err
 
 
 def test_decoding_past_the_training_length_warns(trained_pair, caplog):

@@ -227,7 +227,8 @@ def run(args: argparse.Namespace) -> int:
             "steps": statistics.mean(result.n_steps for result in results),
             "mean_accepted": statistics.mean(result.mean_accepted for result in results),
             "acceptance_rate": statistics.mean(result.acceptance_rate for result in results),
-            "batch_scheme": "per-row" if results[0].per_row else "shared",
+            # one row has nothing to roll back per row: it runs the single-sequence algorithm
+            "batch_scheme": "per-row" if results[0].per_row else "shared" if args.batch_size > 1 else "single row",
         },
         "speedup": base_seconds / speculative_seconds,
     }
@@ -236,7 +237,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     spec = report["speculative"]
     print(f"target {report['target']}, draft {draft_name}, gamma {args.gamma}, batch {args.batch_size} "
-          f"({spec['batch_scheme']} rollback), {n_new} new tokens, {args.repeats} repeat(s) on {device}")
+          f"({spec['batch_scheme']}), {n_new} new tokens, {args.repeats} repeat(s) on {device}")
     print(f"--- prompt (row 0) ---\n{report['prompt']}")
     print(f"--- base decoding (target, cached) ---\n{report['base']['text']}")
     print(f"--- speculative decoding ---\n{spec['text']}")
