@@ -26,6 +26,30 @@ def test_loss_is_kl_of_teacher_to_model():
     assert distillation_loss(teacher, teacher).abs() < 1e-6
 
 
+def test_tv_loss_is_one_minus_the_acceptance_probability():
+    """TV(p, q) = 1 - sum min(p, q): the chance that speculative sampling rejects a draft token."""
+    torch.manual_seed(1)
+    logits, teacher = torch.randn(2, 3, 4, 9).unbind(0)
+    p, q = teacher.softmax(-1), logits.softmax(-1)
+    expected = 1 - torch.minimum(p, q).sum(-1)  # [3, 4]
+    torch.testing.assert_close(distillation_loss(logits, teacher, kind="tv"), expected.mean())
+    mask = torch.tensor([[1, 0, 0, 1], [0, 1, 0, 0], [0, 0, 0, 1]])
+    torch.testing.assert_close(distillation_loss(logits, teacher, mask, "tv"), (expected * mask).sum() / mask.sum())
+    assert distillation_loss(teacher, teacher, kind="tv").abs() < 1e-6
+    with pytest.raises(ValueError, match="unknown distillation loss"):
+        distillation_loss(logits, teacher, kind="js")
+
+
+def test_tv_distillation_trains_toward_the_teacher(tmp_path, text_file):  # noqa: F811
+    teacher = train(tiny(tmp_path, text_file, "teacher", "train.max_steps=20", "train.lr=3e-3"))
+    common = ["model.depth=1", "train.max_steps=20", "train.lr=3e-3", f"train.distill_from={teacher.run_dir}",
+              "train.distill_weight=1.0"]
+    distilled = train(tiny(tmp_path, text_file, "tv", *common, "train.distill_loss=tv"))
+    records = [r for r in read_metrics(distilled.run_dir) if "distill" in r]
+    assert all(0 <= r["distill"] <= 1 for r in records)  # a total variation distance
+    assert records[-1]["distill"] < records[0]["distill"]
+
+
 def kl_to(teacher_dir, student_dir, tokens) -> float:
     teacher, student = load_model(teacher_dir), load_model(student_dir)
     with torch.no_grad():
@@ -58,6 +82,7 @@ def test_distilled_training_resumes_exactly(tmp_path, text_file):  # noqa: F811
     (["train.distill_weight=0"], "distill_weight"),
     (["model.loss_chunk_size=16"], "loss_chunk_size"),
     (["model.num_tokens=300"], "share a vocabulary"),
+    (["train.distill_loss=js"], "distill_loss must be one of kl, tv"),
 ])
 def test_bad_distillation_is_refused(tmp_path, text_file, extra, message):  # noqa: F811
     teacher = train(tiny(tmp_path, text_file, "teacher", "train.max_steps=1"))

@@ -183,7 +183,8 @@ class TrainConfig:
     peak_tflops: float = 0.0  # device peak for the logged MFU; 0: known GPUs' bf16 peak, none on CPU
     randomly_truncate_sequence: bool = False  # seed 000: now and then train on a shorter prefix (p 0.1)
     distill_from: str | None = None  # teacher run or checkpoint: also train toward its distribution (train/distill.py)
-    distill_weight: float = 0.5  # with distill_from: loss = (1 - w) data cross-entropy + w KL(teacher || model)
+    distill_weight: float = 0.5  # with distill_from: loss = (1 - w) data cross-entropy + w distillation loss
+    distill_loss: str = "kl"  # kl: KL(teacher || model); tv: total variation, 1 - speculative acceptance
 
 
 @dataclass(kw_only=True)

@@ -7,9 +7,13 @@ target's distribution and q the draft's. A draft trained only on the data learns
 distribution, which the target approximates differently. A draft trained toward p learns p itself,
 as in DistillSpec (Zhou et al., arXiv 2310.08461).
 
-The loss is (1 - w) * cross-entropy on the data + w * KL(p_teacher || q_model), both as means
-over the (unmasked) predicted positions, in nats. The teacher is loaded once from its run, kept in
-eval mode without gradients, and run on the same batch, so resuming stays exact.
+The loss is (1 - w) * cross-entropy on the data + w * D(p_teacher, q_model), both as means over
+the (unmasked) predicted positions. D is KL(p || q) in nats (train.distill_loss=kl, the default),
+or the total variation distance TV(p, q) = sum_v |p - q| / 2 (tv): one minus the probability that
+speculative decoding at temperature 1 accepts a draft token at that position, so minimising it
+maximises acceptance on the training text directly (DistillSpec compares both). The teacher is
+loaded once from its run, kept in eval mode without gradients, and run on the same batch, so
+resuming stays exact.
 """
 
 from __future__ import annotations
@@ -28,16 +32,27 @@ from attnlab.train.checkpoint import load_model
 log = logging.getLogger(__name__)
 
 
-def distillation_loss(logits: Tensor, teacher_logits: Tensor, loss_mask: Tensor | None = None) -> Tensor:
-    """Mean over positions of KL(softmax(teacher_logits) || softmax(logits)), in nats.
+DISTILL_LOSSES = ("kl", "tv")
+
+
+def distillation_loss(
+    logits: Tensor, teacher_logits: Tensor, loss_mask: Tensor | None = None, kind: str = "kl"
+) -> Tensor:
+    """Mean over positions of D(softmax(teacher_logits), softmax(logits)): KL(p || q) in nats
+    (kind "kl") or TV(p, q) = sum |p - q| / 2 (kind "tv").
     logits, teacher_logits [B, T, V]; loss_mask [B, T] (0 = ignore) or None."""
     log_q = F.log_softmax(logits.float(), dim=-1)
     log_p = F.log_softmax(teacher_logits.float(), dim=-1)
-    kl = (log_p.exp() * (log_p - log_q)).sum(dim=-1)  # [B, T]
+    if kind == "kl":
+        per_position = (log_p.exp() * (log_p - log_q)).sum(dim=-1)  # [B, T]
+    elif kind == "tv":
+        per_position = 0.5 * (log_p.exp() - log_q.exp()).abs().sum(dim=-1)  # [B, T]
+    else:
+        raise ValueError(f"unknown distillation loss {kind!r}; choose from {', '.join(DISTILL_LOSSES)}")
     if loss_mask is None:
-        return kl.mean()
-    mask = loss_mask.to(kl.dtype)
-    return (kl * mask).sum() / mask.sum().clamp(min=1)
+        return per_position.mean()
+    mask = loss_mask.to(per_position.dtype)
+    return (per_position * mask).sum() / mask.sum().clamp(min=1)
 
 
 def load_teacher(config: RunConfig, device: torch.device) -> Transformer | None:
@@ -47,6 +62,8 @@ def load_teacher(config: RunConfig, device: torch.device) -> Transformer | None:
         return None
     if not 0.0 < tc.distill_weight <= 1.0:
         raise ConfigError(f"train.distill_weight must be in (0, 1], got {tc.distill_weight}")
+    if tc.distill_loss not in DISTILL_LOSSES:
+        raise ConfigError(f"train.distill_loss must be one of {', '.join(DISTILL_LOSSES)}, got {tc.distill_loss!r}")
     if config.model.loss_chunk_size:
         raise ConfigError("distillation needs the model's full logits: set model.loss_chunk_size=0")
     try:
@@ -59,5 +76,5 @@ def load_teacher(config: RunConfig, device: torch.device) -> Transformer | None:
             f"model.num_tokens={config.model.num_tokens}: they must share a vocabulary"
         )
     teacher.requires_grad_(False)
-    log.info("distilling from %s (weight %.2f)", tc.distill_from, tc.distill_weight)
+    log.info("distilling from %s (%s, weight %.2f)", tc.distill_from, tc.distill_loss, tc.distill_weight)
     return teacher

@@ -310,7 +310,7 @@ def train(
                             if teacher is not None:
                                 with torch.no_grad():
                                     teacher_logits = teacher(tokens[:, :-1]).logits
-                                distill = distillation_loss(output.logits, teacher_logits, loss_mask)
+                                distill = distillation_loss(output.logits, teacher_logits, loss_mask, tc.distill_loss)
                                 aux = sum(output.aux_losses.values(), torch.zeros((), device=device))
                                 weight = tc.distill_weight
                                 output.loss = (1 - weight) * output.lm_loss + weight * distill + aux
