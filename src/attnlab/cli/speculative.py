@@ -172,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
     warn_beyond_training(draft, "draft", prompt.shape[1] + n_new)
 
     per_row = {"auto": None, "per-row": True, "shared": False}[args.batch_scheme]
-    if per_row and not all(getattr(model.new_cache(1, 1), "per_row_rollback", False) for model in (target, draft)):
+    if per_row and not all(getattr(model.new_cache(1), "per_row_rollback", False) for model in (target, draft)):
         raise AttnlabError("--batch-scheme per-row needs caches that roll back per row (full attention) in both "
                            "models; use auto or shared")
 

@@ -238,7 +238,7 @@ def _decode_shared_window(
     generator: torch.Generator | None,
 ) -> None:
     """Decode until every row stops, both caches cut to the shortest committed prefix after each
-    step (any cache; the module docstring, "Batches"). Stopped rows keep decoding; their output
+    step (any cache; the module docstring, "Shared window"). Stopped rows keep decoding; their output
     is cut afterwards."""
     sequence = state.sequence
     batch, width = sequence.shape[0], gamma + 1
