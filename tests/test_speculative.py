@@ -92,12 +92,17 @@ def test_identical_draft_accepts_every_token(sampling, batch):
         assert result.n_steps == 5  # 6 tokens per step: 5 accepted and a bonus
 
 
-def test_end_token_stops_each_row():
+@pytest.mark.parametrize("per_row", [True, False])
+def test_end_token_stops_each_row(per_row):
+    """Rows stop at their own end token; a stopped row's output stays cut while others decode on
+    (frozen per-row, decoding on in the shared window)."""
     target, draft = model(depth=2, logit_scale=8), model(seed=1, depth=1, logit_scale=8)
     prompt = torch.randint(0, 61, (4, 6), generator=torch.Generator().manual_seed(3))
     expected = generate(target, prompt, 30, GREEDY)[:, 6:]
     end = int(expected[0, 4])  # row 0 stops at its fifth new token
-    result = speculative_generate(target, draft, prompt, 30, gamma=3, sampling=GREEDY, end_token=end)
+    result = speculative_generate(target, draft, prompt, 30, gamma=3, sampling=GREEDY, end_token=end,
+                                  per_row=per_row)
+    assert result.per_row == per_row
     for row in range(4):
         hits = (expected[row] == end).nonzero().flatten().tolist()
         length = hits[0] + 1 if hits else 30
