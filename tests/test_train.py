@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from attnlab.config import load_config
-from attnlab.errors import AttnlabError, CheckpointError
+from attnlab.errors import AttnlabError, CheckpointError, ConfigError
 from attnlab.train import loop
 from attnlab.train.checkpoint import list_checkpoints, load_model, read_checkpoint
 from attnlab.train.loop import TrainingError, train
@@ -184,3 +184,30 @@ def test_weight_decay_only_on_matrices(tmp_path, text_file):
     assert any(p is model.token_embedding.embed.weight for p in no_decay["params"])
     n_all = len({id(p) for p in model.parameters()})
     assert len(decay["params"]) + len(no_decay["params"]) == n_all
+
+
+def test_init_from_starts_from_the_source_weights_and_resumes_exactly(tmp_path, text_file):
+    source = train(tiny(tmp_path, text_file, "source"))
+    extra = [f"train.init_from={source.run_dir}"]
+    whole = train(tiny(tmp_path, text_file, "tuned", *extra))
+    evaluations = {r["step"]: r["val_loss"] for r in read_metrics(whole.run_dir) if "val_loss" in r}
+    source_final = [r["val_loss"] for r in read_metrics(source.run_dir) if "val_loss" in r][-1]
+    assert evaluations[0] == pytest.approx(source_final, rel=1e-6)  # step 0 is the source's last step
+    assert not torch.equal(parameters(whole.run_dir)["head.weight"], parameters(source.run_dir)["head.weight"])
+    # a resumed run continues from its own checkpoint, not from the source again
+    train(tiny(tmp_path, text_file, "split", *extra), until_step=5)
+    second = train(tiny(tmp_path, text_file, "split", *extra), resume=True)
+    for key, value in parameters(whole.run_dir).items():
+        assert torch.equal(value, parameters(second.run_dir)[key]), key
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["model.depth=1"], "model.depth: 2 there, 1 here"),
+    (["train.init_from=/nowhere/run"], "train.init_from"),
+])
+def test_bad_init_from_is_refused(tmp_path, text_file, extra, message):
+    source = train(tiny(tmp_path, text_file, "source", "train.max_steps=1"))
+    config = tiny(tmp_path, text_file, "tuned", f"train.init_from={source.run_dir}", *extra)
+    with pytest.raises(ConfigError, match=message):
+        train(config)
+    assert not (config.run_dir / "checkpoints").exists()

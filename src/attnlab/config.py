@@ -185,6 +185,7 @@ class TrainConfig:
     distill_from: str | None = None  # teacher run or checkpoint: also train toward its distribution (train/distill.py)
     distill_weight: float = 0.5  # with distill_from: loss = (1 - w) data cross-entropy + w distillation loss
     distill_loss: str = "kl"  # kl: KL(teacher || model); tv: total variation, 1 - speculative acceptance
+    init_from: str | None = None  # run or checkpoint whose model weights a fresh run starts from (fine-tuning)
 
 
 @dataclass(kw_only=True)

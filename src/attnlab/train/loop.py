@@ -11,6 +11,7 @@ RNG states, data sampler position), so a resumed run continues bit for bit (test
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import platform
@@ -27,12 +28,13 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import Tensor
 from tqdm.auto import tqdm
 
-from attnlab.config import RunConfig, config_to_dict, save_config
+from attnlab.config import RunConfig, config_from_dict, config_to_dict, save_config
 from attnlab.data.bytes import ByteCorpus, load_corpus
 from attnlab.data.sampler import make_sampler, prime_tokens, randomly_truncate
-from attnlab.errors import AttnlabError, CheckpointError
+from attnlab.errors import AttnlabError, CheckpointError, ConfigError
 from attnlab.evaluate import evaluate
 from attnlab.flops import flops_per_token, peak_flops
 from attnlab.generate.sampling import SamplingConfig, generate
@@ -43,6 +45,7 @@ from attnlab.train.checkpoint import (
     list_checkpoints,
     prune_checkpoints,
     read_checkpoint,
+    resolve_checkpoint,
     save_checkpoint,
 )
 from attnlab.train.distill import distillation_loss, load_teacher
@@ -161,6 +164,30 @@ def sample_text(model: Transformer, corpus: ByteCorpus, config: RunConfig, step:
     return corpus.decode(prime.tolist()), corpus.decode(output[0, len(prime) :].tolist())
 
 
+def load_initial_weights(config: RunConfig) -> dict[str, Tensor] | None:
+    """The model weights of train.init_from (a run directory or a checkpoint), checked against
+    this run's model; None without it. Only the weights: optimiser, schedule, data order and step
+    count start afresh."""
+    source = config.train.init_from
+    if not source:
+        return None
+    try:
+        path = resolve_checkpoint(source)
+        saved = read_checkpoint(path)
+    except CheckpointError as error:
+        raise ConfigError(f"train.init_from: {error}") from error
+    saved_model = config_from_dict(saved["config"]).model
+    if saved_model != config.model:
+        differences = [
+            f"model.{name}: {getattr(saved_model, name)} there, {getattr(config.model, name)} here"
+            for name in (field.name for field in dataclasses.fields(saved_model))
+            if getattr(saved_model, name) != getattr(config.model, name)
+        ]
+        raise ConfigError(f"train.init_from={source}: its model differs from this run's: " + "; ".join(differences))
+    log.info("starting from the weights of %s (step %s)", path, saved.get("step"))
+    return saved["model"]
+
+
 def train(
     config: RunConfig,
     resume: str | bool | None = None,
@@ -182,6 +209,8 @@ def train(
             raise describe_corruption(resume_from, error) from error
 
     teacher = load_teacher(config, device)  # train.distill_from, or None; checked before any data is built
+    # train.init_from: a fresh run's starting weights; a resumed run continues from its own checkpoint
+    initial_weights = load_initial_weights(config) if state is None else None
     # precision of the DeepSpeed engine comes from its own config
     autocast_dtype = None if strategy.owns_accumulation else resolve_precision(tc.precision, device)
     torch.manual_seed(tc.seed)
@@ -202,6 +231,8 @@ def train(
         write_run_info(config, run_dir, command_line)
 
     model = Transformer(config.model).to(device)
+    if initial_weights is not None:
+        model.load_state_dict(initial_weights)
     ema = WeightEMA(model, tc.ema_decay) if tc.ema else None  # copied before wrapping, laid out like it after
     forward, optimizer = strategy.wrap(model, lambda module: build_optimizer(module, tc))
     if ema is not None:
