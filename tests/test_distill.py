@@ -12,7 +12,7 @@ from attnlab.train.checkpoint import load_model
 from attnlab.train.distill import distillation_loss
 from attnlab.train.loop import train
 from attnlab.train.metrics import read_metrics
-from test_train import parameters, text_file, tiny  # noqa: F401  (the fixture is shared)
+from test_train import assert_resume_matches, text_file, tiny  # noqa: F401  (the fixture is shared)
 
 
 def test_loss_is_kl_of_teacher_to_model():
@@ -72,10 +72,7 @@ def test_distilled_training_resumes_exactly(tmp_path, text_file):  # noqa: F811
     teacher = train(tiny(tmp_path, text_file, "teacher", "train.max_steps=5"))
     extra = [f"train.distill_from={teacher.run_dir}", "train.distill_weight=0.3"]
     whole = train(tiny(tmp_path, text_file, "whole", *extra))
-    train(tiny(tmp_path, text_file, "split", *extra), until_step=5)
-    second = train(tiny(tmp_path, text_file, "split", *extra), resume=True)
-    for key, value in parameters(whole.run_dir).items():
-        assert torch.equal(value, parameters(second.run_dir)[key]), key
+    assert_resume_matches(whole.run_dir, tmp_path, text_file, *extra)
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -46,6 +46,15 @@ def parameters(run_dir: Path, weights: str = "model") -> dict[str, torch.Tensor]
     return load_model(run_dir, weights=weights).state_dict()
 
 
+def assert_resume_matches(whole_dir: Path, tmp_path: Path, text_file: Path, *extra: str) -> None:
+    """A run of `extra` stopped after 5 steps and resumed to 10 ends with the weights of the
+    uninterrupted run in `whole_dir`, bit for bit."""
+    train(tiny(tmp_path, text_file, "split", *extra), until_step=5)
+    second = train(tiny(tmp_path, text_file, "split", *extra), resume=True)
+    for key, value in parameters(whole_dir).items():
+        assert torch.equal(value, parameters(second.run_dir)[key]), key
+
+
 def losses(run_dir: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in read_metrics(run_dir) if "loss" in r]
 
@@ -194,11 +203,7 @@ def test_init_from_starts_from_the_source_weights_and_resumes_exactly(tmp_path, 
     source_final = [r["val_loss"] for r in read_metrics(source.run_dir) if "val_loss" in r][-1]
     assert evaluations[0] == pytest.approx(source_final, rel=1e-6)  # step 0 is the source's last step
     assert not torch.equal(parameters(whole.run_dir)["head.weight"], parameters(source.run_dir)["head.weight"])
-    # a resumed run continues from its own checkpoint, not from the source again
-    train(tiny(tmp_path, text_file, "split", *extra), until_step=5)
-    second = train(tiny(tmp_path, text_file, "split", *extra), resume=True)
-    for key, value in parameters(whole.run_dir).items():
-        assert torch.equal(value, parameters(second.run_dir)[key]), key
+    assert_resume_matches(whole.run_dir, tmp_path, text_file, *extra)  # from its own checkpoint, not the source
 
 
 @pytest.mark.parametrize("extra, message", [
