@@ -204,8 +204,16 @@ def _next_probs(model: CachedLanguageModel, tokens: Tensor, cache: ModelCache, s
 
 @dataclass
 class _Decoding:
-    """The state both batch schemes share: committed tokens, their lengths and the counters."""
+    """One speculative_generate call, as both batch schemes see it: the models and their caches,
+    the settings, and the state (committed tokens, their lengths and the counters)."""
 
+    target: CachedLanguageModel
+    draft: CachedLanguageModel
+    target_cache: ModelCache
+    draft_cache: ModelCache
+    gamma: int
+    sampling: SamplingConfig
+    generator: torch.Generator | None
     sequence: Tensor  # [B, T + N + 2W] committed tokens of row b: sequence[b, :lengths[b]]
     lengths: Tensor  # [B]
     goal: int  # T + N
@@ -227,19 +235,12 @@ class _Decoding:
         return done
 
 
-def _decode_shared_window(
-    target: CachedLanguageModel,
-    draft: CachedLanguageModel,
-    target_cache: ModelCache,
-    draft_cache: ModelCache,
-    state: _Decoding,
-    gamma: int,
-    sampling: SamplingConfig,
-    generator: torch.Generator | None,
-) -> None:
+def _decode_shared_window(state: _Decoding) -> None:
     """Decode until every row stops, both caches cut to the shortest committed prefix after each
     step (any cache; the module docstring, "Shared window"). Stopped rows keep decoding; their output
     is cut afterwards."""
+    target, draft, target_cache, draft_cache = state.target, state.draft, state.target_cache, state.draft_cache
+    gamma, sampling, generator = state.gamma, state.sampling, state.generator
     sequence = state.sequence
     batch, width = sequence.shape[0], gamma + 1
     device = sequence.device
@@ -289,19 +290,12 @@ def _decode_shared_window(
         draft_cache.truncate(min(common, draft_cache.length))
 
 
-def _decode_per_row(
-    target: CachedLanguageModel,
-    draft: CachedLanguageModel,
-    target_cache: ModelCache,
-    draft_cache: ModelCache,
-    state: _Decoding,
-    gamma: int,
-    sampling: SamplingConfig,
-    generator: torch.Generator | None,
-) -> None:
+def _decode_per_row(state: _Decoding) -> None:
     """Decode until every row stops, each row's caches rolled back to its own committed length
     (caches with per_row_rollback; the module docstring, "Per-row rollback"). A stopped row is
     frozen: it still takes part in the forwards, but commits nothing more."""
+    target, draft, target_cache, draft_cache = state.target, state.draft, state.target_cache, state.draft_cache
+    gamma, sampling, generator = state.gamma, state.sampling, state.generator
     sequence = state.sequence
     batch, width = sequence.shape[0], gamma + 1
     device = sequence.device
@@ -392,15 +386,14 @@ def speculative_generate(
     capacity = goal + 2 * width
     sequence = torch.zeros(batch, capacity, dtype=torch.long, device=device)  # [B, T + N + 2W]
     sequence[:, :prompt_length] = prompt
-    state = _Decoding(
-        sequence=sequence,
-        lengths=torch.full((batch,), prompt_length, dtype=torch.long, device=device),
-        goal=goal,
-        prompt_length=prompt_length,
-        end_token=end_token,
-    )
     target_cache = target.new_cache(batch, capacity)
     draft_cache = draft.new_cache(batch, capacity)
+    state = _Decoding(
+        target=target, draft=draft, target_cache=target_cache, draft_cache=draft_cache, gamma=gamma,
+        sampling=sampling, generator=generator, sequence=sequence,
+        lengths=torch.full((batch,), prompt_length, dtype=torch.long, device=device),
+        goal=goal, prompt_length=prompt_length, end_token=end_token,
+    )
     can_split = all(getattr(cache, "per_row_rollback", False) for cache in (target_cache, draft_cache))
     if per_row and not can_split:
         raise ValueError("per-row rollback needs caches that support it (full attention) in both models")
@@ -411,7 +404,7 @@ def speculative_generate(
             target(prompt[:, :-1], cache=target_cache)
             draft(prompt[:, :-1], cache=draft_cache)
         decode = _decode_per_row if per_row else _decode_shared_window
-        decode(target, draft, target_cache, draft_cache, state, gamma, sampling, generator)
+        decode(state)
     finally:
         for module in was_training:
             module.train()
