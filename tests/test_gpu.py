@@ -147,3 +147,31 @@ def test_variant_trains_and_caches_on_gpu(name):
         cache = model.new_cache(2, 46)
         got = torch.cat([model(tokens[:, a:b], cache=cache).logits for a, b in [(0, 20), (20, 21), (21, 46)]], dim=1)
     assert relative_error(got, want) < 1e-4
+
+
+@pytest.mark.parametrize("per_row", [True, False])
+def test_speculative_greedy_equals_target_on_gpu(per_row):
+    """Speculative decoding on the GPU at batch 4, with each row's caches rolled back to its own
+    length (per_row) or all to the shortest: greedy output equals the target's greedy decoding,
+    and a per-row rolled-back cache equals each row's own parallel forward."""
+    from attnlab.generate.sampling import SamplingConfig, generate
+    from attnlab.generate.speculative import EarlyExitDraft, speculative_generate
+
+    torch.manual_seed(0)
+    target = Transformer(variant_config("full", depth=2)).to(DEVICE).eval()
+    draft = EarlyExitDraft(target, 1)  # close to the target: many drafts accepted, some not
+    greedy = SamplingConfig(temperature=0)
+    prompt = torch.randint(0, 61, (4, 9), device=DEVICE)
+    expected = generate(target, prompt, 32, greedy)
+    result = speculative_generate(target, draft, prompt, 32, gamma=5, sampling=greedy, per_row=per_row)
+    assert result.per_row == per_row and 0 < result.n_accepted < result.n_drafted
+    assert torch.equal(result.tokens, expected)
+    tokens = torch.randint(0, 61, (3, 30), device=DEVICE)
+    with torch.no_grad():
+        cache = target.new_cache(3, 64)
+        target(tokens[:, :20], cache=cache)
+        cache.truncate_rows(torch.tensor([12, 16, 20], device=DEVICE))
+        got = target(tokens[:, 20:26], cache=cache).logits
+        for row, length in enumerate((12, 16, 20)):
+            own = torch.cat((tokens[row, :length], tokens[row, 20:26]))[None]
+            assert relative_error(got[row], target(own).logits[0, length:]) < 1e-4
