@@ -79,7 +79,7 @@ def test_distilled_training_resumes_exactly(tmp_path, text_file):  # noqa: F811
     (["train.distill_weight=0"], "distill_weight"),
     (["model.loss_chunk_size=16"], "loss_chunk_size"),
     (["model.num_tokens=300"], "share a vocabulary"),
-    (["train.distill_loss=js"], "distill_loss must be one of kl, tv"),
+    (["train.distill_loss=js"], "train.distill_loss: 'js' is not one of 'kl', 'tv'"),
 ])
 def test_bad_distillation_is_refused(tmp_path, text_file, extra, message):  # noqa: F811
     teacher = train(tiny(tmp_path, text_file, "teacher", "train.max_steps=1"))

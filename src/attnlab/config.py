@@ -184,7 +184,7 @@ class TrainConfig:
     randomly_truncate_sequence: bool = False  # seed 000: now and then train on a shorter prefix (p 0.1)
     distill_from: str | None = None  # teacher run or checkpoint: also train toward its distribution (train/distill.py)
     distill_weight: float = 0.5  # with distill_from: loss = (1 - w) data cross-entropy + w distillation loss
-    distill_loss: str = "kl"  # kl: KL(teacher || model); tv: total variation, 1 - speculative acceptance
+    distill_loss: Literal["kl", "tv"] = "kl"  # kl: KL(teacher || model); tv: total variation, 1 - acceptance
     init_from: str | None = None  # run or checkpoint whose model weights a fresh run starts from (fine-tuning)
 
 

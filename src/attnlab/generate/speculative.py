@@ -67,7 +67,7 @@ from torch import Tensor, nn
 from attnlab.config import RunConfig
 from attnlab.errors import ConfigError
 from attnlab.generate.sampling import SamplingConfig, probabilities, sample_from
-from attnlab.model.transformer import ModelCache, ModelOutput, Transformer
+from attnlab.model.transformer import ModelCache, ModelOutput, Transformer, token_positions
 
 if TYPE_CHECKING:
     from attnlab.train.loop import TrainResult
@@ -151,11 +151,7 @@ class EarlyExitDraft(nn.Module):
         target = self.target
         x = target.token_embedding(tokens)  # [B, T, dim]
         if target.position_embedding is not None:
-            if cache is None:
-                positions = torch.arange(tokens.shape[1], device=tokens.device)
-            else:
-                positions = cache.positions(tokens.shape[1], tokens.device)  # [T] or [B, T]
-            x = x + target.position_embedding(positions)
+            x = x + target.position_embedding(token_positions(cache, tokens.shape[1], tokens.device))
         for index, block in enumerate(target.blocks[: self.n_layers]):
             x = block(x, None if cache is None else cache.layers[index])
         x = target.norm(x)

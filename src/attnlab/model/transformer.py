@@ -74,11 +74,15 @@ class ModelCache:
         for layer in self.layers:
             layer.truncate_rows(rows)
 
-    def positions(self, n_tokens: int, device: torch.device) -> Tensor:
-        """Positions of the next n_tokens: [T], or [B, T] when rows differ in length."""
-        offset = self.offset
-        steps = torch.arange(n_tokens, device=device)
-        return offset + steps if isinstance(offset, int) else offset[:, None] + steps
+
+def token_positions(cache: ModelCache | None, n_tokens: int, device: torch.device) -> Tensor:
+    """Positions of the next n_tokens fed through `cache` (from 0 without one): [T], or [B, T]
+    when its rows differ in length (learned position embeddings look them up)."""
+    steps = torch.arange(n_tokens, device=device)
+    if cache is None:
+        return steps
+    offset = cache.offset
+    return offset + steps if isinstance(offset, int) else offset[:, None] + steps
 
 
 def make_norm(config: ModelConfig) -> nn.Module:
@@ -172,11 +176,7 @@ class Transformer(nn.Module):
                     f"learned positions stop at max_seq_len={self.config.max_seq_len}; "
                     f"got position {offset + n_tokens - 1}"
                 )
-            if cache is None:
-                positions = torch.arange(n_tokens, device=tokens.device)
-            else:
-                positions = cache.positions(n_tokens, tokens.device)  # [T] or [B, T]
-            x = x + self.position_embedding(positions)
+            x = x + self.position_embedding(token_positions(cache, n_tokens, tokens.device))  # [T] or [B, T]
         if self.config.reversible:  # two-stream reversible residuals (model/reversible.py)
             x = reversible_blocks(self.blocks, x, None if cache is None else cache.layers)
         else:

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from attnlab.config import RunConfig, config_from_dict, config_to_dict, save_config
+from attnlab.config import RunConfig, config_to_dict, save_config
 from attnlab.data.bytes import ByteCorpus, load_corpus
 from attnlab.data.sampler import make_sampler, prime_tokens, randomly_truncate
 from attnlab.errors import AttnlabError, CheckpointError, ConfigError
@@ -43,9 +43,9 @@ from attnlab.train.checkpoint import (
     checkpoint_path,
     describe_corruption,
     list_checkpoints,
+    load_model,
     prune_checkpoints,
     read_checkpoint,
-    resolve_checkpoint,
     save_checkpoint,
 )
 from attnlab.train.distill import distillation_loss, load_teacher
@@ -172,20 +172,19 @@ def load_initial_weights(config: RunConfig) -> dict[str, Tensor] | None:
     if not source:
         return None
     try:
-        path = resolve_checkpoint(source)
-        saved = read_checkpoint(path)
+        start = load_model(source, weights="model")
     except CheckpointError as error:
         raise ConfigError(f"train.init_from: {error}") from error
-    saved_model = config_from_dict(saved["config"]).model
-    if saved_model != config.model:
+    saved = start.run_config.model
+    if saved != config.model:
         differences = [
-            f"model.{name}: {getattr(saved_model, name)} there, {getattr(config.model, name)} here"
-            for name in (field.name for field in dataclasses.fields(saved_model))
-            if getattr(saved_model, name) != getattr(config.model, name)
+            f"model.{name}: {getattr(saved, name)} there, {getattr(config.model, name)} here"
+            for name in (field.name for field in dataclasses.fields(saved))
+            if getattr(saved, name) != getattr(config.model, name)
         ]
         raise ConfigError(f"train.init_from={source}: its model differs from this run's: " + "; ".join(differences))
-    log.info("starting from the weights of %s (step %s)", path, saved.get("step"))
-    return saved["model"]
+    log.info("starting from the weights of %s (step %d)", source, start.checkpoint_step)
+    return start.state_dict()
 
 
 def train(
