@@ -5,6 +5,7 @@ always accepted."""
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 from pathlib import Path
@@ -19,6 +20,7 @@ from attnlab.attention.full import FullCache
 from attnlab.generate.sampling import SamplingConfig, generate, probabilities
 from attnlab.generate.speculative import EarlyExitDraft, accept_reject, speculative_generate
 from attnlab.model import ModelCache, Transformer
+from attnlab.model.quantize import quantize_weights
 from variants import variant_config
 
 GREEDY = SamplingConfig(temperature=0)
@@ -204,6 +206,17 @@ def test_per_row_rollback_follows_the_target(full_pair, batch, n_samples, sampli
     target, draft = full_pair
     _, expected = exact_distribution(target, SAMPLINGS[sampling])
     counts = sampled_counts(target, draft, batch, n_samples, SAMPLINGS[sampling], seed=batch + 1, per_row=True)
+    assert chi_square_p_value(counts, expected) > 0.01
+
+
+def test_quantized_draft_follows_the_target(full_pair):
+    """A draft with int8 weights only changes which tokens are proposed: the output is still the
+    target's distribution (per-row scheme at batch 4)."""
+    target, draft = full_pair
+    draft = copy.deepcopy(draft)
+    assert quantize_weights(draft, "int8") > 0
+    _, expected = exact_distribution(target, SAMPLINGS["plain"])
+    counts = sampled_counts(target, draft, 4, 2000, SAMPLINGS["plain"], seed=7, per_row=True)
     assert chi_square_p_value(counts, expected) > 0.01
 
 
@@ -473,6 +486,21 @@ def test_speculative_command_reports_both_decodings(trained_pair, draft_argument
     ])
     assert code == 0
     assert "speedup" in capsys.readouterr().out
+
+
+def test_speculative_command_with_an_int8_draft(trained_pair, capsys):
+    from attnlab.cli.main import main
+
+    root = trained_pair[0]
+    arguments = ["speculative", "--target", str(root / "target"), "--gamma", "3", "--prompt", "def ",
+                 "--max-new-tokens", "12", "--batch-size", "2", "--temperature", "0", "--draft-quantize", "int8"]
+    capsys.readouterr()
+    assert main([*arguments, "--draft", str(root / "draft"), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["draft_quantize"] == "int8" and report["draft"].endswith("(int8 weights)")
+    assert report["speculative"]["text"] == report["base"]["text"]  # greedy: token for token
+    assert main([*arguments, "--early-exit", "1"]) == 2  # its layers are the target's
+    assert "--draft-quantize needs a draft of its own" in capsys.readouterr().err
 
 
 def test_per_row_scheme_refused_for_caches_without_it(trained_pair, monkeypatch, capsys):

@@ -1,0 +1,101 @@
+"""Weight-only int8 quantization (model/quantize.py): each layer's output is the dequantized
+weight's product (the CPU kernel and the float path agree), a quantized model stays close to the
+float one and is still a consistent cached model, and a quantized draft leaves speculative
+decoding exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from attnlab.generate.sampling import SamplingConfig, generate
+from attnlab.generate.speculative import speculative_generate
+from attnlab.model import Transformer
+from attnlab.model.quantize import Int8Linear, quantize_weights
+from variants import variant_config
+
+KERNEL = pytest.mark.skipif(not hasattr(torch.ops.aten, "_weight_int8pack_mm"), reason="no int8 CPU kernel")
+
+
+def linear(in_features: int, out_features: int, bias: bool, seed: int = 0) -> nn.Linear:
+    torch.manual_seed(seed)
+    layer = nn.Linear(in_features, out_features, bias=bias)
+    with torch.no_grad():
+        layer.weight[3] = 0  # a row of zeros: its scale stays finite, its outputs zero
+    return layer
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_int8_weights_are_the_rounded_float_weights(bias):
+    layer = linear(64, 40, bias)
+    quantized = Int8Linear.from_linear(layer)
+    assert quantized.weight.dtype == torch.int8 and quantized.weight.abs().max() == 127
+    # rounding to the nearest of 255 levels per row: at most half a level off
+    error = (quantized.dequantized() - layer.weight).abs()
+    assert (error <= quantized.scale[:, None] / 2 + 1e-7).all()
+    x = torch.randn(2, 5, 64)
+    exact = nn.functional.linear(x, quantized.dequantized(), layer.bias)
+    torch.testing.assert_close(quantized(x, use_kernel=False), exact, rtol=1e-5, atol=1e-5)
+    assert quantized(x).shape == (2, 5, 40) and torch.isfinite(quantized(x)).all()
+    assert (quantized(x, use_kernel=False)[..., 3] == (layer.bias[3] if bias else 0)).all()
+
+
+@KERNEL
+@pytest.mark.parametrize("rows", [1, 4])
+def test_cpu_kernel_matches_the_float_path(rows):
+    layer = linear(256, 48, bias=True)
+    quantized = Int8Linear.from_linear(layer)
+    assert quantized.use_kernel
+    x = torch.randn(rows, 1, 256)
+    reference = quantized(x, use_kernel=False)
+    # bfloat16 activations and scales: about 3 significant digits
+    torch.testing.assert_close(quantized(x, use_kernel=True), reference, rtol=2e-2, atol=2e-2 * reference.abs().max())
+
+
+def test_kernel_is_avoided_for_widths_it_miscomputes():
+    assert not Int8Linear.from_linear(linear(24, 8, bias=False)).use_kernel  # a width it gets wrong
+    assert not Int8Linear.from_linear(linear(8, 8, bias=False)).use_kernel  # one it crashes on
+
+
+def test_quantized_model_is_close_to_the_float_model_and_cache_consistent():
+    torch.manual_seed(0)
+    model = Transformer(variant_config("full", dim=64, heads=4, dim_head=16, depth=2)).eval()
+    tokens = torch.randint(0, 61, (2, 12))
+    with torch.no_grad():
+        float_logits = model(tokens).logits
+        n_linears = sum(isinstance(module, nn.Linear) for module in model.modules())
+        assert quantize_weights(model, "int8") == n_linears > 0
+        assert not any(isinstance(module, nn.Linear) for module in model.modules())
+        assert isinstance(model.token_embedding.embed, nn.Embedding)  # embeddings stay float
+        logits = model(tokens).logits
+        assert (logits - float_logits).abs().max() < 0.05 * float_logits.std()
+        # the cached forward (a prompt, then single tokens on the CPU kernel) = the parallel one
+        cache = model.new_cache(2, 12)
+        steps = [model(tokens[:, :8], cache=cache).logits] + [
+            model(tokens[:, i : i + 1], cache=cache).logits for i in range(8, 12)
+        ]
+        torch.testing.assert_close(torch.cat(steps, dim=1), logits, rtol=2e-2, atol=2e-2 * logits.abs().max())
+
+
+def test_unknown_quantization_is_refused():
+    with pytest.raises(ValueError, match="unknown quantization 'int4'"):
+        quantize_weights(nn.Linear(4, 4), "int4")
+    model = nn.Sequential(nn.Linear(4, 4))
+    assert quantize_weights(model, "none") == 0 and isinstance(model[0], nn.Linear)
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_quantized_draft_keeps_greedy_speculative_equal_to_the_target(batch):
+    torch.manual_seed(0)
+    target = Transformer(variant_config("full", dim=64, heads=4, dim_head=16, depth=3)).eval()
+    draft = Transformer(variant_config("full", dim=64, heads=4, dim_head=16, depth=1)).eval()
+    with torch.no_grad():
+        target.head.weight.mul_(8)
+        draft.head.weight.mul_(8)
+    quantize_weights(draft, "int8")
+    prompt = torch.randint(0, 61, (batch, 9), generator=torch.Generator().manual_seed(batch))
+    greedy = SamplingConfig(temperature=0)
+    expected = generate(target, prompt, 24, greedy)
+    result = speculative_generate(target, draft, prompt, 24, gamma=5, sampling=greedy)
+    assert torch.equal(result.tokens, expected)
