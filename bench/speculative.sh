@@ -6,11 +6,12 @@
 # target's own cached decoding against speculative decoding (gamma 5) with each draft, at batch 1
 # and 4 (batch 4 with each row's caches rolled back to its own length, and with all rows rolled
 # back to the shortest one), temperature 1 without and with the seed's top-k 26 filter, and
-# greedy; with the load average written before and after every figure. Outputs JSON lines in $OUT.
+# greedy, each with the draft's float weights and with int8 weights (--draft-quantize), side by
+# side; with the load average written before and after every figure. Outputs JSON lines in $OUT.
 #   RUNS=dir (trained runs, reused when present)  OUT=dir  REPEATS=n  STEPS=n (default 1200)
 #   TRAIN_THREADS=n  THREADS=n (default 2; on a machine busier than its cores, 1: two OpenMP
 #   threads that must meet at a barrier make each small forward many times slower there)
-#   DRAFTS="plain distilled" (which drafts to time)
+#   DRAFTS="plain distilled" (which drafts to time)  QUANTIZE="none int8" (the draft's weights)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 runs=${RUNS:-runs/bench-speculative}
@@ -56,11 +57,13 @@ for kind in ${DRAFTS:-plain distilled}; do
         # shortest committed prefix (shared), side by side
         for run in "1 auto" "4 per-row" "4 shared"; do
             read -r batch scheme <<< "$run"
-            stamp | tee -a "$out/decode-$kind.jsonl"
-            # shellcheck disable=SC2086  # $sampling is two or four words on purpose
-            $attnlab speculative --target "$target" --draft "$draft" --gamma 5 --prime-from-val \
-                --max-new-tokens 256 --batch-size "$batch" --batch-scheme "$scheme" $sampling \
-                --repeats "$repeats" --json | tee -a "$out/decode-$kind.jsonl"
+            for quantize in ${QUANTIZE:-none int8}; do
+                stamp | tee -a "$out/decode-$kind.jsonl"
+                # shellcheck disable=SC2086  # $sampling is two or four words on purpose
+                $attnlab speculative --target "$target" --draft "$draft" --gamma 5 --prime-from-val \
+                    --max-new-tokens 256 --batch-size "$batch" --batch-scheme "$scheme" $sampling \
+                    --draft-quantize "$quantize" --repeats "$repeats" --json | tee -a "$out/decode-$kind.jsonl"
+            done
         done
     done
     stamp | tee -a "$out/decode-$kind.jsonl"
