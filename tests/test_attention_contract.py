@@ -129,8 +129,13 @@ def test_per_row_rollback(name):
             torch.testing.assert_close(resumed[row], expected, atol=1e-5, rtol=1e-5)
         cache.truncate(25)  # level again, at a length every row has
         assert cache.offset == 25
+        d = tokens(3, 4, seed=5)
+        level = torch.cat([model(d[:, :3], cache=cache).logits, model(d[:, 3:], cache=cache).logits], dim=1)
+        for row, n in enumerate(kept):
+            own = torch.cat((torch.cat((a[row], b[row, :n], c[row]))[:25], d[row]))[None]
+            torch.testing.assert_close(level[row], model(own).logits[0, 25:], atol=1e-5, rtol=1e-5)
         with pytest.raises(ValueError, match="cannot truncate"):
-            cache.truncate_rows(torch.tensor([26, 0, 0]))
+            cache.truncate_rows(torch.tensor([30, 0, 0]))
 
 
 def test_batch_rows_independent(name):
@@ -228,3 +233,23 @@ def test_memory_linear_in_length(sparse_name):
     small, large = largest_tensor(layer, 1024, config.dim), largest_tensor(layer, 2048, config.dim)
     assert large <= 2.5 * small, f"largest tensor grew {large / small:.1f}x when the length doubled"
     assert large < 2048 * 2048 // 4, "a tensor close to T x T was built"
+
+
+@pytest.mark.parametrize("per_row", [False, True])
+def test_local_cache_refuses_to_roll_back_past_what_it_keeps(per_row):
+    """A local cache keeps window - 1 + max_rollback tokens: a rollback that would leave a row
+    without the window its next token sees is refused, level or per row."""
+    model = Transformer(variant_config("local", attention={"kind": "local", "local": {"window_size": 8,
+                                                                                     "max_rollback": 2}})).eval()
+    with torch.no_grad():
+        cache = model.new_cache(2, 64)
+        model(tokens(2, 20), cache=cache)
+        with pytest.raises(ValueError, match="raise attention.local.max_rollback"):
+            if per_row:
+                cache.truncate_rows(torch.tensor([20, 17]))
+            else:
+                cache.truncate(17)
+        if per_row:  # within max_rollback
+            cache.truncate_rows(torch.tensor([20, 18]))
+        else:
+            cache.truncate(18)

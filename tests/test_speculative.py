@@ -124,9 +124,9 @@ VOCABULARY, HORIZON, GAMMA = 4, 3, 2
 PROMPT = torch.tensor([[1, 2, 0, 3]])
 
 
-def tiny(name: str, seed: int, depth: int) -> Transformer:
+def tiny(name: str, seed: int, depth: int, **overrides) -> Transformer:
     return model(name, seed=seed, logit_scale=4, num_tokens=VOCABULARY, dim=16, heads=2, dim_head=8, kv_heads=1,
-                 depth=depth)
+                 depth=depth, **overrides)
 
 
 def exact_distribution(target: Transformer, sampling: SamplingConfig) -> tuple[Tensor, Tensor]:
@@ -175,8 +175,19 @@ def sampled_counts(
 
 @pytest.fixture(scope="module")
 def pair() -> tuple[Transformer, Transformer]:
-    """Caches that roll back all rows to one length (the local draft's): the shared-window scheme."""
+    """A full-attention target and a local draft, decoded with the shared-window scheme (per_row=False)."""
     return tiny("full", seed=0, depth=2), tiny("local", seed=1, depth=1)
+
+
+# a window of 3 tokens: the band bites within the 7 tokens of a continuation, and per-row
+# rollbacks shift the kept keys of each row (LocalCache) at every step
+NARROW_LOCAL = {"attention": {"kind": "local", "local": {"window_size": 3, "max_rollback": 4}}}
+
+
+@pytest.fixture(scope="module")
+def local_pair() -> tuple[Transformer, Transformer]:
+    """Both caches local attention, rolled back per row at batch > 1."""
+    return tiny("local", seed=0, depth=2, **NARROW_LOCAL), tiny("local", seed=1, depth=1, **NARROW_LOCAL)
 
 
 @pytest.fixture(scope="module")
@@ -195,7 +206,7 @@ SAMPLINGS = {"plain": SamplingConfig(), "filtered": SamplingConfig(temperature=0
 def test_sampled_continuations_follow_the_target(pair, batch, n_samples, sampling):
     target, draft = pair
     _, expected = exact_distribution(target, SAMPLINGS[sampling])
-    counts = sampled_counts(target, draft, batch, n_samples, SAMPLINGS[sampling], seed=batch)
+    counts = sampled_counts(target, draft, batch, n_samples, SAMPLINGS[sampling], seed=batch, per_row=False)
     assert chi_square_p_value(counts, expected) > 0.01
 
 
@@ -206,6 +217,14 @@ def test_per_row_rollback_follows_the_target(full_pair, batch, n_samples, sampli
     target, draft = full_pair
     _, expected = exact_distribution(target, SAMPLINGS[sampling])
     counts = sampled_counts(target, draft, batch, n_samples, SAMPLINGS[sampling], seed=batch + 1, per_row=True)
+    assert chi_square_p_value(counts, expected) > 0.01
+
+
+@pytest.mark.parametrize("batch, n_samples", [(4, 2000), (2000, 6000)])
+def test_local_per_row_rollback_follows_the_target(local_pair, batch, n_samples):
+    target, draft = local_pair
+    _, expected = exact_distribution(target, SAMPLINGS["plain"])
+    counts = sampled_counts(target, draft, batch, n_samples, SAMPLINGS["plain"], seed=batch + 2, per_row=True)
     assert chi_square_p_value(counts, expected) > 0.01
 
 
@@ -220,8 +239,8 @@ def test_quantized_draft_follows_the_target(full_pair):
     assert chi_square_p_value(counts, expected) > 0.01
 
 
-def test_per_row_needs_caches_that_roll_back_per_row(pair):
-    target, draft = pair  # the draft's local-attention cache rolls back all rows to one length
+def test_per_row_needs_caches_that_roll_back_per_row():
+    target, draft = tiny("full", seed=0, depth=2), tiny("routing", seed=1, depth=1)  # one length for all rows
     with pytest.raises(ValueError, match="per-row rollback needs caches"):
         speculative_generate(target, draft, PROMPT.expand(2, -1), 3, gamma=GAMMA, per_row=True)
     result = speculative_generate(target, draft, PROMPT.expand(2, -1), 3, gamma=GAMMA)
@@ -249,9 +268,9 @@ def test_ragged_batch_bug_is_detected(pair, monkeypatch):
         lambda p, q, tokens, known, generator: accept_reject(p, q, tokens, torch.zeros_like(known), generator),
     )
     _, expected = exact_distribution(target, SamplingConfig())
-    counts = sampled_counts(target, draft, 4, 3200, SamplingConfig(), seed=4)  # few rows ahead at batch 4
+    counts = sampled_counts(target, draft, 4, 3200, SamplingConfig(), seed=4, per_row=False)  # few rows ahead
     assert chi_square_p_value(counts, expected) < 1e-6
-    counts = sampled_counts(target, draft, 2000, 6000, SamplingConfig(), seed=2000)
+    counts = sampled_counts(target, draft, 2000, 6000, SamplingConfig(), seed=2000, per_row=False)
     assert chi_square_p_value(counts, expected) < 1e-6
 
 
@@ -304,7 +323,7 @@ def attended_only_committed_tokens(recording: RecordingTarget, tokens: Tensor) -
     return True
 
 
-@pytest.mark.parametrize("name, per_row", [("full", True), ("full", False), ("local", False)])
+@pytest.mark.parametrize("name, per_row", [("full", True), ("full", False), ("local", True), ("local", False)])
 def test_rows_attend_only_to_their_own_committed_tokens(name, per_row):
     """Ragged acceptance at batch 6: no row's cache ever holds a rejected draft token, whether
     each row's caches roll back to its own length (per_row) or all to the shortest one."""
@@ -340,6 +359,36 @@ def test_per_row_mask_bug_is_detected(monkeypatch):
     monkeypatch.setattr(FullCache, "append", append_level)
     recording = RecordingTarget(target)
     result = speculative_generate(recording, draft, prompt, 40, gamma=4, generator=torch.Generator().manual_seed(0))
+    assert not attended_only_committed_tokens(recording, result.tokens)
+
+
+@pytest.mark.parametrize("bug", ["no shift", "empty slots seen"])
+def test_local_per_row_bugs_are_detected(bug, monkeypatch):
+    """A local cache that rolls rows back without shifting each row's kept keys (so rows append
+    after stale slots), or whose mask lets a row see the empty slots a rollback leaves, is caught."""
+    from attnlab.attention.local import LocalCache
+
+    if bug == "no shift":
+        monkeypatch.setattr(LocalCache, "_drop_per_row", lambda cache, drop, lengths: None)
+    else:
+        band = LocalCache._row_band
+
+        def band_seeing_empty_slots(cache, n_new, n_keys):
+            valid = cache.valid
+            cache.valid = torch.full_like(valid, cache.capacity)
+            try:
+                return band(cache, n_new, n_keys)
+            finally:
+                cache.valid = valid
+
+        monkeypatch.setattr(LocalCache, "_row_band", band_seeing_empty_slots)
+    local = {"attention": {"kind": "local", "local": {"window_size": 6, "max_rollback": 8}}}
+    target = model("local", depth=2, logit_scale=3, **local)
+    draft = model("local", seed=1, depth=1, logit_scale=3, **local)
+    prompt = torch.randint(0, 61, (6, 3), generator=torch.Generator().manual_seed(0))
+    recording = RecordingTarget(target)
+    result = speculative_generate(recording, draft, prompt, 30, gamma=4, generator=torch.Generator().manual_seed(0),
+                                  per_row=True)
     assert not attended_only_committed_tokens(recording, result.tokens)
 
 

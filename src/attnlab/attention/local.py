@@ -17,7 +17,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnlab.attention.base import AttentionSpec, HeadProjections, KVCache, expand_kv, overlapping_windows, sdpa
+from attnlab.attention.base import (
+    AttentionSpec,
+    HeadProjections,
+    KVCache,
+    RowLengths,
+    expand_kv,
+    overlapping_windows,
+    sdpa,
+)
 from attnlab.attention.kernels.flex import worth_flex
 from attnlab.attention.kernels.flex_local import flex_local_attention
 from attnlab.config import LocalAttentionConfig
@@ -67,37 +75,106 @@ def local_attention(q: Tensor, k: Tensor, v: Tensor, window: int, dropout: float
 
 
 class LocalCache(KVCache):
-    """Keys and values of the last window - 1 + max_rollback tokens."""
+    """Keys and values of the last window - 1 + max_rollback tokens (the capacity C).
+
+    Rows may have lengths of their own (truncate_rows). The kept keys are then right-aligned per
+    row: slot C - 1 holds each row's last token, slot s the token C - 1 - s before it, and the
+    first C - valid[b] slots of row b hold nothing (masked). A per-row rollback shifts each row
+    right by the tokens it drops, so the next tokens of every row are appended at the same slots."""
+
+    per_row_rollback = True
 
     def __init__(self, window: int, max_rollback: int) -> None:
         self.window = window
         self.capacity = window - 1 + max_rollback
-        self.keys: Tensor | None = None  # [B, G, kept, D]
+        self.keys: Tensor | None = None  # [B, G, kept, D]; kept = C once rows differ
         self.values: Tensor | None = None
         self.length = 0
+        self.rows = None
+        self.valid: Tensor | None = None  # [B] kept slots holding a token, while rows differ
 
-    def extend(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Return kept + new keys/values [B, G, kept+T, D] and keep the last `capacity` of them."""
+    def extend(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Return kept + new keys/values [B, G, kept+T, D], and the mask [B, 1, T, kept+T] the T
+        new queries need when rows differ (None while they are level: `local_attention` then
+        finds the band itself); keep the last `capacity` of them."""
         n_new = k.shape[2]
         if self.keys is not None:
             k, v = torch.cat((self.keys, k), dim=2), torch.cat((self.values, v), dim=2)
+        mask = None
+        if self.rows is not None:
+            self.rows, _, _ = self.rows.advance(n_new)
+            mask = self._row_band(n_new, k.shape[2])
+            self.valid = (self.valid + n_new).clamp(max=self.capacity)
         self.keys = k[:, :, -self.capacity :].contiguous()
         self.values = v[:, :, -self.capacity :].contiguous()
         self.length += n_new
-        return k, v
+        return k, v, mask
+
+    def _row_band(self, n_new: int, n_keys: int) -> Tensor:
+        """[B, 1, T, S]: new query t (slot S - T + t) sees the slots of the last `window` tokens up
+        to itself that hold a token of its row."""
+        device = self.valid.device
+        slot = torch.arange(n_keys, device=device)
+        query = n_keys - n_new + torch.arange(n_new, device=device)[:, None]  # [T, 1]
+        band = (slot <= query) & (slot > query - self.window)  # [T, S]
+        held = slot >= (n_keys - n_new - self.valid)[:, None]  # [B, S]
+        return (band & held[:, None, :])[:, None]
 
     def truncate(self, length: int) -> None:
         self._check_truncate(length)
+        if self.rows is not None:
+            lengths = self.rows.lengths
+            if bool((lengths < length).any()):
+                raise ValueError(f"cannot truncate rows of lengths {lengths.tolist()} to {length}")
+            self._drop_per_row(lengths - length, torch.full_like(lengths, length))
+            # level again: the last min(length, C) slots, every one a token within reach or past it
+            kept = min(length, self.capacity)
+            self.keys, self.values = self.keys[:, :, self.capacity - kept :], self.values[:, :, self.capacity - kept :]
+            self.rows, self.valid, self.length = None, None, length
+            return
         drop = self.length - length
         kept = 0 if self.keys is None else self.keys.shape[2]
-        needed = min(length, self.window - 1)  # keys the next token must still see
-        if kept - drop < needed:
-            raise ValueError(
-                f"local cache keeps {kept} tokens; cannot roll back {drop} (raise max_rollback)"
-            )
+        self._check_rollback(kept - drop, min(length, self.window - 1))
         if drop and self.keys is not None:
             self.keys, self.values = self.keys[:, :, : kept - drop], self.values[:, :, : kept - drop]
         self.length = length
+
+    def truncate_rows(self, rows: RowLengths) -> None:
+        """Rows checked against the lengths fed by the caller (ModelCache.truncate_rows)."""
+        if rows.longest > self.length:
+            raise ValueError(f"cannot truncate a cache of length {self.length} to rows up to {rows.longest}")
+        if self.keys is None:  # nothing fed: every row is at 0, level
+            return
+        if self.rows is None:  # level until now: every row holds the same kept slots
+            batch = rows.lengths.shape[0]
+            kept = self.keys.shape[2]
+            if kept < self.capacity:  # right-align to C slots
+                pad = (0, 0, self.capacity - kept, 0)
+                self.keys, self.values = F.pad(self.keys, pad), F.pad(self.values, pad)
+            self.valid = torch.full((batch,), kept, dtype=torch.long, device=rows.lengths.device)
+            current = torch.full_like(rows.lengths, self.length)
+        else:
+            current = self.rows.lengths
+        self._drop_per_row(current - rows.lengths, rows.lengths)
+        self.rows, self.length = rows, rows.longest
+
+    def _drop_per_row(self, drop: Tensor, lengths: Tensor) -> None:
+        """Forget the last drop[b] tokens of row b (rows right-aligned in C slots)."""
+        self._check_rollback(self.valid - drop, torch.clamp(lengths, max=self.window - 1))
+        slot = torch.arange(self.capacity, device=drop.device)
+        source = slot - drop[:, None]  # [B, C] the slot each one's token comes from
+        index = source.clamp(min=0)[:, None, :, None].expand_as(self.keys)
+        shifted = (source >= 0)[:, None, :, None]
+        self.keys = torch.where(shifted, self.keys.gather(2, index), 0)
+        self.values = torch.where(shifted, self.values.gather(2, index), 0)
+        self.valid = self.valid - drop
+
+    def _check_rollback(self, kept: int | Tensor, needed: int | Tensor) -> None:
+        """Each row must keep the keys its next token still sees: its last window - 1 tokens."""
+        short = kept < needed
+        if bool(short.any() if isinstance(short, Tensor) else short):
+            raise ValueError(f"local cache keeps {self.capacity} tokens at most; cannot roll back that far "
+                             "(raise attention.local.max_rollback)")
 
 
 @ATTENTION.register("local")
@@ -119,10 +196,13 @@ class LocalAttention(nn.Module):
 
     def forward(self, x: Tensor, cache: LocalCache | None = None) -> Tensor:
         dropout = self.spec.dropout if self.training else 0.0
-        offset = 0 if cache is None else cache.length
-        q, k, v = self.heads.split(x, offset)  # q [B, H, T, D], k v [B, G, T, D]
-        if cache is not None:
-            k, v = cache.extend(k, v)  # [B, G, kept + T, D]
+        if cache is None:
+            q, k, v = self.heads.split(x, 0)  # q [B, H, T, D], k v [B, G, T, D]
+        else:
+            q, k, v = self.heads.split(x, cache.offset, cache.length + x.shape[1])
+            k, v, row_mask = cache.extend(k, v)  # [B, G, kept + T, D]
+            if row_mask is not None:  # rows of different lengths: each its own band
+                return self.heads.merge(sdpa(q, k, v, mask=row_mask, causal=False, dropout=dropout))
         if self.config.backend == "flex" and worth_flex(q.shape[2], q.device.type):  # short chunks: the torch path
             y = flex_local_attention(q, k, v, self.config.window_size)
         else:
