@@ -47,8 +47,11 @@ stamp() { echo "{\"date\": \"$(date -u +%FT%TZ)\", \"uptime\": \"$(uptime | sed 
 for kind in ${DRAFTS:-plain distilled}; do
     draft=${draft_dirs[$kind]}
     {
-        stamp
-        $python bench/speculative_costs.py "$target" "$draft" --rounds "${ROUNDS:-200}"
+        for quantize in ${QUANTIZE:-none int8}; do
+            stamp
+            echo "{\"draft_quantize\": \"$quantize\"}"
+            $python bench/speculative_costs.py "$target" "$draft" --rounds "${ROUNDS:-200}" --draft-quantize "$quantize"
+        done
         stamp
     } | tee "$out/costs-$kind.jsonl"
     : > "$out/decode-$kind.jsonl"

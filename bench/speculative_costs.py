@@ -19,7 +19,7 @@ decoding, and the measured speedup of the same runs. Every figure is the median 
 (3 runs after a warm-up), so tokens_per_step / (draft + verify + other) comes near the speedup but
 need not equal it.
 
-    python bench/speculative_costs.py TARGET_RUN DRAFT_RUN [--rounds 200] [--context 200]
+    python bench/speculative_costs.py TARGET_RUN DRAFT_RUN [--rounds 200] [--context 200] [--draft-quantize int8]
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import time
 import torch
 from speculative_acceptance import next_token_probs  # this folder's script: python bench/...
 
+from attnlab.model.quantize import QUANTIZATIONS, quantize_weights
 from attnlab.train.checkpoint import load_model
 
 
@@ -42,8 +43,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=200)
     parser.add_argument("--context", type=int, default=200, help="tokens already in the cache")
     parser.add_argument("--gamma", type=int, default=5)
+    parser.add_argument("--draft-quantize", choices=list(QUANTIZATIONS), default="none",
+                        help="the draft's linear weights, as `attnlab speculative --draft-quantize`")
     args = parser.parse_args()
     target, draft = load_model(args.target).eval(), load_model(args.draft).eval()
+    quantize_weights(draft, args.draft_quantize)
     alpha = acceptance_on_validation(target, draft)
     own = acceptance_on_own_samples(target, draft)
     print(json.dumps({"acceptance_per_token": round(alpha, 4),

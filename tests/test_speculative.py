@@ -56,7 +56,7 @@ def test_greedy_speculative_equals_greedy_target(pair, batch):
     target, draft = model(logit_scale=8, **target_options), model(logit_scale=8, **draft_options)
     prompt = torch.randint(0, 61, (batch, 9), generator=torch.Generator().manual_seed(batch))
     expected = generate(target, prompt, 32, GREEDY)
-    # auto, and both schemes where both caches roll back per row (full attention)
+    # auto, and both schemes where both caches roll back per row (full or local attention)
     schemes = [None, True, False] if target.new_cache(1).per_row_rollback and draft.new_cache(1).per_row_rollback \
         else [None]
     for gamma, per_row in itertools.product((1, 5), schemes):
