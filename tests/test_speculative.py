@@ -46,6 +46,7 @@ PAIRS = {
     "local-learned": (dict(name="local", depth=2), dict(name="full-learned-positions", seed=1, depth=1)),
     # both caches roll back per row at batch > 1, the target with learned positions
     "learned-full": (dict(name="full-learned-positions", depth=2), dict(name="full", seed=1, depth=1)),
+    "routing-full": (dict(name="routing", depth=2), dict(name="full", seed=1, depth=1)),
 }
 
 
@@ -56,7 +57,7 @@ def test_greedy_speculative_equals_greedy_target(pair, batch):
     target, draft = model(logit_scale=8, **target_options), model(logit_scale=8, **draft_options)
     prompt = torch.randint(0, 61, (batch, 9), generator=torch.Generator().manual_seed(batch))
     expected = generate(target, prompt, 32, GREEDY)
-    # auto, and both schemes where both caches roll back per row (full or local attention)
+    # auto, and both schemes where both caches roll back per row (full, local or routing attention)
     schemes = [None, True, False] if target.new_cache(1).per_row_rollback and draft.new_cache(1).per_row_rollback \
         else [None]
     for gamma, per_row in itertools.product((1, 5), schemes):
@@ -220,9 +221,17 @@ def test_per_row_rollback_follows_the_target(full_pair, batch, n_samples, sampli
     assert chi_square_p_value(counts, expected) > 0.01
 
 
-@pytest.mark.parametrize("batch, n_samples", [(4, 2000), (2000, 6000)])
-def test_local_per_row_rollback_follows_the_target(local_pair, batch, n_samples):
-    target, draft = local_pair
+@pytest.fixture(scope="module")
+def routing_pair() -> tuple[Transformer, Transformer]:
+    """A routing target (one local and one routed head in layer 0, clusters of W + 1 = 5 keys)
+    and a local draft, rolled back per row at batch > 1."""
+    return tiny("routing", seed=0, depth=2), tiny("local", seed=1, depth=1, **NARROW_LOCAL)
+
+
+@pytest.mark.parametrize("pair_name, batch, n_samples", [("local", 4, 2000), ("local", 2000, 6000),
+                                                         ("routing", 4, 2000)])
+def test_local_and_routing_per_row_rollback_follow_the_target(pair_name, batch, n_samples, request):
+    target, draft = request.getfixturevalue(f"{pair_name}_pair")
     _, expected = exact_distribution(target, SAMPLINGS["plain"])
     counts = sampled_counts(target, draft, batch, n_samples, SAMPLINGS["plain"], seed=batch + 2, per_row=True)
     assert chi_square_p_value(counts, expected) > 0.01
@@ -240,7 +249,7 @@ def test_quantized_draft_follows_the_target(full_pair):
 
 
 def test_per_row_needs_caches_that_roll_back_per_row():
-    target, draft = tiny("full", seed=0, depth=2), tiny("routing", seed=1, depth=1)  # one length for all rows
+    target, draft = tiny("full", seed=0, depth=2), tiny("sinkhorn", seed=1, depth=1)  # one length for all rows
     with pytest.raises(ValueError, match="per-row rollback needs caches"):
         speculative_generate(target, draft, PROMPT.expand(2, -1), 3, gamma=GAMMA, per_row=True)
     result = speculative_generate(target, draft, PROMPT.expand(2, -1), 3, gamma=GAMMA)
@@ -323,7 +332,9 @@ def attended_only_committed_tokens(recording: RecordingTarget, tokens: Tensor) -
     return True
 
 
-@pytest.mark.parametrize("name, per_row", [("full", True), ("full", False), ("local", True), ("local", False)])
+@pytest.mark.parametrize(
+    "name, per_row", [("full", True), ("full", False), ("local", True), ("local", False), ("routing", True)]
+)
 def test_rows_attend_only_to_their_own_committed_tokens(name, per_row):
     """Ragged acceptance at batch 6: no row's cache ever holds a rejected draft token, whether
     each row's caches roll back to its own length (per_row) or all to the shortest one."""

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
-from attnlab.attention.base import AttentionSpec, KVCache, expand_kv
+from attnlab.attention.base import AttentionSpec, KVCache, RowLengths, expand_kv, sdpa
 from attnlab.attention.gathered import additive_mask, autocast_inputs, row_numbers, rows_of
 from attnlab.attention.kernels import listed_cpu
 from attnlab.attention.kernels.flex import worth_flex
@@ -379,14 +379,22 @@ def routed_attention(
 
 
 def routed_attention_cached(
-    q: Tensor, k: Tensor, v: Tensor, clusters: Tensor, window: int, block: int = 256
+    q: Tensor, k: Tensor, v: Tensor, clusters: Tensor, window: int, block: int = 256,
+    positions: Tensor | None = None,
 ) -> Tensor:
     """Routed attention for the last T of S tokens, keys gathered per query (decoding, no grad).
-    q [B, R, T, D], k v [B, R, S, D], clusters [B, R, S] -> [B, R, T, D]. Same slots as above."""
+    q [B, R, T, D], k v [B, R, S, D], clusters [B, R, S] -> [B, R, T, D]. Same slots as above.
+    positions [B, T]: the queries' own positions when rows differ in length (a per-row cache);
+    whatever a row holds past its last query is a later position, so it is never among the W + 1
+    slots before a query in its cluster's order."""
     n_queries, n_keys, dim_head = q.shape[2], k.shape[2], q.shape[3]
+    if positions is None:
+        positions = torch.arange(n_keys - n_queries, n_keys, device=q.device).expand(q.shape[0], -1)
+    query_positions = positions[:, None, :].expand(-1, clusters.shape[1], -1)  # [B, R, T]
     if n_queries == 1:  # one decoded token: its keys are the last W + 1 positions of its cluster
-        same = clusters == clusters[..., -1:]  # [B, R, S]
-        candidates = torch.where(same, torch.arange(n_keys, device=q.device), -1)
+        key_positions = torch.arange(n_keys, device=q.device)
+        same = (clusters == clusters.gather(-1, query_positions)) & (key_positions <= query_positions)  # [B, R, S]
+        candidates = torch.where(same, key_positions, -1)
         picked = candidates.topk(min(window + 1, n_keys), dim=-1).values  # [B, R, K], -1: none
         positions = picked.clamp(min=0)[..., None].expand(-1, -1, -1, dim_head)
         keys, values = k.gather(2, positions), v.gather(2, positions)  # [B, R, K, D]
@@ -399,10 +407,10 @@ def routed_attention_cached(
     outputs = []
     for start in range(0, n_queries, block):  # bounded memory for long chunks: block * K * D
         end = min(start + block, n_queries)
-        rows = rank[..., n_keys - n_queries + start : n_keys - n_queries + end]  # [B, R, t]
+        rows = rank.gather(-1, query_positions[..., start:end])  # [B, R, t]
         slots = rows[..., None] - torch.arange(window + 1, device=q.device)  # [B, R, t, K]
         safe = slots.clamp(min=0).flatten(-2)  # [B, R, t K]
-        own = clusters[..., n_keys - n_queries + start : n_keys - n_queries + end, None]
+        own = clusters.gather(-1, query_positions[..., start:end])[..., None]
         allowed = (slots >= 0) & (sorted_clusters.gather(-1, safe).view_as(slots) == own)
         positions = order.gather(-1, safe)[..., None].expand(-1, -1, -1, dim_head)
         keys = k.gather(2, positions).unflatten(2, slots.shape[2:])  # [B, R, t, K, D]
@@ -432,28 +440,52 @@ class RoutingCache(KVCache):
     Deliberate choice: keeping every position (rather than only the last window of each cluster)
     makes truncate() exact for any length, and costs no more than the per-cluster windows would
     with the default n_clusters = max_seq_len / window (C windows of W hold max_seq_len tokens).
+    Rows may have lengths of their own (truncate_rows), as in the full-attention cache: row b's
+    tokens sit at positions 0..rows.lengths[b]-1, and what lies past them is never attended to.
     """
+
+    per_row_rollback = True
 
     def __init__(self, batch: int, n_heads: int, n_routed: int, dim_head: int, max_len: int, device, dtype) -> None:
         self.keys = torch.zeros(batch, n_heads, max_len, dim_head, device=device, dtype=dtype)
         self.values = torch.zeros_like(self.keys)
         self.clusters = torch.zeros(batch, n_routed, max_len, device=device, dtype=torch.long)
         self.length = 0
+        self.rows = None
+        self.positions: Tensor | None = None  # [B, T] of the last append's tokens, while rows differ
 
     def append(self, k: Tensor, v: Tensor, clusters: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Store k, v [B, H, T, D], clusters [B, R, T]; return everything so far (length S)."""
+        """Store k, v [B, H, T, D], clusters [B, R, T]; return everything so far (length S, the
+        longest row's). While rows differ, `positions` holds each new token's own position."""
         start, end = self.length, self.length + k.shape[2]
         if end > self.keys.shape[2]:
             raise ValueError(f"cache holds {self.keys.shape[2]} tokens; {end} were fed")
-        self.keys[:, :, start:end] = k
-        self.values[:, :, start:end] = v
-        self.clusters[:, :, start:end] = clusters
+        if self.rows is None:
+            self.keys[:, :, start:end] = k
+            self.values[:, :, start:end] = v
+            self.clusters[:, :, start:end] = clusters
+        else:
+            self.rows, self.positions, _ = self.rows.advance(k.shape[2])  # shared by the layers
+            rows = torch.arange(k.shape[0], device=k.device)[:, None]  # [B, 1]
+            self.keys.transpose(1, 2)[rows, self.positions] = k.transpose(1, 2)  # b t h d, in place
+            self.values.transpose(1, 2)[rows, self.positions] = v.transpose(1, 2)
+            self.clusters.transpose(1, 2)[rows, self.positions] = clusters.transpose(1, 2)
         self.length = end
         return self.keys[:, :, :end], self.values[:, :, :end], self.clusters[:, :, :end]
 
     def truncate(self, length: int) -> None:
         self._check_truncate(length)
+        if self.rows is not None:
+            if bool((self.rows.lengths < length).any()):
+                raise ValueError(f"cannot truncate rows of lengths {self.rows.lengths.tolist()} to {length}")
+            self.rows, self.positions = None, None
         self.length = length  # later slots are overwritten by the next append
+
+    def truncate_rows(self, rows: RowLengths) -> None:
+        """Rows checked by the caller (ModelCache.truncate_rows: one device sync for all layers)."""
+        if rows.longest > self.length:
+            raise ValueError(f"cannot truncate a cache of length {self.length} to rows up to {rows.longest}")
+        self.rows, self.length = rows, rows.longest
 
 
 @ATTENTION.register("routing")
@@ -497,7 +529,7 @@ class RoutingAttention(nn.Module):
     def forward(self, x: Tensor, cache: RoutingCache | None = None) -> Tensor:
         spec, window = self.spec, self.config.window_size
         dropout = spec.dropout if self.training else 0.0
-        offset = 0 if cache is None else cache.length
+        offset = 0 if cache is None else cache.offset  # [B] per row after a per-row rollback
         q = rearrange(self.to_q(x), "b t (h d) -> b h t d", d=spec.dim_head)  # [B, H, T, D]
         k = expand_kv(rearrange(self.to_k(x), "b t (g d) -> b g t d", d=spec.dim_head), spec.n_heads)
         v = expand_kv(rearrange(self.to_v(x), "b t (g d) -> b g t d", d=spec.dim_head), spec.n_heads)
@@ -518,14 +550,22 @@ class RoutingAttention(nn.Module):
         if self.record_statistics:
             self.last_clusters = clusters
         unrotated_k = k
+        end = None if cache is None else cache.length + x.shape[1]  # per-row rotary offsets' bound
         if spec.rotary is not None:
-            q, k = spec.rotary(q, offset), spec.rotary(k, offset)
+            q, k = spec.rotary(q, offset, end), spec.rotary(k, offset, end)
+        positions = None  # [B, T] when rows differ in length
         if cache is not None:
             k, v, clusters = cache.append(k, v, clusters)  # [B, H, S, D], clusters [B, R, S]
             k, v = k.to(q.dtype), v.to(q.dtype)
+            positions = cache.positions if cache.rows is not None else None
         local, routed = self.n_local, slice(self.n_local, None)
         parts = []
-        if self.n_local:
+        if self.n_local and positions is not None:  # each row's own band of the last W tokens
+            key_positions = torch.arange(k.shape[2], device=k.device)
+            band = (key_positions <= positions[..., None]) & (key_positions > positions[..., None] - window)
+            parts.append(sdpa(q[:, :local], k[:, :local], v[:, :local], mask=band[:, None], causal=False,
+                              dropout=dropout))
+        elif self.n_local:
             parts.append(local_attention(q[:, :local], k[:, :local], v[:, :local], window, dropout))
         if self.n_routed:
             # kernels/flex_routing.py for whole sequences, long enough on CUDA (flex.worth_flex)
@@ -537,7 +577,8 @@ class RoutingAttention(nn.Module):
                 parts.append(routed_attention(q[:, routed], unrotated_k[:, routed], v[:, routed], clusters, window,
                                               dropout, rotary))
             else:
-                parts.append(routed_attention_cached(q[:, routed], k[:, routed], v[:, routed], clusters, window))
+                parts.append(routed_attention_cached(q[:, routed], k[:, routed], v[:, routed], clusters, window,
+                                                     positions=positions))
         y = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]  # [B, H, T, D]
         return self.to_out(rearrange(y, "b h t d -> b t (h d)"))  # a view when y is laid out [B, T, H, D]
 
