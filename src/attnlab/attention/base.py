@@ -123,25 +123,42 @@ class RotaryEmbedding(nn.Module):
         """x [B, H, T, D] at positions offset..offset+T-1 -> rotated x. offset is an int, or a
         tensor [B] of per-row offsets (a cache after truncate_rows), whose bound `end` (the
         largest position + 1) must then be given."""
+        cos, sin = self._factors(x, offset, end)
+        return self._rotate(x, cos, sin)
+
+    def rotate_pair(self, q: Tensor, k: Tensor, offset: int | Tensor, end: int | None = None) -> tuple[Tensor, Tensor]:
+        """forward(q), forward(k) for queries [B, H, T, D] and keys [B, G, T, D] at the same
+        positions, rotated together: the same values, half the operations (decoding runs this
+        once per layer and token)."""
+        cos, sin = self._factors(q, offset, end)
+        rotated = self._rotate(torch.cat((q, k), dim=1), cos, sin)
+        return rotated.split((q.shape[1], k.shape[1]), dim=1)
+
+    @staticmethod
+    def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    def _factors(self, x: Tensor, offset: int | Tensor, end: int | None) -> tuple[Tensor, Tensor]:
+        """cos, sin [T, D/2] (or [B, 1, T, D/2] per row) for x's T positions from offset, in x's dtype."""
         length = x.shape[-2]
         if isinstance(offset, Tensor):
             if end is None:
                 raise ValueError("per-row rotary offsets need their bound (end)")
             memo = self._row_memo
             if memo is not None and memo[0] is offset and memo[1] == (length, x.dtype):
-                cos, sin = memo[2], memo[3]  # queries and keys, and every layer, share one offset tensor
-            else:
-                self._reserve(end, x.device)
-                positions = offset[:, None] + torch.arange(length, device=offset.device)  # [B, T]
-                cos = self.cos[positions].to(x.dtype)[:, None]  # [B, 1, T, D/2]
-                sin = self.sin[positions].to(x.dtype)[:, None]
-                self._row_memo = (offset, (length, x.dtype), cos, sin)
-        else:
-            self._reserve(offset + length, x.device)
-            cos = self.cos[offset : offset + length].to(x.dtype)  # [T, D/2]
-            sin = self.sin[offset : offset + length].to(x.dtype)
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+                return memo[2], memo[3]  # queries and keys, and every layer, share one offset tensor
+            self._reserve(end, x.device)
+            positions = offset[:, None] + torch.arange(length, device=offset.device)  # [B, T]
+            cos = self.cos[positions].to(x.dtype)[:, None]  # [B, 1, T, D/2]
+            sin = self.sin[positions].to(x.dtype)[:, None]
+            self._row_memo = (offset, (length, x.dtype), cos, sin)
+            return cos, sin
+        self._reserve(offset + length, x.device)
+        cos, sin = self.cos[offset : offset + length], self.sin[offset : offset + length]  # [T, D/2]
+        if cos.dtype != x.dtype:
+            cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        return cos, sin
 
     def _reserve(self, end: int, device: torch.device) -> None:
         """Grow the table to hold positions < end."""
@@ -243,7 +260,7 @@ class HeadProjections(nn.Module):
         k = self.to_k(x).unflatten(-1, (-1, dim_head)).transpose(1, 2)  # b t (g d) -> b g t d
         v = self.to_v(x).unflatten(-1, (-1, dim_head)).transpose(1, 2)  # b t (g d) -> b g t d
         if self.spec.rotary is not None:
-            q, k = self.spec.rotary(q, offset, end), self.spec.rotary(k, offset, end)
+            q, k = self.spec.rotary.rotate_pair(q, k, offset, end)
         return q, k, v
 
     def merge(self, y: Tensor) -> Tensor:

@@ -37,7 +37,8 @@ class GeluMLP(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.dropout(self.down(F.gelu(self.up(x))))
+        y = self.down(F.gelu(self.up(x)))
+        return self.dropout(y) if self.training else y  # dropout is the identity in eval mode
 
 
 @FEED_FORWARD.register("swiglu")
@@ -53,7 +54,8 @@ class SwiGLU(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.dropout(self.down(F.silu(self.gate(x)) * self.up(x)))
+        y = self.down(F.silu(self.gate(x)) * self.up(x))
+        return self.dropout(y) if self.training else y  # dropout is the identity in eval mode
 
 
 class Chunked(nn.Module):
