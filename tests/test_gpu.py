@@ -149,7 +149,7 @@ def test_variant_trains_and_caches_on_gpu(name):
     assert relative_error(got, want) < 1e-4
 
 
-@pytest.mark.parametrize("name", ["full", "local", "routing"])
+@pytest.mark.parametrize("name", ["full", "local", "routing", "sinkhorn"])
 @pytest.mark.parametrize("per_row", [True, False])
 def test_speculative_greedy_equals_target_on_gpu(per_row, name):
     """Speculative decoding on the GPU at batch 4, with each row's caches rolled back to its own

@@ -47,6 +47,7 @@ PAIRS = {
     # both caches roll back per row at batch > 1, the target with learned positions
     "learned-full": (dict(name="full-learned-positions", depth=2), dict(name="full", seed=1, depth=1)),
     "routing-full": (dict(name="routing", depth=2), dict(name="full", seed=1, depth=1)),
+    "sinkhorn-local": (dict(name="sinkhorn", depth=2), dict(name="local", seed=1, depth=1)),
 }
 
 
@@ -57,7 +58,7 @@ def test_greedy_speculative_equals_greedy_target(pair, batch):
     target, draft = model(logit_scale=8, **target_options), model(logit_scale=8, **draft_options)
     prompt = torch.randint(0, 61, (batch, 9), generator=torch.Generator().manual_seed(batch))
     expected = generate(target, prompt, 32, GREEDY)
-    # auto, and both schemes where both caches roll back per row (full, local or routing attention)
+    # auto, and both schemes where both caches roll back per row (all but NSA)
     schemes = [None, True, False] if target.new_cache(1).per_row_rollback and draft.new_cache(1).per_row_rollback \
         else [None]
     for gamma, per_row in itertools.product((1, 5), schemes):
@@ -228,9 +229,18 @@ def routing_pair() -> tuple[Transformer, Transformer]:
     return tiny("routing", seed=0, depth=2), tiny("local", seed=1, depth=1, **NARROW_LOCAL)
 
 
+@pytest.fixture(scope="module")
+def sinkhorn_pair() -> tuple[Transformer, Transformer]:
+    """A sinkhorn target with buckets of 2 tokens (one local head, one sorted head choosing one
+    earlier bucket) and a local draft, rolled back per row at batch > 1."""
+    narrow = {"attention": {"kind": "sinkhorn", "sinkhorn": {"bucket_size": 2, "n_sortcut": 1, "n_local_heads": 1,
+                                                             "sinkhorn_iter": 3}}}
+    return tiny("sinkhorn", seed=0, depth=2, **narrow), tiny("local", seed=1, depth=1, **NARROW_LOCAL)
+
+
 @pytest.mark.parametrize("pair_name, batch, n_samples", [("local", 4, 2000), ("local", 2000, 6000),
-                                                         ("routing", 4, 2000)])
-def test_local_and_routing_per_row_rollback_follow_the_target(pair_name, batch, n_samples, request):
+                                                         ("routing", 4, 2000), ("sinkhorn", 4, 2000)])
+def test_local_routing_sinkhorn_per_row_rollback_follow_the_target(pair_name, batch, n_samples, request):
     target, draft = request.getfixturevalue(f"{pair_name}_pair")
     _, expected = exact_distribution(target, SAMPLINGS["plain"])
     counts = sampled_counts(target, draft, batch, n_samples, SAMPLINGS["plain"], seed=batch + 2, per_row=True)
@@ -249,7 +259,7 @@ def test_quantized_draft_follows_the_target(full_pair):
 
 
 def test_per_row_needs_caches_that_roll_back_per_row():
-    target, draft = tiny("full", seed=0, depth=2), tiny("sinkhorn", seed=1, depth=1)  # one length for all rows
+    target, draft = tiny("full", seed=0, depth=2), tiny("nsa", seed=1, depth=1)  # one length for all rows
     with pytest.raises(ValueError, match="per-row rollback needs caches"):
         speculative_generate(target, draft, PROMPT.expand(2, -1), 3, gamma=GAMMA, per_row=True)
     result = speculative_generate(target, draft, PROMPT.expand(2, -1), 3, gamma=GAMMA)
@@ -291,6 +301,10 @@ class RecordingTarget(torch.nn.Module):
         super().__init__()
         self.target, self.stale_rollback = target, stale_rollback
         self.records: list[tuple[Tensor, Tensor, Tensor]] = []
+        # the target's own mode: speculative_generate would otherwise switch a wrapper made in
+        # training mode (and so the target) back to training when it returns, and the reference
+        # forward would then run with training-time noise (sinkhorn's Gumbel sorting)
+        self.train(target.training)
 
     def forward(self, tokens, cache=None):
         offsets = torch.as_tensor(cache.offset).expand(tokens.shape[0]).clone()  # [B] (rows level or not)
@@ -333,7 +347,8 @@ def attended_only_committed_tokens(recording: RecordingTarget, tokens: Tensor) -
 
 
 @pytest.mark.parametrize(
-    "name, per_row", [("full", True), ("full", False), ("local", True), ("local", False), ("routing", True)]
+    "name, per_row",
+    [("full", True), ("full", False), ("local", True), ("local", False), ("routing", True), ("sinkhorn", True)],
 )
 def test_rows_attend_only_to_their_own_committed_tokens(name, per_row):
     """Ragged acceptance at batch 6: no row's cache ever holds a rejected draft token, whether

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
-from attnlab.attention.base import AttentionSpec, KVCache, expand_kv
+from attnlab.attention.base import AttentionSpec, KVCache, RowLengths, expand_kv, sdpa
 from attnlab.attention.gathered import gathered_attention
 from attnlab.attention.kernels import listed_cpu
 from attnlab.attention.kernels.flex import worth_flex
@@ -108,13 +108,14 @@ def sort_buckets(
 
 
 def bucket_attention(
-    q: Tensor, keys: Tensor, values: Tensor, chosen: Tensor, chosen_weights: Tensor, offset: int,
+    q: Tensor, keys: Tensor, values: Tensor, chosen: Tensor, chosen_weights: Tensor, offset: int | Tensor,
     bucket_size: int, dropout: float = 0.0,
 ) -> Tensor:
-    """q [B, H, T, D] at positions offset..offset+T-1; keys, values [B, H, S, D] at positions 0..;
-    chosen, chosen_weights [B, H, M, S'] for the buckets holding the queries (from offset // b on)
-    -> [B, H, T, D]. A query sees the earlier slots of its own bucket and itself, and every slot of
-    its bucket's chosen buckets, those scores raised by the bucket's log sorting weight.
+    """q [B, H, T, D] at positions offset..offset+T-1 (offset an int, or [B] when rows differ in
+    length); keys, values [B, H, S, D] at positions 0..; chosen, chosen_weights [B, H, M, S'] for
+    the buckets holding the queries (from offset // b on, each row's own) -> [B, H, T, D]. A
+    query sees the earlier slots of its own bucket and itself, and every slot of its bucket's
+    chosen buckets, those scores raised by the bucket's log sorting weight.
 
     Runs blocked on the fused kernel (attention/gathered.py): one block per query bucket, keys
     gathered from the chosen buckets and its own; the sorting weight enters as an extra key feature,
@@ -122,15 +123,17 @@ def bucket_attention(
     """
     batch, n_heads, n_new, dim_head = q.shape
     size = bucket_size
-    first_bucket = offset // size
-    buckets = torch.arange(first_bucket, first_bucket + chosen.shape[2], device=q.device)  # [M]
+    offsets = torch.as_tensor(offset, device=q.device).reshape(-1, 1)  # [B or 1, 1]
+    first_bucket = offsets // size
+    buckets = first_bucket + torch.arange(chosen.shape[2], device=q.device)  # [B or 1, M]
     slot = torch.arange(size, device=q.device)
     # query slots past the queries (the last bucket's tail, the first's head) point at a real row
-    # and return nothing; key slots past the keys are later than every query of their bucket
-    query_index = (buckets[:, None] * size + slot - offset).clamp(0, n_new - 1)  # [M, b]
-    query_index = query_index.expand(batch, n_heads, -1, -1)  # [B, H, M, b]
+    # and return nothing; key slots past the keys (or past a row's own length) are later than
+    # every query of their bucket
+    query_index = (buckets[..., None] * size + slot - offsets[..., None]).clamp(0, n_new - 1)  # [B or 1, M, b]
+    query_index = query_index[:, None].expand(batch, n_heads, -1, -1)  # [B, H, M, b]
     chosen_rows = (chosen[..., None] * size + slot).flatten(-2)  # [B, H, M, S' b]
-    own_rows = (buckets[:, None] * size + slot).expand(batch, n_heads, -1, -1)  # [B, H, M, b]
+    own_rows = (buckets[..., None] * size + slot)[:, None].expand(batch, n_heads, -1, -1)  # [B, H, M, b]
     key_index = torch.cat((chosen_rows, own_rows), dim=-1).clamp(max=keys.shape[2] - 1)  # [B, H, M, (S'+1) b]
     valid = chosen_weights.isfinite()  # [B, H, M, S']; a bucket with fewer past buckets has holes
     # score + weight = scale * (q.k + weight / scale); a hole's keys get HIDDEN, whose scores
@@ -139,7 +142,8 @@ def bucket_attention(
         torch.where(valid, chosen_weights * math.sqrt(dim_head), HIDDEN).repeat_interleave(size, dim=-1),
         chosen_weights.new_zeros(batch, n_heads, chosen.shape[2], size),  # own bucket: no weight
     ), dim=-1)
-    output_index = (offset - first_bucket * size + torch.arange(n_new, device=q.device)).expand(batch, n_heads, -1)
+    output_index = (offsets - first_bucket * size + torch.arange(n_new, device=q.device))[:, None]
+    output_index = output_index.expand(batch, n_heads, -1)  # [B, H, T]
     causal = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()  # own bucket
     # every bucket alike: the chosen ones whole, its own causally
     mask = F.pad(causal, (chosen.shape[-1] * size, 0), value=True)  # [b, (S'+1) b]
@@ -193,7 +197,15 @@ def bucket_units(chosen: Tensor, chosen_weights: Tensor, n_tokens: int, bucket_s
 
 class SinkhornCache(KVCache):
     """Per position: rotated keys and values, and the unrotated queries and keys that bucket
-    summaries are made of; plus the summaries of finished buckets, computed once each."""
+    summaries are made of; plus the summaries of finished buckets, computed once each.
+
+    Rows may have lengths of their own (truncate_rows): each row's tokens are then written at its
+    own positions, and after each append the summaries of every bucket that any row's new tokens
+    reach are computed again for all rows. A row only ever reads the summaries of buckets it has
+    finished (the sort of bucket n depends on buckets before n only), and the last append that
+    touched such a bucket in that row finished it and so summarised it from the row's own tokens."""
+
+    per_row_rollback = True
 
     def __init__(self, batch: int, n_heads: int, dim_head: int, max_len: int, bucket_size: int, device, dtype):
         max_len = math.ceil(max_len / bucket_size) * bucket_size  # whole buckets, for bucket views
@@ -206,26 +218,54 @@ class SinkhornCache(KVCache):
         self.query_means = torch.zeros(batch, n_heads, n_buckets, dim_head, device=device, dtype=dtype)
         self.key_means = torch.zeros_like(self.query_means)
         self.bucket_size, self.n_summarised, self.length = bucket_size, 0, 0
+        self.rows = None
+        self.positions: Tensor | None = None  # [B, T] of the last append's tokens, while rows differ
 
     def append(self, k: Tensor, v: Tensor, raw_q: Tensor, raw_k: Tensor) -> None:
         start, end = self.length, self.length + k.shape[2]
         if end > self.keys.shape[2]:
             raise ValueError(f"cache holds {self.keys.shape[2]} tokens; {end} were fed")
-        for store, new in ((self.keys, k), (self.values, v), (self.raw_queries, raw_q), (self.raw_keys, raw_k)):
+        stores = ((self.keys, k), (self.values, v), (self.raw_queries, raw_q), (self.raw_keys, raw_k))
+        if self.rows is not None:
+            first = int(self.rows.lengths.min()) // self.bucket_size  # the first bucket a row writes to
+            self.rows, self.positions, _ = self.rows.advance(k.shape[2])  # shared by the layers
+            rows = torch.arange(k.shape[0], device=k.device)[:, None]  # [B, 1]
+            for store, new in stores:
+                store.transpose(1, 2)[rows, self.positions] = new.transpose(1, 2)  # b t h d, in place
+            self.length = end
+            self._summarise(first, end // self.bucket_size)
+            return
+        for store, new in stores:
             store[:, :, start:end] = new
         self.length = end
         finished = end // self.bucket_size
         if finished > self.n_summarised:  # summarise newly finished buckets, once
-            span = slice(self.n_summarised * self.bucket_size, finished * self.bucket_size)
-            new_buckets = slice(self.n_summarised, finished)
-            self.query_means[:, :, new_buckets] = bucket_means(self.raw_queries[:, :, span], self.bucket_size)
-            self.key_means[:, :, new_buckets] = bucket_means(self.raw_keys[:, :, span], self.bucket_size)
+            self._summarise(self.n_summarised, finished)
             self.n_summarised = finished
+
+    def _summarise(self, first: int, end: int) -> None:
+        """Bucket means of buckets first..end-1 (every row)."""
+        if end <= first:
+            return
+        span = slice(first * self.bucket_size, end * self.bucket_size)
+        self.query_means[:, :, first:end] = bucket_means(self.raw_queries[:, :, span], self.bucket_size)
+        self.key_means[:, :, first:end] = bucket_means(self.raw_keys[:, :, span], self.bucket_size)
 
     def truncate(self, length: int) -> None:
         self._check_truncate(length)
+        if self.rows is not None:  # level again: every bucket before length is finished in every row
+            if bool((self.rows.lengths < length).any()):
+                raise ValueError(f"cannot truncate rows of lengths {self.rows.lengths.tolist()} to {length}")
+            self.rows, self.positions = None, None
+            self.n_summarised = length // self.bucket_size
         self.length = length  # later slots are overwritten by the next append
         self.n_summarised = min(self.n_summarised, length // self.bucket_size)
+
+    def truncate_rows(self, rows: RowLengths) -> None:
+        """Rows checked by the caller (ModelCache.truncate_rows: one device sync for all layers)."""
+        if rows.longest > self.length:
+            raise ValueError(f"cannot truncate a cache of length {self.length} to rows up to {rows.longest}")
+        self.rows, self.length = rows, rows.longest
 
 
 @ATTENTION.register("sinkhorn")
@@ -261,14 +301,14 @@ class SinkhornAttention(nn.Module):
         spec, config, local = self.spec, self.config, self.n_local
         size = config.bucket_size
         dropout = spec.dropout if self.training else 0.0
-        offset = 0 if cache is None else cache.length
+        offset = 0 if cache is None else cache.offset  # [B] per row after a per-row rollback
         n_new = x.shape[1]
         raw_q = rearrange(self.to_q(x), "b t (h d) -> b h t d", d=spec.dim_head)  # [B, H, T, D]
         raw_k = expand_kv(rearrange(self.to_k(x), "b t (g d) -> b g t d", d=spec.dim_head), spec.n_heads)
         v = expand_kv(rearrange(self.to_v(x), "b t (g d) -> b g t d", d=spec.dim_head), spec.n_heads)
         q, k = raw_q, raw_k
         if spec.rotary is not None:
-            q, k = spec.rotary(q, offset), spec.rotary(k, offset)
+            q, k = spec.rotary.rotate_pair(q, k, offset, None if cache is None else cache.length + n_new)
         if cache is None:
             query_means, key_means = bucket_means(raw_q, size), bucket_means(raw_k, size)  # [B, H, N, D]
             first_bucket, keys, values = 0, k, v
@@ -279,8 +319,15 @@ class SinkhornAttention(nn.Module):
             first_bucket = offset // size
             keys, values = cache.keys[:, :, : n_buckets * size], cache.values[:, :, : n_buckets * size]
             keys, values = keys.to(q.dtype), values.to(q.dtype)
+        positions = None if cache is None or cache.rows is None else cache.positions  # [B, T] when rows differ
         parts = []
-        if local:
+        if local and positions is not None:  # each row's own band of the last bucket_size tokens
+            seen = slice(0, cache.length)
+            key_positions = torch.arange(cache.length, device=q.device)
+            band = (key_positions <= positions[..., None]) & (key_positions > positions[..., None] - size)
+            parts.append(sdpa(q[:, :local], keys[:, :local, seen], values[:, :local, seen], mask=band[:, None],
+                              causal=False, dropout=dropout))
+        elif local:
             seen = slice(0, offset + n_new)  # keys of the fed tokens (the cache is bucket-padded)
             parts.append(local_attention(q[:, :local], keys[:, :local, seen], values[:, :local, seen], size, dropout))
         if local < spec.n_heads:
@@ -290,12 +337,19 @@ class SinkhornAttention(nn.Module):
         return self.to_out(rearrange(y, "b h t d -> b t (h d)"))  # a view when y is laid out [B, T, H, D]
 
     def _sorted(self, q, keys, values, query_means, key_means, first_bucket, offset, dropout) -> Tensor:
-        """q [B, H', T, D] at positions offset..; keys, values [B, H', >= offset+T (bucket-padded), D]."""
+        """q [B, H', T, D] at positions offset..; keys, values [B, H', >= offset+T (bucket-padded), D].
+        offset and first_bucket are ints, or [B] when rows differ in length."""
         config, size = self.config, self.config.bucket_size
         chosen, weights = sort_buckets(
             query_means, key_means, config.n_sortcut, config.sinkhorn_iter, config.temperature,
             gumbel=self.training,
         )
+        if isinstance(offset, Tensor):  # each row's own buckets: as many as T tokens can span
+            n_spanned = (q.shape[2] + size - 2) // size + 1
+            index = (first_bucket[:, None] + torch.arange(n_spanned, device=q.device)).clamp(max=chosen.shape[2] - 1)
+            index = index[:, None, :, None].expand(-1, chosen.shape[1], -1, chosen.shape[3])  # [B, H', M, S']
+            return bucket_attention(q, keys, values, chosen.gather(2, index), weights.gather(2, index), offset, size,
+                                    dropout)
         chosen, weights = chosen[:, :, first_bucket:], weights[:, :, first_bucket:]  # buckets with queries
         # a whole sequence, long enough on CUDA (flex.worth_flex): kernels/flex_sinkhorn.py
         if config.backend == "flex" and offset == 0 and worth_flex(q.shape[2], q.device.type):
