@@ -250,6 +250,10 @@ def test_local_cache_refuses_to_roll_back_past_what_it_keeps(per_row):
             else:
                 cache.truncate(17)
         if per_row:  # within max_rollback
-            cache.truncate_rows(torch.tensor([20, 18]))
+            cache.truncate_rows(torch.tensor([20, 19]))  # rows keep 9 and 8 of the 9 slots
+            cache.truncate(19)  # level again: both hold 8 tokens, so one more can go, not two
+            cache.truncate(18)
+            with pytest.raises(ValueError, match="raise attention.local.max_rollback"):
+                cache.truncate(17)  # would leave the rows without the 7 keys their next token sees
         else:
             cache.truncate(18)

@@ -127,8 +127,9 @@ class LocalCache(KVCache):
             if bool((lengths < length).any()):
                 raise ValueError(f"cannot truncate rows of lengths {lengths.tolist()} to {length}")
             self._drop_per_row(lengths - length, torch.full_like(lengths, length))
-            # level again: the last min(length, C) slots, every one a token within reach or past it
-            kept = min(length, self.capacity)
+            # level again: the last slots that hold a token in every row (at least the window the
+            # next token sees, checked above), so a later rollback is checked against real tokens
+            kept = min(length, self.capacity, int(self.valid.min()))
             self.keys, self.values = self.keys[:, :, self.capacity - kept :], self.values[:, :, self.capacity - kept :]
             self.rows, self.valid, self.length = None, None, length
             return
