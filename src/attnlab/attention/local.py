@@ -40,6 +40,12 @@ def local_attention(q: Tensor, k: Tensor, v: Tensor, window: int, dropout: float
     n_keys = k.shape[2]
     if n_queries == 1:  # decoding: the last `window` keys, no mask needed
         return sdpa(q, k[:, :, -window:], v[:, :, -window:], mask=None, causal=False, dropout=dropout)
+    if n_queries < window:  # a short chunk (speculative verification): one band, no block padding
+        n_seen = min(n_keys, window - 1 + n_queries)  # the keys the first query still sees, and on
+        query = n_seen - n_queries + torch.arange(n_queries, device=q.device)[:, None]  # [T, 1]
+        key = torch.arange(n_seen, device=q.device)
+        band = (key <= query) & (key > query - window)  # [T, S']
+        return sdpa(q, k[:, :, -n_seen:], v[:, :, -n_seen:], mask=band[None, None], causal=False, dropout=dropout)
     n_blocks = math.ceil(n_queries / window)
     # Lay keys out so that index 0 is `window` positions before the first query.
     n_before = n_keys - n_queries
@@ -94,25 +100,31 @@ class LocalCache(KVCache):
         self.valid: Tensor | None = None  # [B] kept slots holding a token, while rows differ
 
     def extend(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
-        """Return kept + new keys/values [B, G, kept+T, D], and the mask [B, 1, T, kept+T] the T
-        new queries need when rows differ (None while they are level: `local_attention` then
-        finds the band itself); keep the last `capacity` of them."""
+        """Keep the last `capacity` of kept + new keys/values and return them for the T new
+        queries: while rows are level, all of them [B, G, kept+T, D] and no mask (`local_attention`
+        finds the band); while rows differ, the last window - 1 + T slots (all a query can reach)
+        and the mask [B, 1, T, S] of each row's band."""
         n_new = k.shape[2]
         if self.keys is not None:
             k, v = torch.cat((self.keys, k), dim=2), torch.cat((self.values, v), dim=2)
-        mask = None
-        if self.rows is not None:
-            self.rows, _, _ = self.rows.advance(n_new)
-            mask = self._row_band(n_new, k.shape[2])
-            self.valid = (self.valid + n_new).clamp(max=self.capacity)
         self.keys = k[:, :, -self.capacity :].contiguous()
         self.values = v[:, :, -self.capacity :].contiguous()
         self.length += n_new
-        return k, v, mask
+        if self.rows is None:
+            return k, v, None
+        # rows differ: the slots the new queries can reach (the last window - 1 + T), each row's band
+        n_seen = min(k.shape[2], self.window - 1 + n_new)
+        band_key = ("local band", n_new, n_seen, self.window)
+        band = self.rows.memo.get(band_key)  # every layer's rows hold the same tokens: one mask
+        if band is None:
+            band = self.rows.memo[band_key] = self._row_band(n_new, n_seen)
+        self.rows, _, _ = self.rows.advance(n_new)
+        self.valid = (self.valid + n_new).clamp(max=self.capacity)
+        return k[:, :, -n_seen:], v[:, :, -n_seen:], band
 
     def _row_band(self, n_new: int, n_keys: int) -> Tensor:
-        """[B, 1, T, S]: new query t (slot S - T + t) sees the slots of the last `window` tokens up
-        to itself that hold a token of its row."""
+        """[B, 1, T, S] over the last S slots: new query t (slot S - T + t) sees the slots of the
+        last `window` tokens up to itself that hold a token of its row (valid: before the T new)."""
         device = self.valid.device
         slot = torch.arange(n_keys, device=device)
         query = n_keys - n_new + torch.arange(n_new, device=device)[:, None]  # [T, 1]
@@ -160,14 +172,14 @@ class LocalCache(KVCache):
         self.rows, self.length = rows, rows.longest
 
     def _drop_per_row(self, drop: Tensor, lengths: Tensor) -> None:
-        """Forget the last drop[b] tokens of row b (rows right-aligned in C slots)."""
+        """Forget the last drop[b] tokens of row b (rows right-aligned in C slots): each row is
+        shifted right by its drop, a copy of one slice per row (a few times cheaper than a gather)."""
         self._check_rollback(self.valid - drop, torch.clamp(lengths, max=self.window - 1))
-        slot = torch.arange(self.capacity, device=drop.device)
-        source = slot - drop[:, None]  # [B, C] the slot each one's token comes from
-        index = source.clamp(min=0)[:, None, :, None].expand_as(self.keys)
-        shifted = (source >= 0)[:, None, :, None]
-        self.keys = torch.where(shifted, self.keys.gather(2, index), 0)
-        self.values = torch.where(shifted, self.values.gather(2, index), 0)
+        keys, values = torch.zeros_like(self.keys), torch.zeros_like(self.values)
+        for row, n_dropped in enumerate(drop.tolist()):
+            keys[row, :, n_dropped:] = self.keys[row, :, : self.capacity - n_dropped]
+            values[row, :, n_dropped:] = self.values[row, :, : self.capacity - n_dropped]
+        self.keys, self.values = keys, values
         self.valid = self.valid - drop
 
     def _check_rollback(self, kept: int | Tensor, needed: int | Tensor) -> None:
