@@ -396,8 +396,8 @@ def routed_attention_cached(
         same = (clusters == clusters.gather(-1, query_positions)) & (key_positions <= query_positions)  # [B, R, S]
         candidates = torch.where(same, key_positions, -1)
         picked = candidates.topk(min(window + 1, n_keys), dim=-1).values  # [B, R, K], -1: none
-        positions = picked.clamp(min=0)[..., None].expand(-1, -1, -1, dim_head)
-        keys, values = k.gather(2, positions), v.gather(2, positions)  # [B, R, K, D]
+        index = picked.clamp(min=0)[..., None].expand(-1, -1, -1, dim_head)
+        keys, values = k.gather(2, index), v.gather(2, index)  # [B, R, K, D]
         scores = torch.einsum("brtd,brkd->brtk", q, keys).float() / math.sqrt(dim_head)
         probs = torch.softmax(scores.masked_fill(picked[:, :, None] < 0, float("-inf")), dim=-1).to(values.dtype)
         return torch.einsum("brtk,brkd->brtd", probs, values)
@@ -412,9 +412,9 @@ def routed_attention_cached(
         safe = slots.clamp(min=0).flatten(-2)  # [B, R, t K]
         own = clusters.gather(-1, query_positions[..., start:end])[..., None]
         allowed = (slots >= 0) & (sorted_clusters.gather(-1, safe).view_as(slots) == own)
-        positions = order.gather(-1, safe)[..., None].expand(-1, -1, -1, dim_head)
-        keys = k.gather(2, positions).unflatten(2, slots.shape[2:])  # [B, R, t, K, D]
-        values = v.gather(2, positions).unflatten(2, slots.shape[2:])
+        index = order.gather(-1, safe)[..., None].expand(-1, -1, -1, dim_head)
+        keys = k.gather(2, index).unflatten(2, slots.shape[2:])  # [B, R, t, K, D]
+        values = v.gather(2, index).unflatten(2, slots.shape[2:])
         scores = torch.einsum("brtd,brtkd->brtk", q[:, :, start:end], keys).float() / math.sqrt(dim_head)
         probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1).to(values.dtype)
         outputs.append(torch.einsum("brtk,brtkd->brtd", probs, values))
@@ -552,7 +552,7 @@ class RoutingAttention(nn.Module):
         unrotated_k = k
         end = None if cache is None else cache.length + x.shape[1]  # per-row rotary offsets' bound
         if spec.rotary is not None:
-            q, k = spec.rotary(q, offset, end), spec.rotary(k, offset, end)
+            q, k = spec.rotary.rotate_pair(q, k, offset, end)
         positions = None  # [B, T] when rows differ in length
         if cache is not None:
             k, v, clusters = cache.append(k, v, clusters)  # [B, H, S, D], clusters [B, R, S]
