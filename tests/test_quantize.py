@@ -86,10 +86,11 @@ def test_unknown_quantization_is_refused():
 
 
 @pytest.mark.parametrize("batch", [1, 4])
-def test_quantized_draft_keeps_greedy_speculative_equal_to_the_target(batch):
+@pytest.mark.parametrize("name", ["full", "routing", "sinkhorn", "nsa"])
+def test_quantized_draft_keeps_greedy_speculative_equal_to_the_target(batch, name):
     torch.manual_seed(0)
-    target = Transformer(variant_config("full", dim=64, heads=4, dim_head=16, depth=3)).eval()
-    draft = Transformer(variant_config("full", dim=64, heads=4, dim_head=16, depth=1)).eval()
+    target = Transformer(variant_config(name, depth=2)).eval()
+    draft = Transformer(variant_config(name, depth=1)).eval()
     with torch.no_grad():
         target.head.weight.mul_(8)
         draft.head.weight.mul_(8)
