@@ -53,9 +53,9 @@ class RowLengths:
         self.lengths = lengths  # [B]
         self.longest = longest  # max(lengths), known on the host
         self._next: tuple[int, RowLengths, Tensor, Tensor] | None = None
-        # what a cache type derives from these lengths for the next forward (a mask), built by
-        # its first layer and read by the others: every layer's rows hold the same tokens
-        self.memo: dict[tuple, Tensor] = {}
+        # what a cache type derives from these lengths for the next forward (a mask, a bound),
+        # built by its first layer and read by the others: every layer's rows hold the same tokens
+        self.memo: dict[tuple, object] = {}
 
     def advance(self, n_new: int) -> tuple[RowLengths, Tensor, Tensor]:
         """Feed n_new tokens to every row -> (the lengths after them, their positions [B, T], the

@@ -227,7 +227,11 @@ class SinkhornCache(KVCache):
             raise ValueError(f"cache holds {self.keys.shape[2]} tokens; {end} were fed")
         stores = ((self.keys, k), (self.values, v), (self.raw_queries, raw_q), (self.raw_keys, raw_k))
         if self.rows is not None:
-            first = int(self.rows.lengths.min()) // self.bucket_size  # the first bucket a row writes to
+            # the first bucket a row writes to: one device sync per forward, not per layer
+            key = ("sinkhorn first bucket", self.bucket_size)
+            first = self.rows.memo.get(key)
+            if first is None:
+                first = self.rows.memo[key] = int(self.rows.lengths.min()) // self.bucket_size
             self.rows, self.positions, _ = self.rows.advance(k.shape[2])  # shared by the layers
             rows = torch.arange(k.shape[0], device=k.device)[:, None]  # [B, 1]
             for store, new in stores:
