@@ -301,10 +301,6 @@ class RecordingTarget(torch.nn.Module):
         super().__init__()
         self.target, self.stale_rollback = target, stale_rollback
         self.records: list[tuple[Tensor, Tensor, Tensor]] = []
-        # the target's own mode: speculative_generate would otherwise switch a wrapper made in
-        # training mode (and so the target) back to training when it returns, and the reference
-        # forward would then run with training-time noise (sinkhorn's Gumbel sorting)
-        self.train(target.training)
 
     def forward(self, tokens, cache=None):
         offsets = torch.as_tensor(cache.offset).expand(tokens.shape[0]).clone()  # [B] (rows level or not)
@@ -604,3 +600,27 @@ def test_decoding_past_the_training_length_warns(trained_pair, caplog):
         assert warn_beyond_training(target, "target", 33) and warn_beyond_training(draft, "draft", 40)
     messages = [record.getMessage() for record in caplog.records]
     assert len(messages) == 2 and "trained on windows of 32 tokens" in messages[0] and "reaches 40" in messages[1]
+
+
+def test_decoding_restores_every_modules_own_mode():
+    """Decoding runs in eval mode and gives each module its own mode back afterwards: a
+    submodule kept in eval mode under a root in training mode stays so, and a call that raises
+    changes nothing."""
+    target, draft = model("full", depth=2), model("full", seed=1, depth=1)
+    target.train()
+    target.blocks[1].eval()  # e.g. a frozen block
+    before = {name: module.training for name, module in target.named_modules()}
+    prompt = torch.randint(0, 61, (2, 5), generator=torch.Generator().manual_seed(0))
+    generate(target, prompt, 4)
+    assert {name: module.training for name, module in target.named_modules()} == before
+    speculative_generate(target, draft, prompt, 4, gamma=2)
+    assert {name: module.training for name, module in target.named_modules()} == before
+    assert not draft.training  # it came in eval mode
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("a forward that fails")
+
+    draft.forward = failing
+    with pytest.raises(RuntimeError, match="a forward that fails"):
+        speculative_generate(target, draft, prompt, 4, gamma=2)
+    assert {name: module.training for name, module in target.named_modules()} == before

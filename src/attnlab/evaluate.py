@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from attnlab.data.sampler import eval_batch
+from attnlab.model.modes import eval_mode
 from attnlab.model.transformer import Transformer
 
 
@@ -40,28 +41,28 @@ def evaluate(
     autocast_dtype: torch.dtype | None = None,
 ) -> EvalResult:
     """Loss over `n_windows` windows of seq_len + 1 tokens drawn with `seed` from `data`."""
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    samples = eval_batch(data, seq_len, n_windows, seed)  # tokens [n_windows, seq_len + 1], mask or None
-    token_bytes = getattr(data, "token_bytes", None)  # [V] bytes per id; None: one byte per token
-    if token_bytes is not None:
-        token_bytes = torch.from_numpy(token_bytes)  # once, not per batch
-    total, count, n_bytes = 0.0, 0, 0
-    for start in range(0, n_windows, batch_size):
-        batch = samples.tokens[start : start + batch_size].to(device)
-        mask = None if samples.loss_mask is None else samples.loss_mask[start : start + batch_size].to(device)
-        with torch.autocast(device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
-            output = model(batch[:, :-1], targets=batch[:, 1:], loss_mask=mask)
-        counted = torch.ones_like(batch[:, 1:]) if mask is None else mask  # [B, T]
-        n = int(counted.sum())
-        total += output.lm_loss.item() * n  # lm_loss is the mean over the counted targets
-        count += n
-        if token_bytes is None:
-            n_bytes += n
-        else:
-            n_bytes += int((token_bytes[batch[:, 1:].cpu()] * counted.cpu()).sum())
-    model.train(was_training)
+    with eval_mode(model):  # each module's own mode restored afterwards, also on an error
+        device = next(model.parameters()).device
+        samples = eval_batch(data, seq_len, n_windows, seed)  # tokens [n_windows, seq_len + 1], mask or None
+        token_bytes = getattr(data, "token_bytes", None)  # [V] bytes per id; None: one byte per token
+        if token_bytes is not None:
+            token_bytes = torch.from_numpy(token_bytes)  # once, not per batch
+        total, count, n_bytes = 0.0, 0, 0
+        for start in range(0, n_windows, batch_size):
+            batch = samples.tokens[start : start + batch_size].to(device)
+            mask = None if samples.loss_mask is None else samples.loss_mask[start : start + batch_size].to(device)
+            autocast = torch.autocast(device.type, dtype=autocast_dtype or torch.float32,
+                                      enabled=autocast_dtype is not None)
+            with autocast:
+                output = model(batch[:, :-1], targets=batch[:, 1:], loss_mask=mask)
+            counted = torch.ones_like(batch[:, 1:]) if mask is None else mask  # [B, T]
+            n = int(counted.sum())
+            total += output.lm_loss.item() * n  # lm_loss is the mean over the counted targets
+            count += n
+            if token_bytes is None:
+                n_bytes += n
+            else:
+                n_bytes += int((token_bytes[batch[:, 1:].cpu()] * counted.cpu()).sum())
     loss = total / count
     return EvalResult(
         loss=loss, bits_per_token=loss / math.log(2), perplexity=math.exp(min(loss, 50.0)),

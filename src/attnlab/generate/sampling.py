@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from attnlab.model.modes import eval_mode
 from attnlab.model.transformer import Transformer
 
 
@@ -98,9 +99,7 @@ def stream(
     re-runs the model on the whole sequence (the slow path, kept as a check of the cache).
     """
     sampling = sampling or SamplingConfig()
-    was_training = model.training
-    model.eval()
-    try:
+    with eval_mode(model):
         sequence = prompt
         cache = model.new_cache(prompt.shape[0], prompt.shape[1] + max_new_tokens) if use_cache else None
         next_input = prompt
@@ -111,8 +110,6 @@ def stream(
             next_input = token[:, None]
             if not use_cache:  # only the uncached path re-reads the whole sequence
                 sequence = torch.cat((sequence, next_input), dim=1)
-    finally:
-        model.train(was_training)
 
 
 def generate(

@@ -68,6 +68,7 @@ from torch import Tensor, nn
 from attnlab.config import RunConfig
 from attnlab.errors import ConfigError
 from attnlab.generate.sampling import SamplingConfig, probabilities, sample_from
+from attnlab.model.modes import eval_mode
 from attnlab.model.transformer import ModelCache, ModelOutput, Transformer, token_positions
 
 if TYPE_CHECKING:
@@ -374,11 +375,6 @@ def speculative_generate(
     width = gamma + 1  # W: tokens the target scores per step
     goal = prompt_length + max_new_tokens
     device = prompt.device
-    # eval mode for the call (dropout off), restored afterwards; skipped when already in eval mode
-    was_training = [module for module in (target, draft) if isinstance(module, nn.Module) and module.training]
-    for module in was_training:
-        module.eval()
-
     # room for two windows past the goal: a row that stops at most gamma + 1 tokens past it still
     # feeds (and drafts) one window more while others decode
     capacity = goal + 2 * width
@@ -398,16 +394,13 @@ def speculative_generate(
             "per-row rollback needs caches that support it (every attention type but NSA) in both models"
         )
     per_row = can_split and batch > 1 if per_row is None else per_row
-    try:
+    with eval_mode(target, draft):  # each module's own mode restored afterwards (model/modes.py)
         # the prompt minus its last token; the last one opens the first window
         if prompt_length > 1:
             target(prompt[:, :-1], cache=target_cache)
             draft(prompt[:, :-1], cache=draft_cache)
         decode = _decode_per_row if per_row else _decode_shared_window
         decode(state)
-    finally:
-        for module in was_training:
-            module.train()
 
     sequence, lengths = state.sequence, state.lengths
     n_steps, n_drafted, n_accepted = state.n_steps, int(state.n_drafted), int(state.n_accepted)
