@@ -46,8 +46,9 @@ class AttentionSpec:
 
 class RowLengths:
     """Lengths of the rows of a batch [B] that differ (after a per-row rollback), shared by every
-    layer of one model's cache. The positions of the next tokens and the mask they need are the
-    same in every layer, so they are built once per forward (`advance`), not once per layer."""
+    layer of one model's cache. The positions of the next tokens and the masks they need are the
+    same in every layer, so they are built once per forward (`advance`, `causal_mask`, `memo`), not
+    once per layer."""
 
     def __init__(self, lengths: Tensor, longest: int) -> None:
         self.lengths = lengths  # [B]
@@ -57,16 +58,22 @@ class RowLengths:
         # built by its first layer and read by the others: every layer's rows hold the same tokens
         self.memo: dict[tuple, object] = {}
 
-    def advance(self, n_new: int) -> tuple[RowLengths, Tensor, Tensor]:
-        """Feed n_new tokens to every row -> (the lengths after them, their positions [B, T], the
-        mask [B, 1, T, S] of the keys each may see, S = longest + T: its row's, up to itself)."""
+    def advance(self, n_new: int) -> tuple[RowLengths, Tensor]:
+        """Feed n_new tokens to every row -> (the lengths after them, their positions [B, T])."""
         if self._next is None or self._next[0] != n_new:
-            steps = torch.arange(n_new, device=self.lengths.device)
-            positions = self.lengths[:, None] + steps  # [B, T]
-            keys = torch.arange(self.longest + n_new, device=self.lengths.device)
-            mask = (keys <= positions[:, :, None])[:, None]  # [B, 1, T, S]
-            self._next = (n_new, RowLengths(self.lengths + n_new, self.longest + n_new), positions, mask)
+            positions = self.lengths[:, None] + torch.arange(n_new, device=self.lengths.device)  # [B, T]
+            self._next = (n_new, RowLengths(self.lengths + n_new, self.longest + n_new), positions)
         return self._next[1:]
+
+    def causal_mask(self, n_new: int) -> Tensor:
+        """[B, 1, T, S] for the next n_new tokens, S = longest + T: each sees its row's keys up to
+        itself (a cache that keeps every position)."""
+        key = ("causal", n_new)
+        if key not in self.memo:
+            _, positions = self.advance(n_new)
+            keys = torch.arange(self.longest + n_new, device=self.lengths.device)
+            self.memo[key] = (keys <= positions[:, :, None])[:, None]
+        return self.memo[key]
 
 
 class KVCache:
@@ -97,6 +104,30 @@ class KVCache:
     def _check_truncate(self, length: int) -> None:
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate a cache of length {self.length} to {length}")
+
+    def _level_rows(self, length: int) -> bool:
+        """For truncate(length) while rows may differ: refuse a length some row lacks, and make the
+        rows level (rows None). Returns whether they differed."""
+        if self.rows is None:
+            return False
+        if bool((self.rows.lengths < length).any()):
+            raise ValueError(f"cannot truncate rows of lengths {self.rows.lengths.tolist()} to {length}")
+        self.rows = None
+        return True
+
+    def _adopt_rows(self, rows: RowLengths) -> None:
+        """truncate_rows of a cache that keeps every position (rows checked by the caller,
+        ModelCache.truncate_rows, in one device sync for all layers): later tokens are
+        overwritten by the next append, or masked until then."""
+        if rows.longest > self.length:
+            raise ValueError(f"cannot truncate a cache of length {self.length} to rows up to {rows.longest}")
+        self.rows, self.length = rows, rows.longest
+
+
+def write_rows(store: Tensor, new: Tensor, positions: Tensor) -> None:
+    """store [B, H, L, ...] at each row's own positions [B, T] <- new [B, H, T, ...], in place."""
+    rows = torch.arange(new.shape[0], device=new.device)[:, None]  # [B, 1]
+    store.transpose(1, 2)[rows, positions] = new.transpose(1, 2)  # b t h ..., written in place
 
 
 class RotaryEmbedding(nn.Module):

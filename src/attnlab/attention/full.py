@@ -13,7 +13,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from attnlab.attention.base import AttentionSpec, HeadProjections, KVCache, RowLengths, causal_mask, sdpa
+from attnlab.attention.base import (
+    AttentionSpec,
+    HeadProjections,
+    KVCache,
+    RowLengths,
+    causal_mask,
+    sdpa,
+    write_rows,
+)
 from attnlab.registry import ATTENTION
 
 
@@ -50,27 +58,20 @@ class FullCache(KVCache):
             self.length = end
             mask = None if n_new == 1 else causal_mask(n_new, end, k.device)
             return self.keys[:, :, :end], self.values[:, :, :end], mask
-        self.rows, positions, mask = self.rows.advance(n_new)  # shared by the layers: built once
-        rows = torch.arange(k.shape[0], device=k.device)[:, None]  # [B, 1]
-        self.keys.transpose(1, 2)[rows, positions] = k.transpose(1, 2)  # b t g d, written in place
-        self.values.transpose(1, 2)[rows, positions] = v.transpose(1, 2)
+        mask = self.rows.causal_mask(n_new)  # shared by the layers: built once
+        self.rows, positions = self.rows.advance(n_new)
+        write_rows(self.keys, k, positions)
+        write_rows(self.values, v, positions)
         self.length = end
         return self.keys[:, :, :end], self.values[:, :, :end], mask
 
     def truncate(self, length: int) -> None:
         self._check_truncate(length)
-        if self.rows is not None:
-            if bool((self.rows.lengths < length).any()):
-                raise ValueError(f"cannot truncate rows of lengths {self.rows.lengths.tolist()} to {length}")
-            self.rows = None
+        self._level_rows(length)
         self.length = length  # slots past length are overwritten by the next append
 
     def truncate_rows(self, rows: RowLengths) -> None:
-        """Rows checked by the caller (ModelCache.truncate_rows: one device sync for all layers)."""
-        if rows.longest > self.length:
-            raise ValueError(f"cannot truncate a cache of length {self.length} to rows up to {rows.longest}")
-        self.rows = rows
-        self.length = rows.longest
+        self._adopt_rows(rows)
 
 
 @ATTENTION.register("full")

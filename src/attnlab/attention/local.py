@@ -33,11 +33,19 @@ from attnlab.errors import ConfigError
 from attnlab.registry import ATTENTION
 
 
-def local_attention(q: Tensor, k: Tensor, v: Tensor, window: int, dropout: float = 0.0) -> Tensor:
+def local_attention(
+    q: Tensor, k: Tensor, v: Tensor, window: int, dropout: float = 0.0, positions: Tensor | None = None
+) -> Tensor:
     """Banded causal attention. q [B, H, T, D] are the last T of the S >= T keys k, v [B, G, S, D];
-    query i (key index S - T + i) sees keys S - T + i - window < j <= S - T + i. -> [B, H, T, D]."""
+    query i (key index S - T + i) sees keys S - T + i - window < j <= S - T + i. -> [B, H, T, D].
+    positions [B, T]: the queries' key indices instead, each row's own (rows of a cache that differ
+    in length; what lies past a row's last query is never seen)."""
     batch, n_heads, n_queries, dim_head = q.shape
     n_keys = k.shape[2]
+    if positions is not None:
+        key = torch.arange(n_keys, device=q.device)
+        band = (key <= positions[..., None]) & (key > positions[..., None] - window)  # [B, T, S]
+        return sdpa(q, k, v, mask=band[:, None], causal=False, dropout=dropout)
     if n_queries == 1:  # decoding: the last `window` keys, no mask needed
         return sdpa(q, k[:, :, -window:], v[:, :, -window:], mask=None, causal=False, dropout=dropout)
     if n_queries < window:  # a short chunk (speculative verification): one band, no block padding
@@ -118,7 +126,7 @@ class LocalCache(KVCache):
         band = self.rows.memo.get(band_key)  # every layer's rows hold the same tokens: one mask
         if band is None:
             band = self.rows.memo[band_key] = self._row_band(n_new, n_seen)
-        self.rows, _, _ = self.rows.advance(n_new)
+        self.rows, _ = self.rows.advance(n_new)
         self.valid = (self.valid + n_new).clamp(max=self.capacity)
         return k[:, :, -n_seen:], v[:, :, -n_seen:], band
 
@@ -136,14 +144,13 @@ class LocalCache(KVCache):
         self._check_truncate(length)
         if self.rows is not None:
             lengths = self.rows.lengths
-            if bool((lengths < length).any()):
-                raise ValueError(f"cannot truncate rows of lengths {lengths.tolist()} to {length}")
+            self._level_rows(length)
             self._drop_per_row(lengths - length, torch.full_like(lengths, length))
             # level again: the last slots that hold a token in every row (at least the window the
             # next token sees, checked above), so a later rollback is checked against real tokens
             kept = min(length, self.capacity, int(self.valid.min()))
             self.keys, self.values = self.keys[:, :, self.capacity - kept :], self.values[:, :, self.capacity - kept :]
-            self.rows, self.valid, self.length = None, None, length
+            self.valid, self.length = None, length
             return
         drop = self.length - length
         kept = 0 if self.keys is None else self.keys.shape[2]

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
-from attnlab.attention.base import AttentionSpec, KVCache, RowLengths, expand_kv, sdpa
+from attnlab.attention.base import AttentionSpec, KVCache, RowLengths, expand_kv, write_rows
 from attnlab.attention.gathered import additive_mask, autocast_inputs, row_numbers, rows_of
 from attnlab.attention.kernels import listed_cpu
 from attnlab.attention.kernels.flex import worth_flex
@@ -465,27 +465,20 @@ class RoutingCache(KVCache):
             self.values[:, :, start:end] = v
             self.clusters[:, :, start:end] = clusters
         else:
-            self.rows, self.positions, _ = self.rows.advance(k.shape[2])  # shared by the layers
-            rows = torch.arange(k.shape[0], device=k.device)[:, None]  # [B, 1]
-            self.keys.transpose(1, 2)[rows, self.positions] = k.transpose(1, 2)  # b t h d, in place
-            self.values.transpose(1, 2)[rows, self.positions] = v.transpose(1, 2)
-            self.clusters.transpose(1, 2)[rows, self.positions] = clusters.transpose(1, 2)
+            self.rows, self.positions = self.rows.advance(k.shape[2])  # shared by the layers
+            for store, new in ((self.keys, k), (self.values, v), (self.clusters, clusters)):
+                write_rows(store, new, self.positions)
         self.length = end
         return self.keys[:, :, :end], self.values[:, :, :end], self.clusters[:, :, :end]
 
     def truncate(self, length: int) -> None:
         self._check_truncate(length)
-        if self.rows is not None:
-            if bool((self.rows.lengths < length).any()):
-                raise ValueError(f"cannot truncate rows of lengths {self.rows.lengths.tolist()} to {length}")
-            self.rows, self.positions = None, None
+        if self._level_rows(length):
+            self.positions = None
         self.length = length  # later slots are overwritten by the next append
 
     def truncate_rows(self, rows: RowLengths) -> None:
-        """Rows checked by the caller (ModelCache.truncate_rows: one device sync for all layers)."""
-        if rows.longest > self.length:
-            raise ValueError(f"cannot truncate a cache of length {self.length} to rows up to {rows.longest}")
-        self.rows, self.length = rows, rows.longest
+        self._adopt_rows(rows)
 
 
 @ATTENTION.register("routing")
@@ -560,13 +553,8 @@ class RoutingAttention(nn.Module):
             positions = cache.positions if cache.rows is not None else None
         local, routed = self.n_local, slice(self.n_local, None)
         parts = []
-        if self.n_local and positions is not None:  # each row's own band of the last W tokens
-            key_positions = torch.arange(k.shape[2], device=k.device)
-            band = (key_positions <= positions[..., None]) & (key_positions > positions[..., None] - window)
-            parts.append(sdpa(q[:, :local], k[:, :local], v[:, :local], mask=band[:, None], causal=False,
-                              dropout=dropout))
-        elif self.n_local:
-            parts.append(local_attention(q[:, :local], k[:, :local], v[:, :local], window, dropout))
+        if self.n_local:  # each row's own band of the last W tokens when rows differ
+            parts.append(local_attention(q[:, :local], k[:, :local], v[:, :local], window, dropout, positions))
         if self.n_routed:
             # kernels/flex_routing.py for whole sequences, long enough on CUDA (flex.worth_flex)
             if cache is None and self.config.backend == "flex" and worth_flex(q.shape[2], q.device.type):

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
-from attnlab.attention.base import AttentionSpec, KVCache, RowLengths, expand_kv, sdpa
+from attnlab.attention.base import AttentionSpec, KVCache, RowLengths, expand_kv, write_rows
 from attnlab.attention.gathered import gathered_attention
 from attnlab.attention.kernels import listed_cpu
 from attnlab.attention.kernels.flex import worth_flex
@@ -232,10 +232,9 @@ class SinkhornCache(KVCache):
             first = self.rows.memo.get(key)
             if first is None:
                 first = self.rows.memo[key] = int(self.rows.lengths.min()) // self.bucket_size
-            self.rows, self.positions, _ = self.rows.advance(k.shape[2])  # shared by the layers
-            rows = torch.arange(k.shape[0], device=k.device)[:, None]  # [B, 1]
+            self.rows, self.positions = self.rows.advance(k.shape[2])  # shared by the layers
             for store, new in stores:
-                store.transpose(1, 2)[rows, self.positions] = new.transpose(1, 2)  # b t h d, in place
+                write_rows(store, new, self.positions)
             self.length = end
             self._summarise(first, end // self.bucket_size)
             return
@@ -257,19 +256,14 @@ class SinkhornCache(KVCache):
 
     def truncate(self, length: int) -> None:
         self._check_truncate(length)
-        if self.rows is not None:  # level again: every bucket before length is finished in every row
-            if bool((self.rows.lengths < length).any()):
-                raise ValueError(f"cannot truncate rows of lengths {self.rows.lengths.tolist()} to {length}")
-            self.rows, self.positions = None, None
+        if self._level_rows(length):  # level again: every bucket before length is finished in every row
+            self.positions = None
             self.n_summarised = length // self.bucket_size
         self.length = length  # later slots are overwritten by the next append
         self.n_summarised = min(self.n_summarised, length // self.bucket_size)
 
     def truncate_rows(self, rows: RowLengths) -> None:
-        """Rows checked by the caller (ModelCache.truncate_rows: one device sync for all layers)."""
-        if rows.longest > self.length:
-            raise ValueError(f"cannot truncate a cache of length {self.length} to rows up to {rows.longest}")
-        self.rows, self.length = rows, rows.longest
+        self._adopt_rows(rows)
 
 
 @ATTENTION.register("sinkhorn")
@@ -325,15 +319,10 @@ class SinkhornAttention(nn.Module):
             keys, values = keys.to(q.dtype), values.to(q.dtype)
         positions = None if cache is None or cache.rows is None else cache.positions  # [B, T] when rows differ
         parts = []
-        if local and positions is not None:  # each row's own band of the last bucket_size tokens
-            seen = slice(0, cache.length)
-            key_positions = torch.arange(cache.length, device=q.device)
-            band = (key_positions <= positions[..., None]) & (key_positions > positions[..., None] - size)
-            parts.append(sdpa(q[:, :local], keys[:, :local, seen], values[:, :local, seen], mask=band[:, None],
-                              causal=False, dropout=dropout))
-        elif local:
-            seen = slice(0, offset + n_new)  # keys of the fed tokens (the cache is bucket-padded)
-            parts.append(local_attention(q[:, :local], keys[:, :local, seen], values[:, :local, seen], size, dropout))
+        if local:  # each row's own band of the last bucket_size tokens when rows differ
+            seen = slice(0, n_new if cache is None else cache.length)  # fed tokens (the cache is bucket-padded)
+            parts.append(local_attention(q[:, :local], keys[:, :local, seen], values[:, :local, seen], size, dropout,
+                                         positions))
         if local < spec.n_heads:
             parts.append(self._sorted(q[:, local:], keys[:, local:], values[:, local:], query_means[:, local:],
                                       key_means[:, local:], first_bucket, offset, dropout))

@@ -363,8 +363,8 @@ def speculative_generate(
     A row stops after `max_new_tokens` or after emitting `end_token`; the loop runs until every
     row has stopped (the output is cut after a row's end token and padded with it).
     per_row: roll each row's caches back to its own length (when both models' caches can: full,
-    local, routing and sinkhorn attention), else the shared-window scheme; None picks per-row for batches > 1
-    where possible.
+    local, routing and sinkhorn attention), else the shared-window scheme; None picks per-row for
+    batches > 1 where possible.
     """
     if gamma < 1:
         raise ValueError("gamma must be >= 1")
