@@ -43,10 +43,10 @@ def main() -> None:
     positions = torch.arange(n_tokens)
 
     def compressed():  # NativeSparseAttention.forward's compressed branch, on the path the flag selects
-        return nsa.compressed_branch(q, keys, values, 0, config, straight_through=False)[0]
+        return nsa.compressed_branch(q, keys, values, positions, 0, config, straight_through=False)[0]
 
     with torch.no_grad():  # the selection both paths' selected branch reads
-        _, indices, valid, _ = nsa.compressed_branch(q, keys, values, 0, config, straight_through=False)
+        _, indices, valid, _ = nsa.compressed_branch(q, keys, values, positions, 0, config, straight_through=False)
     branches = {
         "compressed + selection": (compressed, (q, keys, values)),
         "selected": (lambda: layer._selected(q, k, v, indices, valid, None, positions), (q, k, v)),

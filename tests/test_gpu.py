@@ -149,13 +149,12 @@ def test_variant_trains_and_caches_on_gpu(name):
     assert relative_error(got, want) < 1e-4
 
 
-@pytest.mark.parametrize("name", ["full", "local", "routing", "sinkhorn"])
+@pytest.mark.parametrize("name", ["full", "local", "routing", "sinkhorn", "nsa"])
 @pytest.mark.parametrize("per_row", [True, False])
 def test_speculative_greedy_equals_target_on_gpu(per_row, name):
     """Speculative decoding on the GPU at batch 4, with each row's caches rolled back to its own
     length (per_row) or all to the shortest: greedy output equals the target's greedy decoding,
-    and a per-row rolled-back cache equals each row's own parallel forward (the attention types
-    whose caches roll back per row)."""
+    and a per-row rolled-back cache equals each row's own parallel forward."""
     from attnlab.generate.sampling import SamplingConfig, generate
     from attnlab.generate.speculative import EarlyExitDraft, speculative_generate
 

@@ -178,7 +178,8 @@ def test_compressed_selection_equals_torch_path(case, monkeypatch):
     output, chosen, scores = nsa_cpu.compressed_selection(q, keys, values, torch.arange(n_tokens), config)
     # the torch path, with selection scores (what straight-through top-k differentiates)
     monkeypatch.setenv("ATTNLAB_CPU_KERNELS", "0")
-    expected, indices, valid, expected_scores = nsa.compressed_branch(q, keys, values, 0, config, True)
+    positions = torch.arange(n_tokens)
+    expected, indices, valid, expected_scores = nsa.compressed_branch(q, keys, values, positions, 0, config, True)
     expected_blocks = torch.where(valid, indices, -1)
     expected_scores = expected_scores * valid  # empty slots score 0
     assert torch.equal(chosen, expected_blocks)

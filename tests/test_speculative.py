@@ -48,6 +48,8 @@ PAIRS = {
     "learned-full": (dict(name="full-learned-positions", depth=2), dict(name="full", seed=1, depth=1)),
     "routing-full": (dict(name="routing", depth=2), dict(name="full", seed=1, depth=1)),
     "sinkhorn-local": (dict(name="sinkhorn", depth=2), dict(name="local", seed=1, depth=1)),
+    "nsa-full": (dict(name="nsa", depth=2), dict(name="full", seed=1, depth=1)),
+    "full-nsa": (dict(name="full", depth=2), dict(name="nsa-separate", seed=1, depth=1)),
 }
 
 
@@ -58,7 +60,7 @@ def test_greedy_speculative_equals_greedy_target(pair, batch):
     target, draft = model(logit_scale=8, **target_options), model(logit_scale=8, **draft_options)
     prompt = torch.randint(0, 61, (batch, 9), generator=torch.Generator().manual_seed(batch))
     expected = generate(target, prompt, 32, GREEDY)
-    # auto, and both schemes where both caches roll back per row (all but NSA)
+    # auto, and both schemes where both caches roll back per row (every built-in one)
     schemes = [None, True, False] if target.new_cache(1).per_row_rollback and draft.new_cache(1).per_row_rollback \
         else [None]
     for gamma, per_row in itertools.product((1, 5), schemes):
@@ -238,9 +240,21 @@ def sinkhorn_pair() -> tuple[Transformer, Transformer]:
     return tiny("sinkhorn", seed=0, depth=2, **narrow), tiny("local", seed=1, depth=1, **NARROW_LOCAL)
 
 
+@pytest.fixture(scope="module")
+def nsa_pair() -> tuple[Transformer, Transformer]:
+    """An NSA target whose branches all act within the 7 tokens of a continuation (blocks of 2
+    compressed every token, one free choice of selection block besides the initial and the own
+    one, a window of 2) and a full-attention draft, rolled back per row at batch > 1."""
+    narrow = {"attention": {"kind": "nsa", "nsa": {
+        "compress_block_size": 2, "compress_stride": 1, "selection_block_size": 2, "num_selected": 3,
+        "sliding_window_size": 2, "query_chunk_size": 2}}}
+    return tiny("nsa", seed=0, depth=2, **narrow), tiny("full", seed=1, depth=1)
+
+
 @pytest.mark.parametrize("pair_name, batch, n_samples", [("local", 4, 2000), ("local", 2000, 6000),
-                                                         ("routing", 4, 2000), ("sinkhorn", 4, 2000)])
-def test_local_routing_sinkhorn_per_row_rollback_follow_the_target(pair_name, batch, n_samples, request):
+                                                         ("routing", 4, 2000), ("sinkhorn", 4, 2000),
+                                                         ("nsa", 4, 2000)])
+def test_local_routing_sinkhorn_nsa_per_row_rollback_follow_the_target(pair_name, batch, n_samples, request):
     target, draft = request.getfixturevalue(f"{pair_name}_pair")
     _, expected = exact_distribution(target, SAMPLINGS["plain"])
     counts = sampled_counts(target, draft, batch, n_samples, SAMPLINGS["plain"], seed=batch + 2, per_row=True)
@@ -258,8 +272,11 @@ def test_quantized_draft_follows_the_target(full_pair):
     assert chi_square_p_value(counts, expected) > 0.01
 
 
-def test_per_row_needs_caches_that_roll_back_per_row():
-    target, draft = tiny("full", seed=0, depth=2), tiny("nsa", seed=1, depth=1)  # one length for all rows
+def test_per_row_needs_caches_that_roll_back_per_row(monkeypatch):
+    from attnlab.attention.local import LocalCache
+
+    monkeypatch.setattr(LocalCache, "per_row_rollback", False)  # as a cache with one length for all rows
+    target, draft = tiny("full", seed=0, depth=2), tiny("local", seed=1, depth=1)
     with pytest.raises(ValueError, match="per-row rollback needs caches"):
         speculative_generate(target, draft, PROMPT.expand(2, -1), 3, gamma=GAMMA, per_row=True)
     result = speculative_generate(target, draft, PROMPT.expand(2, -1), 3, gamma=GAMMA)
@@ -344,7 +361,8 @@ def attended_only_committed_tokens(recording: RecordingTarget, tokens: Tensor) -
 
 @pytest.mark.parametrize(
     "name, per_row",
-    [("full", True), ("full", False), ("local", True), ("local", False), ("routing", True), ("sinkhorn", True)],
+    [("full", True), ("full", False), ("local", True), ("local", False), ("routing", True), ("sinkhorn", True),
+     ("nsa", True), ("nsa", False)],
 )
 def test_rows_attend_only_to_their_own_committed_tokens(name, per_row):
     """Ragged acceptance at batch 6: no row's cache ever holds a rejected draft token, whether
@@ -410,6 +428,21 @@ def test_local_per_row_bugs_are_detected(bug, monkeypatch):
     prompt = torch.randint(0, 61, (6, 3), generator=torch.Generator().manual_seed(0))
     recording = RecordingTarget(target)
     result = speculative_generate(recording, draft, prompt, 30, gamma=4, generator=torch.Generator().manual_seed(0),
+                                  per_row=True)
+    assert not attended_only_committed_tokens(recording, result.tokens)
+
+
+def test_nsa_stale_compressed_blocks_are_detected(monkeypatch):
+    """An NSA cache that, while rows differ, compresses only the blocks no row has completed
+    before (as when rows are level) keeps compressed keys made of a row's rejected draft tokens
+    once the row overwrites them: caught."""
+    from attnlab.attention.nsa import NSACache
+
+    monkeypatch.setattr(NSACache, "first_block_written", lambda cache, rows: cache.n_compressed)
+    target, draft = model("nsa", depth=2, logit_scale=3), model("nsa", seed=1, depth=1, logit_scale=3)
+    prompt = torch.randint(0, 61, (6, 5), generator=torch.Generator().manual_seed(0))
+    recording = RecordingTarget(target)
+    result = speculative_generate(recording, draft, prompt, 40, gamma=4, generator=torch.Generator().manual_seed(0),
                                   per_row=True)
     assert not attended_only_committed_tokens(recording, result.tokens)
 

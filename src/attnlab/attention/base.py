@@ -65,6 +65,13 @@ class RowLengths:
             self._next = (n_new, RowLengths(self.lengths + n_new, self.longest + n_new), positions)
         return self._next[1:]
 
+    @property
+    def shortest(self) -> int:
+        """min(lengths), on the host: one device sync per RowLengths, shared by every layer."""
+        if ("shortest",) not in self.memo:
+            self.memo[("shortest",)] = int(self.lengths.min())
+        return self.memo[("shortest",)]
+
     def causal_mask(self, n_new: int) -> Tensor:
         """[B, 1, T, S] for the next n_new tokens, S = longest + T: each sees its row's keys up to
         itself (a cache that keeps every position)."""

@@ -60,7 +60,7 @@ from einops import rearrange
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from attnlab.attention.base import AttentionSpec, KVCache, overlapping_windows
+from attnlab.attention.base import AttentionSpec, KVCache, RowLengths, overlapping_windows, write_rows
 from attnlab.attention.gathered import additive_mask
 from attnlab.attention.kernels import nsa_cpu, nsa_flex, nsa_triton
 from attnlab.attention.kernels.flex import worth_flex
@@ -79,19 +79,26 @@ def n_complete_blocks(n_tokens: int, block: int, stride: int) -> int:
     return 0 if n_tokens < block else (n_tokens - block) // stride + 1
 
 
+def per_group(mask: Tensor) -> Tensor:
+    """A mask over queries built from positions [C] ([C, X]) or per-row positions [B, C]
+    ([B, C, X]), made to broadcast against [B, G, C, X]."""
+    return mask if mask.dim() == 2 else mask[:, None]
+
+
 def compressed_visibility(positions: Tensor, n_blocks: int, config: NSAAttentionConfig) -> Tensor:
-    """[C, 1 + N]: the memory slot, then the compressed blocks complete at each query position."""
+    """[C, 1 + N] ([B, C, 1 + N] for per-row positions [B, C]): the memory slot, then the
+    compressed blocks complete at each query position."""
     block_end = torch.arange(n_blocks, device=positions.device) * config.compress_stride
     block_end = block_end + config.compress_block_size - 1  # last token of each block
-    visible = block_end[None, :] <= positions[:, None]  # [C, N]
+    visible = block_end <= positions[..., None]  # [(B,) C, N]
     return F.pad(visible, (1, 0), value=True)  # the memory slot is always visible
 
 
 def compressed_scores(q_grouped: Tensor, keys: Tensor, visible: Tensor) -> Tensor:
-    """q_grouped [B, G, R, C, D], keys [B, G, 1 + N, D], visible [C, 1 + N] -> scaled scores
-    [B, G, R, C, 1 + N], -inf where a block is not visible (eq. 7)."""
+    """q_grouped [B, G, R, C, D], keys [B, G, 1 + N, D], visible [C, 1 + N] or [B, C, 1 + N] ->
+    scaled scores [B, G, R, C, 1 + N], -inf where a block is not visible (eq. 7)."""
     scores = torch.matmul(q_grouped, keys[:, :, None].transpose(-1, -2)) / math.sqrt(q_grouped.shape[-1])
-    return scores.masked_fill_(~visible, float("-inf"))
+    return scores.masked_fill_(~(visible if visible.dim() == 2 else visible[:, None, None]), float("-inf"))
 
 
 def compressed_probabilities(q: Tensor, keys: Tensor, visible: Tensor) -> Tensor:
@@ -122,13 +129,14 @@ def choose_blocks(
     importance: Tensor, positions: Tensor, config: NSAAttentionConfig
 ) -> tuple[Tensor, Tensor]:
     """Top `num_selected` causal selection blocks per query and group, the initial and the query's
-    own block forced in. importance [B, G, C, M] -> indices, valid [B, G, C, n]: valid blocks
-    ascending first, then invalid padding (fewer than n blocks exist yet)."""
+    own block forced in. importance [B, G, C, M], positions [C] or per row [B, C] -> indices,
+    valid [B, G, C, n]: valid blocks ascending first, then invalid padding (fewer than n blocks
+    exist yet)."""
     n_selection_blocks = importance.shape[-1]
     selection_block = torch.arange(n_selection_blocks, device=importance.device)
     current = positions // config.selection_block_size
-    causal = selection_block[None, :] * config.selection_block_size <= positions[:, None]  # [C, M]
-    forced = (selection_block[None, :] == 0) | (selection_block[None, :] == current[:, None])
+    causal = per_group(selection_block * config.selection_block_size <= positions[..., None])  # [(B, 1,) C, M]
+    forced = per_group((selection_block == 0) | (selection_block == current[..., None]))
     ranking = importance.detach().masked_fill(~causal, float("-inf")).masked_fill(forced, float("inf"))
     n_take = min(config.num_selected, n_selection_blocks)
     top_scores, indices = ranking.topk(n_take, dim=-1, sorted=False)  # [B, G, C, n]
@@ -221,9 +229,12 @@ def compressed_attention_fast(
 
 
 def compressed_branch(
-    q: Tensor, keys: Tensor, values: Tensor, offset: int, config: NSAAttentionConfig, straight_through: bool,
+    q: Tensor, keys: Tensor, values: Tensor, positions: Tensor, first_max: int, config: NSAAttentionConfig,
+    straight_through: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    """The compressed branch and the block selection of queries at positions offset .. offset + T - 1.
+    """The compressed branch and the block selection of queries at `positions`: [T], consecutive,
+    or [B, T], each row's own (a cache whose rows differ in length); first_max is the largest
+    first position (of any row), known on the host.
 
     q [B, H, T, D] (no rotary); keys, values [B, G, 1 + N, D]: the memory slot, then the compressed
     blocks complete by the last query. -> output [B, H, T, D], indices, valid [B, G, T, n] and, with
@@ -234,19 +245,19 @@ def compressed_branch(
     by its last query, with a custom backward (checkpointed under straight-through top-k).
     """
     n_groups, n_queries = keys.shape[1], q.shape[2]
-    positions = torch.arange(offset, offset + n_queries, device=q.device)
-    if offset == 0 and nsa_cpu.fits(0, q.shape[1] // n_groups) and nsa_cpu.usable(q, keys, values):
+    whole = positions.dim() == 1 and first_max == 0
+    if whole and nsa_cpu.fits(0, q.shape[1] // n_groups) and nsa_cpu.usable(q, keys, values):
         out, blocks, score = nsa_cpu.compressed_selection(q, keys, values, positions, config)
         return out, blocks.clamp(min=0), blocks >= 0, score if straight_through else None
     block, stride, chunk = config.compress_block_size, config.compress_stride, config.query_chunk_size
     outputs, indices, valid, scores = [], [], [], []
     for start in range(0, n_queries, chunk):
         part = slice(start, start + chunk)
-        last = offset + min(n_queries, start + chunk) - 1
+        last = first_max + min(n_queries, start + chunk) - 1  # the chunk's last position, in any row
         n_visible = n_complete_blocks(last + 1, block, stride)  # causal skipping of later blocks
         n_selection = last // config.selection_block_size + 1
-        args = (q[:, :, part], keys[:, :, : 1 + n_visible], values[:, :, : 1 + n_visible], positions[part], config,
-                n_selection)
+        args = (q[:, :, part], keys[:, :, : 1 + n_visible], values[:, :, : 1 + n_visible], positions[..., part],
+                config, n_selection)
         if straight_through:
             result = checkpoint(compressed_attention_chunk, *args, use_reentrant=False)
         else:
@@ -289,11 +300,11 @@ def _block_probs(q, k_blocked, v_blocked, indices, valid, positions, block, log_
     log-sum-exp (returned; -inf for a query with no visible key, whose probabilities are 0).
 
     q [B, G, C, R, D] (query-major, so every product is a plain batched matmul over B G C);
-    indices, valid [B, G, C, n]; positions [C]."""
+    indices, valid [B, G, C, n]; positions [C] or per row [B, C]."""
     keys = _gather_blocks(k_blocked, indices)  # [B, G, C, n l', D]
     values = _gather_blocks(v_blocked, indices)
     key_position = (indices[..., None] * block + torch.arange(block, device=q.device)).flatten(-2)
-    allowed = valid.repeat_interleave(block, dim=-1) & (key_position <= positions[:, None])
+    allowed = valid.repeat_interleave(block, dim=-1) & (key_position <= per_group(positions[..., None]))
     scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(1 / math.sqrt(q.shape[-1]))  # [B, G, C, R, n l']
     scores.masked_fill_(~allowed[:, :, :, None], float("-inf"))
     if log_sum is None:
@@ -325,7 +336,8 @@ def _outer_sum(a: Tensor, b: Tensor) -> Tensor:
 class SelectedBlockAttention(torch.autograd.Function):
     """Attention of each query to the tokens (at or before it) of its selected blocks.
 
-    q [B, G, T, R, D] (query heads grouped, query-major) at absolute `positions` [T]; k, v [B, G, S, D];
+    q [B, G, T, R, D] (query heads grouped, query-major) at absolute `positions` [T] (or [B, T], each
+    row's own); k, v [B, G, S, D];
     indices, valid [B, G, T, n]; gates [B, G, T, n] or None (multiply each block's values).
     -> [B, G, T, R, D]. Forward and backward run over query chunks; the backward recomputes the
     gathered keys/values and scatters their gradients (flash-attention style, with the saved
@@ -341,7 +353,7 @@ class SelectedBlockAttention(torch.autograd.Function):
             part = slice(start, start + chunk)
             *_, log_sum[:, :, part], output[:, :, part] = _selected_chunk(
                 q[:, :, part], k_blocked, v_blocked, indices[:, :, part], valid[:, :, part],
-                None if gates is None else gates[:, :, part], positions[part], block,
+                None if gates is None else gates[:, :, part], positions[..., part], block,
             )
         ctx.save_for_backward(q, k, v, indices, valid, gates, positions, output, log_sum)
         ctx.block, ctx.chunk = block, chunk
@@ -362,7 +374,7 @@ class SelectedBlockAttention(torch.autograd.Function):
             q_part, grad_part = q[:, :, part], grad_output[:, :, part]
             keys, values, probs, gate, _, _ = _selected_chunk(
                 q_part, k_blocked, v_blocked, indices[:, :, part], valid[:, :, part],
-                None if gates is None else gates[:, :, part], positions[part], block,
+                None if gates is None else gates[:, :, part], positions[..., part], block,
             )
             # flash-attention backward with the probabilities recomputed exactly
             weighted = probs if gate is None else probs * gate
@@ -511,7 +523,8 @@ def selected_attention(q, k, v, indices, valid, gates, positions, block: int, ch
     k, v = k.to(q.dtype), v.to(q.dtype)
     gates = None if gates is None else gates.to(q.dtype)
     grouped = rearrange(q, "b (g r) t d -> b g t r d", g=n_groups).contiguous()
-    split = forced and gates is None and q.device.type == "cpu" and k.shape[2] == q.shape[2] and int(positions[0]) == 0
+    split = (forced and gates is None and q.device.type == "cpu" and k.shape[2] == q.shape[2]
+             and positions.dim() == 1 and int(positions[0]) == 0)
     with torch.autocast(q.device.type, enabled=False):
         if split:
             output = ForcedSplitSelectedAttention.apply(grouped, k, v, indices, valid, block, chunk)
@@ -578,7 +591,17 @@ BRANCHES = ("compressed", "selected", "sliding")
 
 class NSACache(KVCache):
     """Keys and values of every fed token (selection may pick any block), unrotated keys for the
-    compression network, and the compressed keys/values of the blocks completed so far."""
+    compression network, and the compressed keys/values of the blocks completed so far.
+
+    Rows may have lengths of their own (truncate_rows): row b's tokens sit at positions
+    0..rows.lengths[b]-1, and whatever lies past them (rejected draft tokens) stays until
+    overwritten, unseen: the compressed branch, the selection and the window look only at or
+    before each query's own position. While rows differ, a forward compresses again, for every
+    row, each block that a new token of any row falls in (`first_block_written`): a block's
+    compressed key is then always made of the tokens a row holds by the time one of its queries
+    sees the block."""
+
+    per_row_rollback = True
 
     def __init__(self, names: list[str], shape: tuple[int, int, int, int], max_blocks: int, config, device, dtype):
         batch, n_groups, max_len, dim_head = shape
@@ -591,24 +614,40 @@ class NSACache(KVCache):
         self.kv_tokens_loaded: int | None = None  # keys/values one query read in the last single-token step
 
     def append(self, new: dict[str, Tensor]) -> dict[str, Tensor]:
-        """Store new [B, G, T, D] per name; return everything so far, [B, G, L + T, D] per name."""
-        start = self.length
-        end = start + next(iter(new.values())).shape[2]
+        """Store new [B, G, T, D] per name (each row at its own positions while rows differ);
+        return everything so far, [B, G, S, D] per name (S = the longest row's length)."""
+        n_new = next(iter(new.values())).shape[2]
+        start, end = self.length, self.length + n_new
         max_len = next(iter(self.tensors.values())).shape[2]
         if end > max_len:
             raise ValueError(f"cache holds {max_len} tokens; {end} were fed")
-        for name, value in new.items():
-            self.tensors[name][:, :, start:end] = value
+        if self.rows is None:
+            for name, value in new.items():
+                self.tensors[name][:, :, start:end] = value
+        else:
+            self.rows, positions = self.rows.advance(n_new)  # shared by the layers
+            for name, value in new.items():
+                write_rows(self.tensors[name], value, positions)
         self.length = end
         return {name: tensor[:, :, :end] for name, tensor in self.tensors.items()}
 
+    def first_block_written(self, rows: RowLengths) -> int:
+        """The first compressed block a forward from per-row lengths `rows` writes a token into,
+        in any row: the first whose last token lies at or after the shortest row's length."""
+        first_end = rows.shortest - (self.config.compress_block_size - 1)  # a block's last token >= shortest
+        return max(0, -(-first_end // self.config.compress_stride))
+
     def truncate(self, length: int) -> None:
         self._check_truncate(length)
+        self._level_rows(length)  # every block complete within `length` is then every row's own
         self.length = length
         self.n_compressed = min(
             self.n_compressed,
             n_complete_blocks(length, self.config.compress_block_size, self.config.compress_stride),
         )
+
+    def truncate_rows(self, rows: RowLengths) -> None:
+        self._adopt_rows(rows)
 
 
 @ATTENTION.register("nsa")
@@ -641,13 +680,16 @@ class NativeSparseAttention(nn.Module):
 
     # -- projections
 
-    def _project(self, x: Tensor, offset: int) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-        """x [B, T, dim] -> query without and with rotary [B, H, T, D], per-branch keys/values [B, G, T, D]."""
+    def _project(
+        self, x: Tensor, offset: int | Tensor, end: int | None = None
+    ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        """x [B, T, dim] at positions offset.. (an int, or [B] per row with `end` their bound) ->
+        query without and with rotary [B, H, T, D], per-branch keys/values [B, G, T, D]."""
         dim_head = self.spec.dim_head
         q = rearrange(self.to_q(x), "b t (h d) -> b h t d", d=dim_head)
         kv = rearrange(self.to_kv(x), "b t (n g d) -> n b g t d", d=dim_head, g=self.spec.n_kv_heads)
         rotary = self.spec.rotary
-        rotate = (lambda tensor: rotary(tensor, offset)) if rotary is not None else (lambda tensor: tensor)
+        rotate = (lambda tensor: rotary(tensor, offset, end)) if rotary is not None else (lambda tensor: tensor)
         if self.config.separate_branch_kv:
             k_cmp, v_cmp, k_slc, v_slc, k_win, v_win = kv
             new = {"k_cmp": k_cmp, "v_cmp": v_cmp, "k_slc": rotate(k_slc), "v_slc": v_slc,
@@ -667,12 +709,16 @@ class NativeSparseAttention(nn.Module):
 
     def forward(self, x: Tensor, cache: NSACache | None = None) -> Tensor:
         config = self.config
-        offset = 0 if cache is None else cache.length
+        rows = None if cache is None else cache.rows  # lengths of their own per row, or None (level)
+        offset = 0 if cache is None else cache.length  # the longest row's, when rows differ
         n_queries = x.shape[1]
-        q_plain, q, new = self._project(x, offset)
-        tensors = new if cache is None else cache.append(new)  # [B, G, S, D] each
         n_keys = offset + n_queries
-        positions = torch.arange(offset, n_keys, device=x.device)
+        if rows is None:
+            positions = torch.arange(offset, n_keys, device=x.device)  # [T]
+        else:
+            _, positions = rows.advance(n_queries)  # [B, T]: each row's own
+        q_plain, q, new = self._project(x, offset if rows is None else rows.lengths, n_keys)
+        tensors = new if cache is None else cache.append(new)  # [B, G, S, D] each
 
         # compressed keys/values of all blocks complete by the last query
         block, stride = config.compress_block_size, config.compress_stride
@@ -682,8 +728,10 @@ class NativeSparseAttention(nn.Module):
             compressed_k = compress(k_cmp, 0, n_blocks, block, stride, self.compress_keys) if n_blocks else None
             compressed_v = compress(v_cmp, 0, n_blocks, block, stride, self.compress_values) if n_blocks else None
         else:
-            if n_blocks > cache.n_compressed:
-                first, count = cache.n_compressed, n_blocks - cache.n_compressed
+            # blocks not compressed yet; while rows differ, also every block a new token fell in
+            first = cache.n_compressed if rows is None else min(cache.n_compressed, cache.first_block_written(rows))
+            if n_blocks > first:
+                count = n_blocks - first
                 new_k = compress(k_cmp, first, count, block, stride, self.compress_keys)
                 new_v = compress(v_cmp, first, count, block, stride, self.compress_values)
                 cache.compressed_keys[:, :, first:n_blocks] = new_k
@@ -703,7 +751,9 @@ class NativeSparseAttention(nn.Module):
         # compressed branch and selection
         # the selection scores need a gradient only for straight-through top-k in training
         straight_through = config.use_diff_topk and torch.is_grad_enabled() and q_plain.requires_grad
-        out_cmp, indices, valid, score = compressed_branch(q_plain, all_k, all_v, offset, config, straight_through)
+        # (offset is the largest first position: the longest row's length when rows differ)
+        out_cmp, indices, valid, score = compressed_branch(q_plain, all_k, all_v, positions, offset, config,
+                                                           straight_through)
         gates = None
         if straight_through:
             gates = (1 + score - score.detach()).to(q.dtype)  # straight-through: exactly 1 forward
@@ -712,13 +762,14 @@ class NativeSparseAttention(nn.Module):
         k_slc, v_slc = self._branch(tensors, "slc")
         out_slc = self._selected(q, k_slc, v_slc, indices, valid, gates, positions)
 
-        # sliding branch: keys of the last window - 1 + T tokens
+        # sliding branch: keys of the last window - 1 + T tokens (of the shortest row's, when rows differ)
         k_win, v_win = self._branch(tensors, "win")
         window = config.sliding_window_size
-        first = max(0, n_keys - n_queries - (window - 1))
-        out_win = self._sliding(q, k_win[:, :, first:], v_win[:, :, first:])
+        first = max(0, (offset if rows is None else rows.shortest) - (window - 1))
+        window_positions = None if rows is None else positions - first  # [B, T] key indices in the slice
+        out_win = self._sliding(q, k_win[:, :, first:], v_win[:, :, first:], window_positions)
 
-        if cache is not None and n_queries == 1:
+        if cache is not None and n_queries == 1 and rows is None:
             cache.kv_tokens_loaded = kv_tokens_loaded(config, offset, n_blocks, indices[0, 0, 0], valid[0, 0, 0])
 
         gate = rearrange(torch.sigmoid(self.to_gates(x)), "b t (h c) -> c b h t 1", c=3)  # [3, B, H, T, 1]
@@ -728,28 +779,36 @@ class NativeSparseAttention(nn.Module):
     # -- back-ends: one semantics, tested against the torch path (tests/test_nsa_kernels.py)
 
     def _selected(self, q, k, v, indices, valid, gates, positions) -> Tensor:
+        """positions [T], or [B, T] per row (the torch path: rows of a cache that differ in length)."""
         backend, block = self.config.backend, self.config.selection_block_size
-        if backend == "triton":
+        shared = positions.dim() == 1
+        if backend == "triton" and shared:
             return nsa_triton.selected_attention(q, k, v, indices, valid, gates, positions, block)
         # flex has no per-block value gates (straight-through uses torch); short chunks use torch (flex.py)
-        if backend == "flex" and gates is None and worth_flex(q.shape[2], q.device.type):
+        if backend == "flex" and shared and gates is None and worth_flex(q.shape[2], q.device.type):
             self._check_flex(q)
             return nsa_flex.selected_attention(q, k, v, indices, valid, positions, block)
         heads_per_group = q.shape[1] // k.shape[1]
-        if k.shape[2] == q.shape[2] and nsa_cpu.fits(indices.shape[-1], heads_per_group) and nsa_cpu.usable(q, k, v):
+        whole = shared and k.shape[2] == q.shape[2]
+        if whole and nsa_cpu.fits(indices.shape[-1], heads_per_group) and nsa_cpu.usable(q, k, v):
             blocks = torch.where(valid, indices, -1)  # a whole sequence: the CPU kernel
             return nsa_cpu.selected_attention(q, k, v, blocks, positions, block, gates)
         # check_config holds num_selected >= 2, so choose_blocks always selects block 0 and the own block
         return selected_attention(q, k, v, indices, valid, gates, positions, block, self.config.query_chunk_size,
                                   forced=True)
 
-    def _sliding(self, q, k, v) -> Tensor:
+    def _sliding(self, q, k, v, positions: Tensor | None = None) -> Tensor:
+        """positions [B, T]: each row's query key indices (rows that differ in length), else the
+        queries are the last T keys."""
+        window = self.config.sliding_window_size
+        if positions is not None:
+            return local_attention(q, k, v, window, positions=positions)
         if self.config.backend == "flex" and worth_flex(q.shape[2], q.device.type):
             self._check_flex(q)
-            return flex_local_attention(q, k, v, self.config.sliding_window_size)
+            return flex_local_attention(q, k, v, window)
         if k.shape[2] == q.shape[2] and nsa_cpu.fits(0, q.shape[1] // k.shape[1]) and nsa_cpu.usable(q, k, v):
-            return nsa_cpu.sliding_attention(q, k, v, self.config.sliding_window_size)  # a whole sequence
-        return local_attention(q, k, v, self.config.sliding_window_size)
+            return nsa_cpu.sliding_attention(q, k, v, window)  # a whole sequence
+        return local_attention(q, k, v, window)
 
     @staticmethod
     def _check_flex(q: Tensor) -> None:

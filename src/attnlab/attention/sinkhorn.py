@@ -227,11 +227,7 @@ class SinkhornCache(KVCache):
             raise ValueError(f"cache holds {self.keys.shape[2]} tokens; {end} were fed")
         stores = ((self.keys, k), (self.values, v), (self.raw_queries, raw_q), (self.raw_keys, raw_k))
         if self.rows is not None:
-            # the first bucket a row writes to: one device sync per forward, not per layer
-            key = ("sinkhorn first bucket", self.bucket_size)
-            first = self.rows.memo.get(key)
-            if first is None:
-                first = self.rows.memo[key] = int(self.rows.lengths.min()) // self.bucket_size
+            first = self.rows.shortest // self.bucket_size  # the first bucket a row writes to
             self.rows, self.positions = self.rows.advance(k.shape[2])  # shared by the layers
             for store, new in stores:
                 write_rows(store, new, self.positions)

@@ -60,7 +60,7 @@ def register(subparsers) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--batch-scheme", choices=["auto", "per-row", "shared"], default="auto",
-        help="how rows of a batch roll back: per-row (each to its own length; all caches but NSA's), shared "
+        help="how rows of a batch roll back: per-row (each to its own length; every built-in cache), shared "
         "(all to the shortest committed prefix; any cache), auto (per-row where both models can)",
     )
     parser.add_argument(
@@ -184,8 +184,8 @@ def run(args: argparse.Namespace) -> int:
 
     per_row = {"auto": None, "per-row": True, "shared": False}[args.batch_scheme]
     if per_row and not all(getattr(model.new_cache(1), "per_row_rollback", False) for model in (target, draft)):
-        raise AttnlabError("--batch-scheme per-row needs caches that roll back per row (every attention type but "
-                           "NSA) in both models; use auto or shared")
+        raise AttnlabError("--batch-scheme per-row needs caches that roll back per row (per_row_rollback) in "
+                           "both models; use auto or shared")
 
     def base(seed: int) -> torch.Tensor:
         generator = torch.Generator(device=device).manual_seed(seed)

@@ -22,8 +22,8 @@ the output equals greedy decoding of the target.
 
 Batches (a departure from both papers, which describe one sequence). Rows accept different
 numbers of tokens. Two schemes keep every row exact; speculative_generate picks per-row rollback
-for batches > 1 when both models' caches support it (full, local, routing and sinkhorn attention),
-else the shared window.
+for batches > 1 when both models' caches support it (every built-in attention type), else the
+shared window.
 
 Per-row rollback (caches with per_row_rollback, KVCache.truncate_rows): after each step, row b's
 target cache is cut to its committed length L_b minus one and its draft cache to L_b minus one or
@@ -362,9 +362,9 @@ def speculative_generate(
 
     A row stops after `max_new_tokens` or after emitting `end_token`; the loop runs until every
     row has stopped (the output is cut after a row's end token and padded with it).
-    per_row: roll each row's caches back to its own length (when both models' caches can: full,
-    local, routing and sinkhorn attention), else the shared-window scheme; None picks per-row for
-    batches > 1 where possible.
+    per_row: roll each row's caches back to its own length (when both models' caches can: every
+    built-in attention type), else the shared-window scheme; None picks per-row for batches > 1
+    where possible.
     """
     if gamma < 1:
         raise ValueError("gamma must be >= 1")
@@ -391,7 +391,7 @@ def speculative_generate(
     can_split = all(getattr(cache, "per_row_rollback", False) for cache in (target_cache, draft_cache))
     if per_row and not can_split:
         raise ValueError(
-            "per-row rollback needs caches that support it (every attention type but NSA) in both models"
+            "per-row rollback needs caches that support it (per_row_rollback) in both models"
         )
     per_row = can_split and batch > 1 if per_row is None else per_row
     with eval_mode(target, draft):  # each module's own mode restored afterwards (model/modes.py)
