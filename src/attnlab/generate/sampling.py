@@ -8,6 +8,7 @@ Legend: B batch, T tokens, V vocabulary.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -71,6 +72,17 @@ def probabilities(logits: Tensor, config: SamplingConfig) -> Tensor:
     return torch.softmax(filtered, dim=-1)
 
 
+@functools.lru_cache(maxsize=8)
+def _zero_of(device: torch.device, dtype: torch.dtype) -> Tensor:
+    with torch.inference_mode(False):  # usable inside and outside inference mode
+        return torch.zeros((), device=device, dtype=dtype)
+
+
+def _zero(like: Tensor) -> Tensor:
+    """A 0-dim zero of like's device and dtype, made once (sampling runs once per decoded token)."""
+    return _zero_of(like.device, like.dtype)
+
+
 def sample_from(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
     """One token per row of probs [..., V] -> [...], by inverting the cumulative distribution.
 
@@ -80,7 +92,7 @@ def sample_from(probs: Tensor, generator: torch.Generator | None = None) -> Tens
     cumulative = probs.cumsum(dim=-1)  # [..., V]
     total = cumulative[..., -1:]  # [..., 1]
     uniform = torch.rand(total.shape, generator=generator, device=probs.device, dtype=probs.dtype)
-    draw = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))  # [..., 1] < total
+    draw = torch.minimum(uniform * total, torch.nextafter(total, _zero(total)))  # [..., 1] < total
     return torch.searchsorted(cumulative, draw, right=True).squeeze(-1)  # first index whose sum exceeds it
 
 

@@ -121,9 +121,9 @@ def accept_reject(
     q_next = draft_probs.gather(1, index.clamp(max=width - 2)).squeeze(1)  # [B, V]
     q_next = q_next * (n_accepted < width - 1)[:, None]
     residual = (p_next - q_next).clamp_min(0)  # max(0, p - q) (Leviathan et al., eq. 2 / Chen et al.)
-    mass = residual.sum(dim=-1, keepdim=True)  # [B, 1]
-    # a rejection implies p > q somewhere, so mass > 0 up to rounding; fall back to p if not
-    residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_next)
+    # sampled in proportion (sample_from normalises); a rejection implies p > q somewhere, so the
+    # mass is > 0 up to rounding; fall back to p if not
+    residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p_next)
     return n_accepted, sample_from(residual, generator)
 
 
