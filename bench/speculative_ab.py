@@ -1,0 +1,103 @@
+"""Side-by-side speedups of several drafts of one target, in one process: round after round, each
+draft in turn times the target's own cached decoding and then speculative decoding from the same
+validation prime with the same seed, back to back. Each pair gives one speedup (base ms /
+speculative ms), so a slow spell of a shared machine slows both sides of it alike; the figure
+per draft is the median over rounds of these paired speedups (with the medians of the times and of
+the tokens committed per step). The drafts are interleaved, so they see the same spells.
+
+    python bench/speculative_ab.py TARGET_RUN NAME=DRAFT_RUN[:int8] [NAME=...] [--rounds 9]
+        [--batch-size 1] [--batch-scheme auto] [--temperature 1] [--top-k K] [--gamma 5]
+        [--max-new-tokens 256]
+
+One JSON line per round and draft, then one summary line per draft. `attnlab speculative` times
+one draft the same way (alternating base and speculative runs) and reports medians of each side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from attnlab.data.bytes import load_corpus
+from attnlab.data.sampler import eval_windows
+from attnlab.generate.sampling import SamplingConfig, generate
+from attnlab.generate.speculative import speculative_generate
+from attnlab.model.quantize import quantize_weights
+from attnlab.train.checkpoint import load_model
+
+
+def parse_draft(text: str) -> tuple[str, str, str]:
+    """NAME=RUN[:int8] -> (name, run, quantization)."""
+    name, _, run = text.partition("=")
+    if not name or not run:
+        raise argparse.ArgumentTypeError(f"expected NAME=DRAFT_RUN[:int8], got {text!r}")
+    run, _, quantization = run.partition(":")
+    return name, run, quantization or "none"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("target")
+    parser.add_argument("drafts", nargs="+", type=parse_draft, metavar="NAME=DRAFT_RUN[:int8]")
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--batch-scheme", choices=["auto", "per-row", "shared"], default="auto")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--gamma", type=int, default=5)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--prime-length", type=int, default=128)
+    args = parser.parse_args()
+
+    target = load_model(args.target).eval()
+    drafts = {}
+    for name, run, quantization in args.drafts:
+        drafts[name] = load_model(run).eval()
+        quantize_weights(drafts[name], quantization)
+    corpus = load_corpus(target.run_config.data)
+    # the primes `attnlab speculative --prime-from-val` uses
+    prompt = eval_windows(corpus.val, args.prime_length, args.batch_size, seed=0)[:, : args.prime_length].long()
+    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k)
+    per_row = {"auto": None, "per-row": True, "shared": False}[args.batch_scheme]
+
+    def base(seed: int) -> float:
+        started = time.perf_counter()
+        with torch.inference_mode():
+            generate(target, prompt, args.max_new_tokens, sampling, generator=torch.Generator().manual_seed(seed))
+        return time.perf_counter() - started
+
+    def speculative(draft, seed: int):
+        started = time.perf_counter()
+        result = speculative_generate(target, draft, prompt, args.max_new_tokens, args.gamma, sampling,
+                                      generator=torch.Generator().manual_seed(seed), per_row=per_row)
+        return time.perf_counter() - started, result
+
+    for draft in drafts.values():  # warm-up: allocator, first calls
+        base(0)
+        speculative(draft, 0)
+    rows = {name: [] for name in drafts}
+    for round_index in range(args.rounds):
+        for name, draft in drafts.items():
+            base_s = base(round_index)
+            speculative_s, result = speculative(draft, round_index)
+            row = {"round": round_index, "draft": name, "base_ms": round(1000 * base_s, 1),
+                   "speculative_ms": round(1000 * speculative_s, 1), "speedup": round(base_s / speculative_s, 3),
+                   "tokens_per_step": round(args.max_new_tokens / result.n_steps, 3)}
+            rows[name].append(row)
+            print(json.dumps(row), flush=True)
+    settings = {"batch_size": args.batch_size, "batch_scheme": args.batch_scheme, "temperature": args.temperature,
+                "top_k": args.top_k, "gamma": args.gamma, "max_new_tokens": args.max_new_tokens,
+                "rounds": args.rounds, "threads": torch.get_num_threads()}
+    for name, collected in rows.items():
+        medians = {key: round(statistics.median(row[key] for row in collected), 3)
+                   for key in ("speedup", "base_ms", "speculative_ms", "tokens_per_step")}
+        print(json.dumps({"summary": name, **settings, **medians,
+                          "speedups": [row["speedup"] for row in collected]}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
