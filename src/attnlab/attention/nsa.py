@@ -769,8 +769,9 @@ class NativeSparseAttention(nn.Module):
         window_positions = None if rows is None else positions - first  # [B, T] key indices in the slice
         out_win = self._sliding(q, k_win[:, :, first:], v_win[:, :, first:], window_positions)
 
-        if cache is not None and n_queries == 1 and rows is None:
-            cache.kv_tokens_loaded = kv_tokens_loaded(config, offset, n_blocks, indices[0, 0, 0], valid[0, 0, 0])
+        if cache is not None and n_queries == 1:  # row 0's count, kept while rows are level
+            cache.kv_tokens_loaded = (None if rows is not None else
+                                      kv_tokens_loaded(config, offset, n_blocks, indices[0, 0, 0], valid[0, 0, 0]))
 
         gate = rearrange(torch.sigmoid(self.to_gates(x)), "b t (h c) -> c b h t 1", c=3)  # [3, B, H, T, 1]
         y = gate[0] * out_cmp + gate[1] * out_slc + gate[2] * out_win
