@@ -100,3 +100,13 @@ def test_quantized_draft_keeps_greedy_speculative_equal_to_the_target(batch, nam
     expected = generate(target, prompt, 24, greedy)
     result = speculative_generate(target, draft, prompt, 24, gamma=5, sampling=greedy)
     assert torch.equal(result.tokens, expected)
+
+
+def test_quantized_nsa_layer_keeps_a_float_cache():
+    """An NSA layer's cache takes its dtype from a float parameter of the layer, not from a
+    projection that quantization made int8."""
+    model = Transformer(variant_config("nsa", depth=1)).eval()
+    quantize_weights(model, "int8")
+    cache = model.blocks[0].attention.new_cache(2, 16)
+    assert {tensor.dtype for tensor in cache.tensors.values()} == {torch.float32}
+    assert cache.compressed_keys.dtype == torch.float32

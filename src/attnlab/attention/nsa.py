@@ -820,7 +820,7 @@ class NativeSparseAttention(nn.Module):
         names = (["k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win"] if self.config.separate_branch_kv
                  else ["k_cmp", "k", "v"])
         if dtype is None:
-            dtype = self.to_q.weight.dtype
+            dtype = self.memory.dtype  # a float parameter, also when the projections are int8 (model/quantize.py)
         shape = (batch, self.spec.n_kv_heads, max_len, self.spec.dim_head)
         max_blocks = n_complete_blocks(max_len, self.config.compress_block_size, self.config.compress_stride)
         return NSACache(names, shape, max_blocks, self.config, device, dtype)
