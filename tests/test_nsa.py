@@ -227,3 +227,26 @@ def test_bench_decode_reports_tokens_loaded():
     assert full["kv_tokens_loaded"] is None
     table = decode_table([nsa, full])
     assert "kv tokens loaded/step" in table and f"| {nsa['kv_tokens_loaded']:.0f} |" in table
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_rows_of_their_own_length_across_query_chunks(chunk):
+    """A cache rolled back to a length per row (truncate_rows) then fed chunks longer than the
+    layer's query chunks: each row equals the layer run on that row's own tokens alone, and the
+    statistic of a level-rows step is withheld while rows differ."""
+    from attnlab.attention.base import RowLengths
+
+    layer = make_layer(query_chunk_size=chunk).eval()
+    x = torch.randn(3, 40, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    kept = [13, 17, 22]  # each row's tokens after the rollback; blocks of 4 every 2 tokens cut mid-block
+    with torch.no_grad():
+        cache = layer.new_cache(3, 64)
+        layer(x[:, :24], cache=cache)
+        lengths = torch.tensor(kept)
+        cache.truncate_rows(RowLengths(lengths, max(kept)))
+        new = x[:, 24:]  # what each row feeds next, at its own positions
+        got = torch.cat([layer(new[:, :7], cache=cache), layer(new[:, 7:8], cache=cache)], dim=1)
+        assert cache.kv_tokens_loaded is None
+        for row, length in enumerate(kept):
+            own = torch.cat((x[row, :length], new[row, :8]))[None]
+            torch.testing.assert_close(got[row], layer(own)[0, length:], rtol=1e-9, atol=1e-9)
