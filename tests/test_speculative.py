@@ -569,12 +569,16 @@ def test_speculative_command_reports_both_decodings(trained_pair, draft_argument
     capsys.readouterr()
     code = main([
         "speculative", "--target", str(root / "target"), *draft_arguments, "--gamma", "3", "--prompt", "def ",
-        "--max-new-tokens", "12", "--batch-size", "2", "--temperature", "0", "--json",
+        "--max-new-tokens", "12", "--batch-size", "2", "--temperature", "0", "--repeats", "3", "--json",
     ])
     assert code == 0
     report = json.loads(capsys.readouterr().out)
+    assert len(report["base"]["ms_all"]) == len(report["speculative"]["ms_all"]) == 3
     assert report["base"]["text"] == report["speculative"]["text"]  # greedy: token for token
     assert report["speedup"] > 0 and 0 <= report["speculative"]["mean_accepted"] <= 3
+    times = zip(report["base"]["ms_all"], report["speculative"]["ms_all"], strict=True)
+    paired = [base / speculative for base, speculative in times]
+    assert report["speedup_paired_median"] == pytest.approx(sorted(paired)[len(paired) // 2])
     assert report["speculative"]["batch_scheme"] == "per-row"  # full attention: auto rolls back per row
     code = main([
         "speculative", "--target", str(root / "target"), *draft_arguments, "--gamma", "3", "--prompt", "def ",
