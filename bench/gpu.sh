@@ -6,7 +6,7 @@
 #   bench/gpu.sh layer        one NSA layer vs SDPA flash at 8k-64k tokens, bf16 (bench/nsa_gpu.py)
 #   bench/gpu.sh decode       per-token decoding with the cache at 8k-64k context, and a profile at 64k
 #   bench/gpu.sh speculative  train the seed-sized pair (dim 512, depth 10 / 2) on the built-in corpus
-#                             and time speculative decoding at gamma 5, batch 1 and 4
+#                             and time speculative decoding at gamma 5, batch 1 and 4 (per-row and shared)
 # OUT=dir (default docs/bench/gpu)  RUNS=dir (default runs/gpu)  SPEC_STEPS=n (default 1500)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -52,10 +52,12 @@ speculative)
     fi
     : > "$out/speculative.jsonl"
     for temperature in 1 0; do
-        for batch in 1 4; do
+        # batch 4 twice: each row's caches rolled back to its own length, and all rows to the shortest
+        for run in "1 auto" "4 per-row" "4 shared"; do
+            read -r batch scheme <<< "$run"
             attnlab speculative --target "$runs/spec-target" --draft "$runs/spec-draft" --gamma 5 --prime-from-val \
-                --max-new-tokens 256 --batch-size "$batch" --temperature "$temperature" --repeats 5 \
-                --device cuda --json | tee -a "$out/speculative.jsonl"
+                --max-new-tokens 256 --batch-size "$batch" --batch-scheme "$scheme" --temperature "$temperature" \
+                --repeats 5 --device cuda --json | tee -a "$out/speculative.jsonl"
         done
     done
     ;;
