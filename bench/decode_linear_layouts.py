@@ -1,16 +1,19 @@
 """How fast a CPU decodes depends on how its BLAS multiplies a few rows of activations by a
-weight matrix that is not in the caches. Two layouts of the same product y = x W^T, for a few
-rows x [N, K] and a weight W [O, K]:
+weight matrix that is not in the caches. Layouts of the same product y = x W^T, for a few rows
+x [N, K] and a weight W [O, K]:
 
 - "linear": torch.nn.functional.linear(x, W), what attnlab's layers call (a matrix-vector
   product for one row);
 - "columns": torch.mm(W, x^T)^T, the rows as columns of a matrix product (one row is padded to
-  two: a one-column product takes the matrix-vector path again).
+  two: a one-column product takes the matrix-vector path again);
+- "columns-multirow": the columns layout for 2 or more rows only; one row as "linear". One-row
+  products are all that base decoding at batch 1 multiplies, so this layout leaves it as it is
+  and speeds up what has several rows (speculative decoding's verification of gamma + 1 tokens).
 
 This times the target's own cached decoding and speculative decoding (batch 1, temperature 1,
 256 new tokens, a validation prime) with every nn.Linear of both models computed each way in
-inference mode, the runs alternating; medians in ms, and the speedup of each layout. The second
-layout is not what attnlab's decoding uses: this measures what it would change.
+inference mode, the runs alternating; medians in ms, and the speedup of each layout. Only the
+first is what attnlab's decoding uses: this measures what the others would change.
 
     python bench/decode_linear_layouts.py TARGET_RUN DRAFT_RUN [--repeats 7] [--gamma 5]
 """
@@ -45,12 +48,12 @@ def columns_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 
 @contextlib.contextmanager
-def columns_layout(max_rows: int = 8):
-    """Every nn.Linear computes products of up to max_rows rows without autograd as columns."""
+def columns_layout(max_rows: int = 8, min_rows: int = 1):
+    """Every nn.Linear computes products of min_rows to max_rows rows without autograd as columns."""
     original = nn.Linear.forward
 
     def forward(self, x):
-        if torch.is_grad_enabled() or x.numel() // x.shape[-1] > max_rows:
+        if torch.is_grad_enabled() or not min_rows <= x.numel() // x.shape[-1] <= max_rows:
             return original(self, x)
         return columns_product(x, self.weight, self.bias)
 
@@ -85,7 +88,8 @@ def main() -> None:
         return speculative_generate(target, draft, prompt, 256, args.gamma, sampling,
                                     generator=torch.Generator().manual_seed(seed))
 
-    layouts = {"linear": contextlib.nullcontext, "columns": columns_layout}
+    layouts = {"linear": contextlib.nullcontext, "columns": columns_layout,
+               "columns-multirow": lambda: columns_layout(min_rows=2)}
     times = {(layout, kind): [] for layout in layouts for kind in ("base", "speculative")}
     for repeat in range(args.repeats + 1):  # the first round warms up
         for layout, context in layouts.items():
