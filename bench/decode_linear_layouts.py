@@ -1,67 +1,38 @@
 """How fast a CPU decodes depends on how its BLAS multiplies a few rows of activations by a
-weight matrix that is not in the caches. Layouts of the same product y = x W^T, for a few rows
-x [N, K] and a weight W [O, K]:
+weight matrix that is not in the caches. Two layouts of the same product y = x W^T, for a few
+rows x [N, K] and a weight W [O, K]:
 
-- "linear": torch.nn.functional.linear(x, W), what attnlab's layers call (a matrix-vector
-  product for one row);
-- "columns": torch.mm(W, x^T)^T, the rows as columns of a matrix product (one row is padded to
-  two: a one-column product takes the matrix-vector path again);
-- "columns-multirow": the columns layout for 2 or more rows only; one row as "linear". One-row
-  products are all that base decoding at batch 1 multiplies, so this layout leaves it as it is
-  and speeds up what has several rows (speculative decoding's verification of gamma + 1 tokens).
+- "linear": torch.nn.functional.linear(x, W) everywhere (attnlab's layers before
+  attnlab.model.linear; a matrix-vector product for one row);
+- "columns": what attnlab's Linear does now: torch.mm(W, x^T)^T for up to 32 rows of float32
+  activations on a CPU with MKL, without autograd (one row padded to two columns), F.linear
+  otherwise.
 
-This times the target's own cached decoding and speculative decoding (batch 1, temperature 1,
-256 new tokens, a validation prime) with every nn.Linear of both models computed each way in
-inference mode, the runs alternating; medians in ms, and the speedup of each layout. Only the
-first is what attnlab's decoding uses: this measures what the others would change.
+This times the target's own cached decoding and speculative decoding (batch 1 or more,
+temperature 1, 256 new tokens, validation primes) in each layout, the runs alternating, each
+speculative run right after a base run of the same seed; medians in ms, the paired speedup, and
+how much faster each kind decodes with columns than with linear.
 
-    python bench/decode_linear_layouts.py TARGET_RUN DRAFT_RUN [--repeats 7] [--gamma 5]
+    python bench/decode_linear_layouts.py TARGET_RUN DRAFT_RUN [--repeats 7] [--gamma 5] [--batch-size 1]
+        [--draft-quantize int8]
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
 import time
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from attnlab.data.bytes import load_corpus
 from attnlab.data.sampler import eval_windows
 from attnlab.generate.sampling import SamplingConfig, generate
 from attnlab.generate.speculative import speculative_generate
+from attnlab.model.linear import column_product, column_products
+from attnlab.model.quantize import QUANTIZATIONS, quantize_weights
 from attnlab.train.checkpoint import load_model
-
-
-def columns_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., K] W^T as W x^T, rows as columns (one row padded to two)."""
-    flat = x.reshape(-1, x.shape[-1])
-    columns = flat if flat.shape[0] > 1 else torch.cat((flat, flat))
-    y = torch.mm(weight, columns.T).T[: flat.shape[0]]
-    if bias is not None:
-        y = y + bias
-    return y.reshape(*x.shape[:-1], weight.shape[0])
-
-
-@contextlib.contextmanager
-def columns_layout(max_rows: int = 8, min_rows: int = 1):
-    """Every nn.Linear computes products of min_rows to max_rows rows without autograd as columns."""
-    original = nn.Linear.forward
-
-    def forward(self, x):
-        if torch.is_grad_enabled() or not min_rows <= x.numel() // x.shape[-1] <= max_rows:
-            return original(self, x)
-        return columns_product(x, self.weight, self.bias)
-
-    nn.Linear.forward = forward
-    try:
-        yield
-    finally:
-        nn.Linear.forward = original
 
 
 def main() -> None:
@@ -70,14 +41,17 @@ def main() -> None:
     parser.add_argument("draft")
     parser.add_argument("--repeats", type=int, default=7, help="timed decodings of each kind and layout")
     parser.add_argument("--gamma", type=int, default=5)
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--draft-quantize", choices=list(QUANTIZATIONS), default="none")
     args = parser.parse_args()
     target, draft = load_model(args.target).eval(), load_model(args.draft).eval()
+    quantize_weights(draft, args.draft_quantize)
     with torch.inference_mode():  # the layouts agree
         x, weight = torch.randn(3, 256), torch.randn(64, 256)
-        torch.testing.assert_close(columns_product(x, weight, None), F.linear(x, weight), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(column_product(x, weight), x @ weight.T, rtol=1e-4, atol=1e-4)
 
     corpus = load_corpus(target.run_config.data)
-    prompt = eval_windows(corpus.val, 128, 1, seed=0)[:, :128].long()
+    prompt = eval_windows(corpus.val, 128, args.batch_size, seed=0)[:, :128].long()
     sampling = SamplingConfig(temperature=1.0)
 
     def base(seed: int):
@@ -88,22 +62,30 @@ def main() -> None:
         return speculative_generate(target, draft, prompt, 256, args.gamma, sampling,
                                     generator=torch.Generator().manual_seed(seed))
 
-    layouts = {"linear": contextlib.nullcontext, "columns": columns_layout,
-               "columns-multirow": lambda: columns_layout(min_rows=2)}
+    layouts = {"linear": False, "columns": True}
     times = {(layout, kind): [] for layout in layouts for kind in ("base", "speculative")}
     for repeat in range(args.repeats + 1):  # the first round warms up
-        for layout, context in layouts.items():
-            with context():
+        for layout, enabled in layouts.items():
+            with column_products(enabled):
                 for kind, decode in (("base", base), ("speculative", speculative)):
                     started = time.perf_counter()
                     decode(repeat)
                     if repeat:
                         times[(layout, kind)].append(time.perf_counter() - started)
+    medians = {key: 1000 * statistics.median(values) for key, values in times.items()}
     for layout in layouts:
-        base_ms = 1000 * statistics.median(times[(layout, "base")])
-        speculative_ms = 1000 * statistics.median(times[(layout, "speculative")])
-        print(json.dumps({"layout": layout, "batch_size": 1, "repeats": args.repeats, "base_ms": round(base_ms, 1),
-                          "speculative_ms": round(speculative_ms, 1), "speedup": round(base_ms / speculative_ms, 3)}))
+        paired = [b / s for b, s in zip(times[(layout, "base")], times[(layout, "speculative")], strict=True)]
+        print(json.dumps({
+            "layout": layout, "batch_size": args.batch_size, "draft_quantize": args.draft_quantize,
+            "repeats": args.repeats, "threads": torch.get_num_threads(),
+            "base_ms": round(medians[(layout, "base")], 1),
+            "speculative_ms": round(medians[(layout, "speculative")], 1),
+            "speedup_paired_median": round(statistics.median(paired), 3),
+        }))
+    print(json.dumps({
+        "columns_over_linear": {kind: round(medians[("linear", kind)] / medians[("columns", kind)], 3)
+                                for kind in ("base", "speculative")},
+    }))
 
 
 if __name__ == "__main__":

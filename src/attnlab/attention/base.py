@@ -24,6 +24,8 @@ import torch.nn.functional as F
 from einops import repeat
 from torch import Tensor, nn
 
+from attnlab.model.linear import Linear
+
 
 @dataclass(kw_only=True)
 class AttentionSpec:
@@ -285,10 +287,10 @@ class HeadProjections(nn.Module):
         super().__init__()
         self.spec = spec
         inner_q, inner_kv = spec.n_heads * spec.dim_head, spec.n_kv_heads * spec.dim_head
-        self.to_q = nn.Linear(spec.dim, inner_q, bias=False)
-        self.to_k = nn.Linear(spec.dim, inner_kv, bias=False)
-        self.to_v = nn.Linear(spec.dim, inner_kv, bias=False)
-        self.to_out = nn.Linear(inner_q, spec.dim, bias=False)
+        self.to_q = Linear(spec.dim, inner_q, bias=False)
+        self.to_k = Linear(spec.dim, inner_kv, bias=False)
+        self.to_v = Linear(spec.dim, inner_kv, bias=False)
+        self.to_out = Linear(inner_q, spec.dim, bias=False)
 
     # Head split and merge are a view and a transpose rather than einops.rearrange: the same
     # layout, but rearrange's per-call parsing cost is paid 4 times per layer per decoded token.

@@ -68,6 +68,7 @@ from attnlab.attention.kernels.flex_local import flex_local_attention
 from attnlab.attention.local import local_attention
 from attnlab.config import NSAAttentionConfig
 from attnlab.errors import ConfigError
+from attnlab.model.linear import Linear
 from attnlab.registry import ATTENTION
 
 # ----------------------------------------------------------------------------------------------
@@ -669,10 +670,10 @@ class NativeSparseAttention(nn.Module):
         self.spec, self.config = spec, config
         heads, groups, dim_head = spec.n_heads, spec.n_kv_heads, spec.dim_head
         n_kv_sets = 3 if config.separate_branch_kv else 1
-        self.to_q = nn.Linear(spec.dim, heads * dim_head, bias=False)
-        self.to_kv = nn.Linear(spec.dim, 2 * n_kv_sets * groups * dim_head, bias=False)
-        self.to_gates = nn.Linear(spec.dim, 3 * heads)  # eq. 5: g_c in [0, 1] per head and branch
-        self.to_out = nn.Linear(heads * dim_head, spec.dim, bias=False)
+        self.to_q = Linear(spec.dim, heads * dim_head, bias=False)
+        self.to_kv = Linear(spec.dim, 2 * n_kv_sets * groups * dim_head, bias=False)
+        self.to_gates = Linear(spec.dim, 3 * heads)  # eq. 5: g_c in [0, 1] per head and branch
+        self.to_out = Linear(heads * dim_head, spec.dim, bias=False)
         args = (config.compressor, groups, config.compress_block_size, dim_head, config.compress_mlp_mult)
         self.compress_keys, self.compress_values = BlockCompressor(*args), BlockCompressor(*args)
         self.memory = nn.Parameter(torch.randn(2, groups, dim_head) * 0.02)  # always-visible compressed key, value

@@ -58,6 +58,7 @@ from attnlab.attention.kernels.flex_routing import flex_routed_attention
 from attnlab.attention.local import local_attention
 from attnlab.config import RoutingAttentionConfig
 from attnlab.errors import ConfigError
+from attnlab.model.linear import Linear
 from attnlab.model.reversible import is_recomputing
 from attnlab.registry import ATTENTION
 
@@ -504,10 +505,10 @@ class RoutingAttention(nn.Module):
         self.n_routed = spec.n_heads - self.n_local
         self.n_clusters = config.n_clusters or max(1, spec.max_seq_len // config.window_size)
         inner_q, inner_kv = spec.n_heads * spec.dim_head, spec.n_kv_heads * spec.dim_head
-        self.to_q = nn.Linear(spec.dim, inner_q, bias=False)
-        self.to_k = nn.Linear(spec.dim, inner_kv, bias=False)
-        self.to_v = nn.Linear(spec.dim, inner_kv, bias=False)
-        self.to_out = nn.Linear(inner_q, spec.dim, bias=False)
+        self.to_q = Linear(spec.dim, inner_q, bias=False)
+        self.to_k = Linear(spec.dim, inner_kv, bias=False)
+        self.to_v = Linear(spec.dim, inner_kv, bias=False)
+        self.to_out = Linear(inner_q, spec.dim, bias=False)
         centroids = F.normalize(torch.randn(self.n_routed, self.n_clusters, spec.dim_head), dim=-1)
         self.register_buffer("centroids", centroids)  # [R, C, D], unit norm
         # statistics of this optimiser step's forwards, consumed by after_optimizer_step()

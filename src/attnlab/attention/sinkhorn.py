@@ -50,6 +50,7 @@ from attnlab.attention.kernels.flex_sinkhorn import flex_bucket_attention
 from attnlab.attention.local import local_attention
 from attnlab.config import SinkhornAttentionConfig
 from attnlab.errors import ConfigError
+from attnlab.model.linear import Linear
 from attnlab.registry import ATTENTION
 
 MASKED = -1e4  # finite "minus infinity" for the sorting matrix: keeps Sinkhorn's gradients finite
@@ -283,10 +284,10 @@ class SinkhornAttention(nn.Module):
             raise ValueError(f"n_local_heads={config.n_local_heads} must be between 0 and heads={spec.n_heads}")
         self.n_local = config.n_local_heads
         inner_q, inner_kv = spec.n_heads * spec.dim_head, spec.n_kv_heads * spec.dim_head
-        self.to_q = nn.Linear(spec.dim, inner_q, bias=False)
-        self.to_k = nn.Linear(spec.dim, inner_kv, bias=False)
-        self.to_v = nn.Linear(spec.dim, inner_kv, bias=False)
-        self.to_out = nn.Linear(inner_q, spec.dim, bias=False)
+        self.to_q = Linear(spec.dim, inner_q, bias=False)
+        self.to_k = Linear(spec.dim, inner_kv, bias=False)
+        self.to_v = Linear(spec.dim, inner_kv, bias=False)
+        self.to_out = Linear(inner_q, spec.dim, bias=False)
         self.aux_losses: dict[str, Tensor] = {}
         if config.backend == "flex" and spec.dropout > 0:
             raise ConfigError("attention.sinkhorn.backend=flex has no attention dropout; set model.attention.dropout=0")

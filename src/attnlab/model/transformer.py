@@ -24,6 +24,7 @@ import attnlab.model.moe  # noqa: F401  (registers the mixture-of-experts feed-f
 from attnlab.attention.base import AttentionSpec, KVCache, RotaryEmbedding, RowLengths
 from attnlab.config import ModelConfig
 from attnlab.model.layers import Chunked, TokenEmbedding
+from attnlab.model.linear import Linear
 from attnlab.model.loss import IGNORE_INDEX, chunked_linear_cross_entropy  # IGNORE_INDEX: padding, masked
 from attnlab.model.reversible import reversible_blocks
 from attnlab.registry import ATTENTION, FEED_FORWARD, NORM
@@ -142,8 +143,8 @@ class Transformer(nn.Module):
         self.norm = make_norm(config)
         out_width = config.emb_dim or config.dim
         # factorised embeddings project back to E before the (possibly tied) vocabulary matrix
-        self.head_project = nn.Linear(config.dim, out_width, bias=False) if config.emb_dim else None
-        self.head = nn.Linear(out_width, config.num_tokens, bias=False)
+        self.head_project = Linear(config.dim, out_width, bias=False) if config.emb_dim else None
+        self.head = Linear(out_width, config.num_tokens, bias=False)
         if config.tie_embeddings:
             self.head.weight = self.token_embedding.embed.weight
         self._aux_modules: list[nn.Module] | None = None  # modules reporting aux_losses, found on first use

@@ -1,0 +1,77 @@
+"""Linear: nn.Linear whose decoding-sized products on a CPU run as W x^T (model/linear.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attnlab.config import load_config
+from attnlab.model import Transformer
+from attnlab.model.linear import (
+    COLUMN_PRODUCT_MAX_ROWS,
+    Linear,
+    column_product,
+    column_products,
+    uses_column_product,
+)
+
+
+@pytest.mark.parametrize("shape", [(1, 24), (2, 24), (5, 24), (COLUMN_PRODUCT_MAX_ROWS, 24), (2, 3, 24), (1, 1, 24)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_column_product_equals_linear(shape, bias):
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=generator)
+    weight = torch.randn(40, 24, generator=generator)
+    b = torch.randn(40, generator=generator) if bias else None
+    y = column_product(x, weight, b)
+    assert y.shape == (*shape[:-1], 40)
+    torch.testing.assert_close(y, F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+
+
+def test_linear_takes_the_column_product_only_when_decoding_on_cpu():
+    layer = Linear(16, 8)
+    few, many = torch.randn(3, 16), torch.randn(COLUMN_PRODUCT_MAX_ROWS + 1, 16)
+    with column_products(True):
+        with torch.inference_mode():
+            assert uses_column_product(few, layer.weight)
+            assert not uses_column_product(many, layer.weight)  # more rows than decoding has
+            assert not uses_column_product(few.double(), layer.weight)
+        with torch.no_grad():
+            assert uses_column_product(few, layer.weight)
+        assert not uses_column_product(few, layer.weight)  # autograd on: training keeps F.linear
+    with column_products(False), torch.inference_mode():
+        assert not uses_column_product(few, layer.weight)
+
+
+def test_linear_matches_nn_linear_in_both_layouts_and_trains_alike():
+    torch.manual_seed(0)
+    reference = nn.Linear(16, 8)
+    layer = Linear(16, 8)
+    layer.load_state_dict(reference.state_dict())  # the same parameters and state-dict keys
+    x = torch.randn(2, 3, 16)
+    for enabled in (True, False):
+        with column_products(enabled), torch.inference_mode():
+            torch.testing.assert_close(layer(x), reference(x), rtol=1e-5, atol=1e-5)
+    x.requires_grad_(True)
+    layer(x).square().sum().backward()
+    grad_layer = (x.grad.clone(), layer.weight.grad.clone())
+    x.grad = None
+    reference(x).square().sum().backward()
+    torch.testing.assert_close(grad_layer, (x.grad, reference.weight.grad))
+
+
+def test_cached_decoding_agrees_across_layouts():
+    """A model decoding token by token gives the same logits with either product layout."""
+    config = load_config("demo", ["model.dim=32", "model.depth=2", "model.heads=2", "model.dim_head=16"]).model
+    torch.manual_seed(0)
+    model = Transformer(config).eval()
+    assert any(isinstance(module, Linear) for module in model.modules())
+    tokens = torch.randint(0, config.num_tokens, (2, 12))
+    logits = {}
+    for enabled in (True, False):
+        with column_products(enabled), torch.inference_mode():
+            cache = model.new_cache(2, 12)
+            logits[enabled] = torch.cat([model(tokens[:, i : i + 1], cache=cache).logits for i in range(12)], dim=1)
+    torch.testing.assert_close(logits[True], logits[False], rtol=1e-4, atol=1e-5)
