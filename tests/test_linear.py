@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -75,3 +79,11 @@ def test_cached_decoding_agrees_across_layouts():
             cache = model.new_cache(2, 12)
             logits[enabled] = torch.cat([model(tokens[:, i : i + 1], cache=cache).logits for i in range(12)], dim=1)
     torch.testing.assert_close(logits[True], logits[False], rtol=1e-4, atol=1e-5)
+
+
+def test_environment_turns_the_column_layout_off():
+    code = "import attnlab.model.linear as m; print(m.column_products_enabled())"
+    for value, expected in (("0", "False"), ("1", str(torch.backends.mkl.is_available()))):
+        env = {**os.environ, "ATTNLAB_COLUMN_PRODUCTS": value}
+        result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert result.stdout.strip() == expected

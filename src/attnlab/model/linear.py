@@ -12,6 +12,7 @@ Linear uses this layout where it was measured to pay and nothing else changes: f
 whose BLAS is MKL, at most COLUMN_PRODUCT_MAX_ROWS rows, and no autograd (inference mode or
 no_grad: decoding, evaluation). Training, GPUs, other dtypes and other BLAS libraries keep
 F.linear. The two layouts agree to float rounding (the sums run in another order).
+ATTNLAB_COLUMN_PRODUCTS=0 in the environment turns the column layout off.
 
 Legend: N rows of activations, K input width, O output width.
 """
@@ -19,6 +20,7 @@ Legend: N rows of activations, K input width, O output width.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 
 import torch
@@ -28,7 +30,7 @@ from torch import Tensor, nn
 # up to here W x^T was faster than x W^T for every width of the CPU pair measured (1..128 rows)
 COLUMN_PRODUCT_MAX_ROWS = 32
 
-_enabled = torch.backends.mkl.is_available()
+_enabled = torch.backends.mkl.is_available() and os.environ.get("ATTNLAB_COLUMN_PRODUCTS", "1") != "0"
 
 
 def column_products_enabled() -> bool:
