@@ -15,9 +15,12 @@ from attnlab.config import load_config
 from attnlab.model import Transformer
 from attnlab.model.linear import (
     COLUMN_PRODUCT_MAX_ROWS,
+    COLUMN_PRODUCT_MIN_MODEL_BYTES,
     Linear,
     column_product,
     column_products,
+    linear_weight_bytes,
+    set_column_layout,
     uses_column_product,
 )
 
@@ -71,7 +74,8 @@ def test_cached_decoding_agrees_across_layouts():
     config = load_config("demo", ["model.dim=32", "model.depth=2", "model.heads=2", "model.dim_head=16"]).model
     torch.manual_seed(0)
     model = Transformer(config).eval()
-    assert any(isinstance(module, Linear) for module in model.modules())
+    assert set_column_layout(model, min_bytes=0)  # a model this small keeps F.linear by default
+    assert all(m.column_layout for m in model.modules() if isinstance(m, Linear))
     tokens = torch.randint(0, config.num_tokens, (2, 12))
     logits = {}
     for enabled in (True, False):
@@ -87,3 +91,26 @@ def test_environment_turns_the_column_layout_off():
         env = {**os.environ, "ATTNLAB_COLUMN_PRODUCTS": value}
         result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
         assert result.stdout.strip() == expected
+
+
+def test_a_model_takes_the_column_layout_by_the_size_of_its_weights():
+    """Weights that stay in the caches keep F.linear; a model whose weights stream from memory
+    takes the column products (COLUMN_PRODUCT_MIN_MODEL_BYTES)."""
+    small = load_config("demo", ["model.dim=32", "model.depth=2", "model.heads=2", "model.dim_head=16"]).model
+    model = Transformer(small)
+    weights = {id(m.weight): m.weight for m in model.modules() if isinstance(m, nn.Linear)}
+    assert linear_weight_bytes(model) == 4 * sum(w.numel() for w in weights.values())
+    assert linear_weight_bytes(model) < COLUMN_PRODUCT_MIN_MODEL_BYTES
+    assert not model.head.column_layout
+    x = torch.randn(1, 32)
+    with column_products(True), torch.inference_mode():
+        assert uses_column_product(x, model.head.weight)  # the product qualifies, the model does not
+        assert torch.equal(model.head(x), F.linear(x, model.head.weight))
+        model.head.column_layout = True
+        assert torch.equal(model.head(x), column_product(x, model.head.weight))
+    large = load_config("demo", ["model.dim=512", "model.depth=3", "model.heads=8", "model.dim_head=64"]).model
+    model = Transformer(large)
+    assert linear_weight_bytes(model) >= COLUMN_PRODUCT_MIN_MODEL_BYTES
+    assert all(m.column_layout for m in model.modules() if isinstance(m, Linear))
+    assert not set_column_layout(model, min_bytes=linear_weight_bytes(model) + 1)
+    assert not any(m.column_layout for m in model.modules() if isinstance(m, Linear))

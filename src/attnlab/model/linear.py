@@ -1,18 +1,24 @@
 """nn.Linear, with a faster product for the few rows of activations that decoding multiplies on a CPU.
 
 Decoding multiplies a handful of rows x [N, K] (one per sequence and new token) by every weight
-W [O, K] of the model, a weight that is not in the caches. torch.nn.functional.linear computes
-x W^T; for so few rows MKL takes a matrix-vector path (one row) or a small-matrix path that
-stream W slowly. The same product as W x^T, the rows as the columns of a matrix product
-(torch.mm(W, x^T), transposed back), streams W two to four times as fast on the machines
-measured (docs/benchmarks.md, "Decoding products"). One row is padded to two columns: a
-one-column product takes the matrix-vector path again.
+W [O, K] of the model once per forward. torch.nn.functional.linear computes x W^T; for so few
+rows MKL takes a matrix-vector path (one row) or a small-matrix path. Both are fast while W sits
+in the caches, and slow when W must come from memory. The same product as W x^T, the rows as the
+columns of a matrix product (torch.mm(W, x^T), transposed back), costs about the same wherever W
+comes from: on the machine measured, two to four times faster than F.linear for weights streamed
+from memory, two to four times slower for weights in the caches (docs/benchmarks.md, "Decoding
+products on the CPU"). One row is padded to two columns: a one-column product takes the
+matrix-vector path again.
 
-Linear uses this layout where it was measured to pay and nothing else changes: float32 on a CPU
-whose BLAS is MKL, at most COLUMN_PRODUCT_MAX_ROWS rows, and no autograd (inference mode or
-no_grad: decoding, evaluation). Training, GPUs, other dtypes and other BLAS libraries keep
-F.linear. The two layouts agree to float rounding (the sums run in another order).
-ATTNLAB_COLUMN_PRODUCTS=0 in the environment turns the column layout off.
+Which one a weight takes when decoding depends on the model: a model whose linear weights come to
+COLUMN_PRODUCT_MIN_MODEL_BYTES or more reads each weight from memory once per token (the others
+evict it in between), one below stays in the caches. `set_column_layout(model)` marks every Linear
+of a model by that rule (Transformer does so when built; a Linear alone takes the column layout).
+The column layout is taken only where it was measured: float32 on a CPU whose BLAS is MKL, at
+most COLUMN_PRODUCT_MAX_ROWS rows, no autograd (inference mode or no_grad: decoding, evaluation).
+Training, GPUs, other dtypes and other BLAS libraries keep F.linear. The two layouts agree to
+float rounding (the sums run in another order). ATTNLAB_COLUMN_PRODUCTS=0 in the environment
+turns the column layout off everywhere.
 
 Legend: N rows of activations, K input width, O output width.
 """
@@ -29,6 +35,9 @@ from torch import Tensor, nn
 
 # up to here W x^T was faster than x W^T for every width of the CPU pair measured (1..128 rows)
 COLUMN_PRODUCT_MAX_ROWS = 32
+# the two layouts broke even for a working set of 8 MB of weights (a 32 MB L3 cache shared with
+# other work): below it F.linear's products were the faster, above it the column products
+COLUMN_PRODUCT_MIN_MODEL_BYTES = 8 << 20
 
 _enabled = torch.backends.mkl.is_available() and os.environ.get("ATTNLAB_COLUMN_PRODUCTS", "1") != "0"
 
@@ -74,9 +83,27 @@ def column_product(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Ten
 
 class Linear(nn.Linear):
     """nn.Linear (same parameters, state dict and initialisation) whose decoding-sized products
-    on a CPU run as W x^T (module docstring)."""
+    on a CPU run as W x^T when `column_layout` (module docstring)."""
+
+    column_layout = True  # set_column_layout decides it for a model's layers
 
     def forward(self, x: Tensor) -> Tensor:
-        if uses_column_product(x, self.weight):
+        if self.column_layout and uses_column_product(x, self.weight):
             return column_product(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+
+def linear_weight_bytes(model: nn.Module) -> int:
+    """Bytes of the weights of every Linear of `model` as float32 (a shared weight counted once)."""
+    weights = {id(m.weight): m.weight for m in model.modules() if isinstance(m, nn.Linear)}
+    return sum(4 * weight.numel() for weight in weights.values())
+
+
+def set_column_layout(model: nn.Module, min_bytes: int | None = None) -> bool:
+    """Let every Linear of `model` take the column layout iff the model's linear weights come to
+    min_bytes (default COLUMN_PRODUCT_MIN_MODEL_BYTES) or more; returns that choice."""
+    columns = linear_weight_bytes(model) >= (COLUMN_PRODUCT_MIN_MODEL_BYTES if min_bytes is None else min_bytes)
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.column_layout = columns
+    return columns

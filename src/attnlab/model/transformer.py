@@ -24,7 +24,7 @@ import attnlab.model.moe  # noqa: F401  (registers the mixture-of-experts feed-f
 from attnlab.attention.base import AttentionSpec, KVCache, RotaryEmbedding, RowLengths
 from attnlab.config import ModelConfig
 from attnlab.model.layers import Chunked, TokenEmbedding
-from attnlab.model.linear import Linear
+from attnlab.model.linear import Linear, set_column_layout
 from attnlab.model.loss import IGNORE_INDEX, chunked_linear_cross_entropy  # IGNORE_INDEX: padding, masked
 from attnlab.model.reversible import reversible_blocks
 from attnlab.registry import ATTENTION, FEED_FORWARD, NORM
@@ -152,6 +152,7 @@ class Transformer(nn.Module):
         for name, parameter in self.named_parameters():
             if name.endswith(("to_out.weight", "down.weight")):  # GPT-2: scale residual projections
                 nn.init.normal_(parameter, std=0.02 / math.sqrt(2 * config.depth))
+        set_column_layout(self)  # decoding products by the model's size (model/linear.py)
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
