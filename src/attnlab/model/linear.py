@@ -33,7 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-# up to here W x^T was faster than x W^T for every width of the CPU pair measured (1..128 rows)
+# with weights streamed from memory, W x^T was as fast as x W^T or faster for 1-32 rows of the CPU
+# pair's widths (docs/benchmarks.md, "Decoding products on the CPU")
 COLUMN_PRODUCT_MAX_ROWS = 32
 # the two layouts broke even for a working set of 8 MB of weights (a 32 MB L3 cache shared with
 # other work): below it F.linear's products were the faster, above it the column products
