@@ -5,8 +5,8 @@ W [O, K] of the model once per forward. torch.nn.functional.linear computes x W^
 rows MKL takes a matrix-vector path (one row) or a small-matrix path. Both are fast while W sits
 in the caches, and slow when W must come from memory. The same product as W x^T, the rows as the
 columns of a matrix product (torch.mm(W, x^T), transposed back), costs about the same wherever W
-comes from: on the machine measured, two to four times faster than F.linear for weights streamed
-from memory, two to four times slower for weights in the caches (docs/benchmarks.md, "Decoding
+comes from: on the machine measured, up to 2.9 times faster than F.linear for weights streamed
+from memory, up to 2.4 times slower for weights in the caches (docs/benchmarks.md, "Decoding
 products on the CPU"). One row is padded to two columns: a one-column product takes the
 matrix-vector path again.
 
