@@ -26,6 +26,7 @@ from attnlab.data.bytes import load_corpus
 from attnlab.data.sampler import eval_windows
 from attnlab.generate.sampling import SamplingConfig, generate
 from attnlab.generate.speculative import speculative_generate
+from attnlab.model.linear import decoding_products
 from attnlab.model.quantize import quantize_weights
 from attnlab.train.checkpoint import load_model
 
@@ -95,7 +96,8 @@ def main() -> None:
     for name, collected in rows.items():
         medians = {key: round(statistics.median(row[key] for row in collected), 3)
                    for key in ("speedup", "base_ms", "speculative_ms", "tokens_per_step")}
-        print(json.dumps({"summary": name, **settings, **medians,
+        products = {"target": decoding_products(target), "draft": decoding_products(drafts[name])}
+        print(json.dumps({"summary": name, **settings, **medians, "products": products,
                           "speedups": [row["speedup"] for row in collected]}), flush=True)
 
 

@@ -114,3 +114,20 @@ def test_a_model_takes_the_column_layout_by_the_size_of_its_weights():
     assert all(m.column_layout for m in model.modules() if isinstance(m, Linear))
     assert not set_column_layout(model, min_bytes=linear_weight_bytes(model) + 1)
     assert not any(m.column_layout for m in model.modules() if isinstance(m, Linear))
+
+
+def test_decoding_products_names_what_a_model_multiplies_with():
+    from attnlab.model.linear import decoding_products
+    from attnlab.model.quantize import quantize_weights
+
+    config = load_config("demo", ["model.dim=32", "model.depth=2", "model.heads=2", "model.dim_head=16"]).model
+    model = Transformer(config)
+    with column_products(True):
+        assert decoding_products(model) == "F.linear"  # too small for the column products
+        set_column_layout(model, min_bytes=0)
+        assert decoding_products(model) == "columns"
+        assert decoding_products(model, "cuda") == "F.linear"
+    with column_products(False):
+        assert decoding_products(model) == "F.linear"
+    quantize_weights(model, "int8")
+    assert decoding_products(model) == "int8"

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from attnlab.config import ModelConfig, config_from_dict
+from attnlab.model.linear import column_products_enabled
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -73,6 +74,7 @@ def environment(device: torch.device, dtype: str) -> dict[str, Any]:
         "dtype": dtype,
         "device": device.type,
         "machine": platform.processor() or platform.machine(),
+        "column_products": column_products_enabled(),  # decoding products may take them (model/linear.py)
     }
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)

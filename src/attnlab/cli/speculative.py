@@ -25,6 +25,7 @@ from attnlab.config import known_presets, load_config
 from attnlab.errors import AttnlabError, ConfigError
 from attnlab.generate.sampling import SamplingConfig, generate
 from attnlab.generate.speculative import EarlyExitDraft, speculative_generate, train_pair
+from attnlab.model.linear import decoding_products
 from attnlab.model.quantize import QUANTIZATIONS, quantize_weights
 from attnlab.train.checkpoint import load_model
 
@@ -242,6 +243,8 @@ def run(args: argparse.Namespace) -> int:
             # one row has nothing to roll back per row: it runs the single-sequence algorithm
             "batch_scheme": "per-row" if results[0].per_row else "shared" if args.batch_size > 1 else "single row",
         },
+        # which products the models' linear layers multiply with when decoding (model/linear.py)
+        "products": {"target": decoding_products(target, device), "draft": decoding_products(draft, device)},
         "speedup": base_seconds / speculative_seconds,
         # each speculative run against the base run of the same seed just before it: on a shared
         # machine whose speed drifts, the median of these pairs is the steadier figure

@@ -108,3 +108,19 @@ def set_column_layout(model: nn.Module, min_bytes: int | None = None) -> bool:
         if isinstance(module, Linear):
             module.column_layout = columns
     return columns
+
+
+def decoding_products(model: nn.Module, device: torch.device | str = "cpu") -> str:
+    """How `model`'s linear layers multiply the rows of a float32 decoding step on `device`:
+    "columns", "F.linear", "int8" (quantized layers, model/quantize.py), or several joined by "+"
+    (benchmark records say which ran)."""
+    from attnlab.model.quantize import Int8Linear  # quantize.py is the other kind of layer
+
+    columns = _enabled and torch.device(device).type == "cpu"
+    kinds = set()
+    for module in model.modules():
+        if isinstance(module, Int8Linear):
+            kinds.add("int8")
+        elif isinstance(module, nn.Linear):
+            kinds.add("columns" if columns and isinstance(module, Linear) and module.column_layout else "F.linear")
+    return "+".join(sorted(kinds)) or "none"
