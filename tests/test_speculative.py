@@ -594,7 +594,8 @@ def test_speculative_command_reports_both_decodings(trained_pair, draft_argument
         "--max-new-tokens", "8", "--top-k", "5",
     ])
     assert code == 0
-    assert "speedup" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "speedup" in printed and "products: target F.linear, draft F.linear" in printed
 
 
 def test_speculative_command_with_an_int8_draft(trained_pair, capsys):
@@ -607,6 +608,7 @@ def test_speculative_command_with_an_int8_draft(trained_pair, capsys):
     assert main([*arguments, "--draft", str(root / "draft"), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["draft_quantize"] == "int8" and report["draft"].endswith("(int8 weights)")
+    assert report["products"] == {"target": "F.linear", "draft": "int8"}
     assert report["speculative"]["text"] == report["base"]["text"]  # greedy: token for token
     assert main([*arguments, "--early-exit", "1"]) == 2  # its layers are the target's
     assert "--draft-quantize needs a draft of its own" in capsys.readouterr().err

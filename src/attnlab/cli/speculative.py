@@ -267,6 +267,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"speedup {report['speedup']:.2f}x (median of paired runs {report['speedup_paired_median']:.2f}x); "
           f"accepted {spec['mean_accepted']:.2f} / {args.gamma} draft tokens per step "
           f"(acceptance rate {spec['acceptance_rate']:.2f})")
+    print(f"products: target {report['products']['target']}, draft {report['products']['draft']}")
     return 0
 
 
