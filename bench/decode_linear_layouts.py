@@ -5,8 +5,8 @@ rows x [N, K] and a weight W [O, K]:
 - "linear": torch.nn.functional.linear(x, W) everywhere (attnlab's layers before
   attnlab.model.linear; a matrix-vector product for one row);
 - "columns": what attnlab's Linear does now: torch.mm(W, x^T)^T for up to 32 rows of float32
-  activations on a CPU with MKL, without autograd (one row padded to two columns), F.linear
-  otherwise.
+  activations on a CPU with MKL, without autograd (one row padded to two columns), in models
+  whose linear weights come to 8 MB or more (a smaller draft keeps F.linear); F.linear otherwise.
 
 This times the target's own cached decoding and speculative decoding (batch 1 or more,
 temperature 1, 256 new tokens, validation primes) in each layout, the runs alternating, each
