@@ -7,7 +7,11 @@ every round; medians in microseconds per product, one JSON line per pool, weight
 count.
 
     python bench/linear_products.py [--rows 1 2 4 6 12 24 32] [--pool-mb 40] [--rounds 15] [--dim 256]
-        [--ff-mult 4]
+        [--ff-mult 4] [--row-major-columns]
+
+--row-major-columns adds a third product, torch.mm(W, x^T) with x^T stored row-major (the rows of
+x strided): what the column product cost before it made the rows of x contiguous, for inputs that
+arrive as the transposed result of another column product (the feed-forward's down projection).
 """
 
 from __future__ import annotations
@@ -31,10 +35,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--ff-mult", type=int, default=4)
+    parser.add_argument("--row-major-columns", action="store_true",
+                        help="also time W x^T with x^T row-major (the module docstring)")
     args = parser.parse_args()
     generator = torch.Generator().manual_seed(0)
     hidden = args.ff_mult * args.dim
     products = {"linear": lambda x, weight: F.linear(x, weight), "columns": column_product}
+    if args.row_major_columns:  # x^T copied once per row count, outside the timing
+        products["row_major_columns"] = lambda x, weight: torch.mm(weight, row_major).T
     with torch.inference_mode():
         for pool_mb in args.pool_mb:
             for shape in ((args.dim, args.dim), (hidden, args.dim), (args.dim, hidden)):  # attention, up, down
@@ -43,6 +51,7 @@ def main() -> None:
                 weights = [torch.randn(shape, generator=generator) for _ in range(n_weights)]
                 for rows in args.rows:
                     x = torch.randn(rows, shape[1], generator=generator)
+                    row_major = x.T.contiguous()  # [K, N] row-major, for row_major_columns
                     torch.testing.assert_close(column_product(x, weights[0]), F.linear(x, weights[0]),
                                                rtol=1e-4, atol=1e-4)
                     times = {name: [] for name in products}

@@ -28,6 +28,13 @@ def test_linear_products_script(pool):
         ([32, 32], 1), ([32, 32], 3), ([128, 32], 1), ([128, 32], 3), ([32, 128], 1), ([32, 128], 3)
     ]
     assert all(row["linear_us"] > 0 and row["columns_us"] > 0 for row in rows)
+    assert all("row_major_columns_us" not in row for row in rows)
+
+
+def test_linear_products_script_times_row_major_columns_when_asked():
+    rows = run_script("linear_products.py", "--rows", "4", "--pool-mb", "0.25", "--rounds", "1", "--dim", "32",
+                      "--row-major-columns")
+    assert len(rows) == 3 and all(row["row_major_columns_us"] > 0 for row in rows)
 
 
 def test_decode_products_ab_script():

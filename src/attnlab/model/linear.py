@@ -74,7 +74,10 @@ def column_product(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Ten
     """x [..., K] W^T (+ bias) computed as (W x^T)^T; the result is a transposed view."""
     flat = x.reshape(-1, x.shape[-1])  # [N, K]
     rows = flat.shape[0]
-    columns = torch.cat((flat, flat)) if rows == 1 else flat  # one column: the slow path again
+    # one column takes the slow path again: pad to two. Rows of x must be contiguous: W x^T with
+    # the rows of x^T contiguous instead took 1.6-2.2x as long for the feed-forward down projection
+    # at 6 rows (its input, GELU of the up projection's transposed result, comes that way)
+    columns = torch.cat((flat, flat)) if rows == 1 else flat.contiguous()
     if bias is None:
         y = torch.mm(weight, columns.T)  # [O, N]
     else:
