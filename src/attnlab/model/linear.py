@@ -39,6 +39,11 @@ COLUMN_PRODUCT_MAX_ROWS = 32
 # the two layouts broke even for a working set of 8 MB of weights (a 32 MB L3 cache shared with
 # other work): below it F.linear's products were the faster, above it the column products
 COLUMN_PRODUCT_MIN_MODEL_BYTES = 8 << 20
+# MKL's W x^T with x^T row-major (the rows of x strided: x the transposed result of another column
+# product, as the feed-forward's down projection receives it) took 1.2-3.8x as long as with the
+# rows of x contiguous at 2-10 rows, and 0.9-1.0x as long at 12-32 rows (docs/benchmarks.md,
+# "The rows of a column product"): up to this many rows, the column product copies x contiguous
+CONTIGUOUS_ROWS_MAX = 10
 
 _enabled = torch.backends.mkl.is_available() and os.environ.get("ATTNLAB_COLUMN_PRODUCTS", "1") != "0"
 
@@ -74,10 +79,12 @@ def column_product(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Ten
     """x [..., K] W^T (+ bias) computed as (W x^T)^T; the result is a transposed view."""
     flat = x.reshape(-1, x.shape[-1])  # [N, K]
     rows = flat.shape[0]
-    # one column takes the slow path again: pad to two. Rows of x must be contiguous: W x^T with
-    # the rows of x^T contiguous instead took 1.6-2.2x as long for the feed-forward down projection
-    # at 6 rows (its input, GELU of the up projection's transposed result, comes that way)
-    columns = torch.cat((flat, flat)) if rows == 1 else flat.contiguous()
+    if rows == 1:
+        columns = torch.cat((flat, flat))  # one column takes the slow path again: pad to two
+    elif rows <= CONTIGUOUS_ROWS_MAX:
+        columns = flat.contiguous()  # no-op unless x is itself a transposed column product
+    else:
+        columns = flat
     if bias is None:
         y = torch.mm(weight, columns.T)  # [O, N]
     else:
