@@ -140,7 +140,7 @@ def test_decoding_products_names_what_a_model_multiplies_with():
 def test_column_product_multiplies_few_rows_contiguous(monkeypatch, bias, rows):
     """Up to CONTIGUOUS_ROWS_MAX rows W x^T must see the rows of x contiguous (x^T column-major):
     with x^T row-major, as the transposed result of another column product gives it (the
-    feed-forward's down projection), MKL took up to 3.8x as long; from 12 rows on it was no slower,
+    feed-forward's down projection), MKL took up to 4.0x as long; from 12 rows on it was no slower,
     and x is taken as it comes (docs/benchmarks.md, "The rows of a column product")."""
     seen = []
     mm, addmm = torch.mm, torch.addmm

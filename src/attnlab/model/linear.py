@@ -8,7 +8,7 @@ columns of a matrix product (torch.mm(W, x^T), transposed back), costs about the
 comes from: on the machine measured, up to 2.9 times faster than F.linear for weights streamed
 from memory, up to 2.4 times slower for weights in the caches (docs/benchmarks.md, "Decoding
 products on the CPU"). One row is padded to two columns: a one-column product takes the
-matrix-vector path again.
+matrix-vector path again; up to CONTIGUOUS_ROWS_MAX strided rows are copied contiguous first.
 
 Which one a weight takes when decoding depends on the model: a model whose linear weights come to
 COLUMN_PRODUCT_MIN_MODEL_BYTES or more reads each weight from memory once per token (the others
@@ -40,8 +40,8 @@ COLUMN_PRODUCT_MAX_ROWS = 32
 # other work): below it F.linear's products were the faster, above it the column products
 COLUMN_PRODUCT_MIN_MODEL_BYTES = 8 << 20
 # MKL's W x^T with x^T row-major (the rows of x strided: x the transposed result of another column
-# product, as the feed-forward's down projection receives it) took 1.2-3.8x as long as with the
-# rows of x contiguous at 2-10 rows, and 0.9-1.0x as long at 12-32 rows (docs/benchmarks.md,
+# product, as the feed-forward's down projection receives it) took 1.4-4.0x as long as with the
+# rows of x contiguous at 2-10 rows, and 0.86-1.0x as long at 12-32 rows (docs/benchmarks.md,
 # "The rows of a column product"): up to this many rows, the column product copies x contiguous
 CONTIGUOUS_ROWS_MAX = 10
 
