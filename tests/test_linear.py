@@ -134,7 +134,6 @@ def test_decoding_products_names_what_a_model_multiplies_with():
     assert decoding_products(model) == "int8"
 
 
-
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [2, 6, CONTIGUOUS_ROWS_MAX, CONTIGUOUS_ROWS_MAX + 1])
 def test_column_product_multiplies_few_rows_contiguous(monkeypatch, bias, rows):

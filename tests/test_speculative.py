@@ -8,6 +8,9 @@ from __future__ import annotations
 import copy
 import itertools
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -617,10 +620,6 @@ def test_speculative_command_with_an_int8_draft(trained_pair, capsys):
 def test_decode_linear_layouts_script(trained_pair):
     """bench/decode_linear_layouts.py starts and reports each layout (its figures are in
     docs/benchmarks.md; this only keeps it runnable)."""
-    import os
-    import subprocess
-    import sys
-
     root = trained_pair[0]
     script = Path(__file__).resolve().parent.parent / "bench" / "decode_linear_layouts.py"
     result = subprocess.run(
