@@ -42,3 +42,4 @@ def test_decode_products_ab_script():
                       "2", "--rounds", "1", "--dim", "32", "--depth", "1", "--heads", "2")
     assert [row["attention"] for row in rows] == ["full", "local"]
     assert all(row["linear_ms_per_token"] > 0 and row["columns_ms_per_token"] > 0 for row in rows)
+    assert all(0 < row["linear_weight_mb"] < 1 for row in rows)  # columns taken at this size too

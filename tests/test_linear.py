@@ -20,10 +20,17 @@ from attnlab.model.linear import (
     Linear,
     column_product,
     column_products,
+    decoding_products,
     linear_weight_bytes,
     set_column_layout,
     uses_column_product,
 )
+from attnlab.model.quantize import quantize_weights
+
+
+def small_config():
+    """A demo model with 128 KB of linear weights: far below COLUMN_PRODUCT_MIN_MODEL_BYTES."""
+    return load_config("demo", ["model.dim=32", "model.depth=2", "model.heads=2", "model.dim_head=16"]).model
 
 
 @pytest.mark.parametrize("shape", [(1, 24), (2, 24), (5, 24), (COLUMN_PRODUCT_MAX_ROWS, 24), (2, 3, 24), (1, 1, 24)])
@@ -72,7 +79,7 @@ def test_linear_matches_nn_linear_in_both_layouts_and_trains_alike():
 
 def test_cached_decoding_agrees_across_layouts():
     """A model decoding token by token gives the same logits with either product layout."""
-    config = load_config("demo", ["model.dim=32", "model.depth=2", "model.heads=2", "model.dim_head=16"]).model
+    config = small_config()
     torch.manual_seed(0)
     model = Transformer(config).eval()
     assert set_column_layout(model, min_bytes=0)  # a model this small keeps F.linear by default
@@ -97,7 +104,7 @@ def test_environment_turns_the_column_layout_off():
 def test_a_model_takes_the_column_layout_by_the_size_of_its_weights():
     """Weights that stay in the caches keep F.linear; a model whose weights stream from memory
     takes the column products (COLUMN_PRODUCT_MIN_MODEL_BYTES)."""
-    small = load_config("demo", ["model.dim=32", "model.depth=2", "model.heads=2", "model.dim_head=16"]).model
+    small = small_config()
     model = Transformer(small)
     weights = {id(m.weight): m.weight for m in model.modules() if isinstance(m, nn.Linear)}
     assert linear_weight_bytes(model) == 4 * sum(w.numel() for w in weights.values())
@@ -118,10 +125,7 @@ def test_a_model_takes_the_column_layout_by_the_size_of_its_weights():
 
 
 def test_decoding_products_names_what_a_model_multiplies_with():
-    from attnlab.model.linear import decoding_products
-    from attnlab.model.quantize import quantize_weights
-
-    config = load_config("demo", ["model.dim=32", "model.depth=2", "model.heads=2", "model.dim_head=16"]).model
+    config = small_config()
     model = Transformer(config)
     with column_products(True):
         assert decoding_products(model) == "F.linear"  # too small for the column products

@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnlab.model.quantize import Int8Linear
+
 # with weights streamed from memory, W x^T was as fast as x W^T or faster for 1-32 rows of the CPU
 # pair's widths (docs/benchmarks.md, "Decoding products on the CPU")
 COLUMN_PRODUCT_MAX_ROWS = 32
@@ -124,8 +126,6 @@ def decoding_products(model: nn.Module, device: torch.device | str = "cpu") -> s
     """How `model`'s linear layers multiply the rows of a float32 decoding step on `device`:
     "columns", "F.linear", "int8" (quantized layers, model/quantize.py), or several joined by "+"
     (benchmark records say which ran)."""
-    from attnlab.model.quantize import Int8Linear  # quantize.py is the other kind of layer
-
     columns = _enabled and torch.device(device).type == "cpu"
     kinds = set()
     for module in model.modules():
