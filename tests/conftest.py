@@ -19,13 +19,14 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("ATTNLAB_CACHE", cache)
 
 
-@pytest.fixture(params=["kernel", "torch"])
+@pytest.fixture(params=["cpu", "torch"])
 def cpu_path(request, monkeypatch):
-    """Run a test on both CPU paths of routing and sinkhorn attention: the compiled listed-key
-    kernel (attention/kernels/listed_cpu.py) and the pure-torch block layout."""
-    from attnlab.attention.kernels import listed_cpu
+    """Run a test on both CPU paths of an attention variant: the `cpu` back-end's compiled kernels
+    (attention/kernels/) and the reference (`torch`). For whole models, the environment switch
+    makes `auto` take the one asked for."""
+    from attnlab.attention.kernels.cpu import available
 
-    if request.param == "kernel" and not listed_cpu.available():
-        pytest.skip("the CPU kernel could not be built here")
-    monkeypatch.setenv("ATTNLAB_CPU_KERNELS", "1" if request.param == "kernel" else "0")
+    if request.param == "cpu" and not available():
+        pytest.skip("the CPU kernels could not be built here")
+    monkeypatch.setenv("ATTNLAB_CPU_KERNELS", "1" if request.param == "cpu" else "0")
     return request.param

@@ -1,7 +1,7 @@
 """The CPU listed-key attention kernel (attention/kernels/listed_cpu.py): equal to dense attention
 over each query's keys, forward and every gradient (the key bias's included), at head widths that
-are and are not a multiple of its vector width; bit-exact causality; the fallback when it cannot
-be built."""
+are and are not a multiple of its vector width; bit-exact causality; its custom ops pass torch's
+operator checks; the fallback when it cannot be built."""
 
 from __future__ import annotations
 
@@ -13,15 +13,16 @@ import torch
 
 from attnlab.attention import routing, sinkhorn
 from attnlab.attention.kernels import cpu, listed_cpu
+from attnlab.attention.kernels.listed_cpu import bucket_attention_cpu, routed_attention_cpu
 
-needs_kernel = pytest.mark.skipif(not listed_cpu.available(), reason="no C++ compiler")
+needs_kernel = pytest.mark.skipif(not cpu.available(), reason="no C++ compiler")
 
 
 def test_kernel_builds_where_a_compiler_exists():
     """CI has a compiler: the kernel must build there, not silently fall back."""
     if shutil.which("c++") is None and shutil.which("g++") is None:
         pytest.skip("no C++ compiler")
-    assert listed_cpu.available(), cpu._failure
+    assert cpu.available(), cpu._failure
 
 
 def random_units(batch_heads: int, n_tokens: int, seed: int) -> tuple[listed_cpu.Units, torch.Tensor, torch.Tensor]:
@@ -83,10 +84,10 @@ def test_equals_dense_attention_with_gradients(dim):
     scores = q @ k.transpose(-1, -2) / math.sqrt(dim) + bias_dense
     expected = torch.softmax(scores, -1) @ v
 
-    kernel_inputs = [x.detach().float().requires_grad_() for x in (q, k, v, bias64)]
-    y = listed_cpu.listed_attention(*kernel_inputs[:3], units, kernel_inputs[3])
+    q32, k32, v32, bias32 = (x.detach().float() for x in (q, k, v, bias64))
+    y, lse = listed_cpu._forward(q32, k32, v32, bias32, units)
     torch.testing.assert_close(y.double(), expected, atol=2e-6, rtol=2e-5)
-    got = torch.autograd.grad((y * target.float()).sum(), kernel_inputs)
+    got = listed_cpu._backward(target.float(), q32, k32, v32, y, lse, bias32, units)
     want = torch.autograd.grad((expected * target).sum(), (q, k, v, bias64))
     for a, b in zip(got, want):
         torch.testing.assert_close(a.double(), b, atol=1e-5, rtol=1e-4)
@@ -111,7 +112,7 @@ def test_routing_kernel_causal_to_the_bit(dim):
     outputs, grads = [], []
     for inputs, ids in (((q, k, v), clusters), (changed, changed_clusters)):
         inputs = [x.clone().requires_grad_() for x in inputs]
-        y = listed_cpu.listed_attention(*inputs, routing.cluster_units(ids, 16))
+        y = routed_attention_cpu(*inputs, ids, 16)[0]
         y[:, :, :cut].pow(2).sum().backward()
         outputs.append(y[:, :, :cut])
         grads.append([x.grad[:, :, :cut] for x in inputs])
@@ -121,8 +122,8 @@ def test_routing_kernel_causal_to_the_bit(dim):
 
 
 @needs_kernel
-def test_sinkhorn_units_equal_the_gathered_path_with_holes():
-    """bucket_units + the kernel against sinkhorn's gathered path: a partial last bucket, holes
+def test_sinkhorn_kernel_equals_the_reference_with_holes():
+    """The kernel's bucket units against sinkhorn's reference: a partial last bucket, holes
     (buckets with fewer past buckets than n_sortcut), gradients into the sorting weights."""
     torch.manual_seed(2)
     batch, heads, length, size, dim, sortcut = 2, 3, 29, 4, 16, 2
@@ -134,8 +135,7 @@ def test_sinkhorn_units_equal_the_gathered_path_with_holes():
     results = []
     for kernel in (True, False):
         if kernel:
-            units, bias = sinkhorn.bucket_units(chosen, weights, length, size)
-            y = listed_cpu.listed_attention(q, k, v, units, bias)
+            y = bucket_attention_cpu(q, k, v, chosen, weights, size)[0]
         else:
             y = sinkhorn.bucket_attention(q, k, v, chosen, weights, 0, size)
         results.append((y, torch.autograd.grad((y * target).sum(), (q, k, v, *means), retain_graph=True)))
@@ -148,24 +148,24 @@ def test_sinkhorn_units_equal_the_gathered_path_with_holes():
 def test_inference_equals_training_forward():
     torch.manual_seed(3)
     q, k, v = torch.randn(3, 1, 2, 100, 32).unbind(0)
-    units = routing.cluster_units(torch.randint(0, 4, (1, 2, 100)), 8)
+    clusters = torch.randint(0, 4, (1, 2, 100))
     with torch.no_grad():
-        inference = listed_cpu.listed_attention(q, k, v, units)
-    training = listed_cpu.listed_attention(q.requires_grad_(), k, v, units)
+        inference = routed_attention_cpu(q, k, v, clusters, 8)[0]
+    training = routed_attention_cpu(q.requires_grad_(), k, v, clusters, 8)[0]
     assert torch.equal(inference, training)
 
 
-def test_usable_only_for_float32_cpu_without_dropout(monkeypatch):
-    x = torch.zeros(1, 1, 4, 8)
-    monkeypatch.setenv("ATTNLAB_CPU_KERNELS", "0")
-    assert not listed_cpu.available() and not listed_cpu.usable(x)
-    monkeypatch.setenv("ATTNLAB_CPU_KERNELS", "1")
-    if listed_cpu.available():
-        assert listed_cpu.usable(x)
-        assert not listed_cpu.usable(x, dropout=0.1)
-        assert not listed_cpu.usable(x.double())
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            assert not listed_cpu.usable(x)
+@needs_kernel
+def test_custom_ops_pass_the_operator_checks():
+    """Schema, fake (meta) implementation, autograd registration and dispatch, as torch.compile and
+    FlopCounterMode rely on them (torch.library.opcheck)."""
+    torch.manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 23, 8, requires_grad=True) for _ in range(3))
+    clusters = torch.randint(0, 3, (1, 2, 23))
+    torch.library.opcheck(routed_attention_cpu, (q, k, v, clusters, 4))
+    means = [sinkhorn.bucket_means(x.detach(), 5) for x in (q, k)]
+    chosen, weights = sinkhorn.sort_buckets(*means, 2, 3, 0.75, gumbel=False)
+    torch.library.opcheck(bucket_attention_cpu, (q, k, v, chosen, weights.requires_grad_(), 5))
 
 
 def test_a_failed_build_is_logged_once_and_falls_back(monkeypatch, tmp_path, caplog):
@@ -173,11 +173,11 @@ def test_a_failed_build_is_logged_once_and_falls_back(monkeypatch, tmp_path, cap
     monkeypatch.setattr(cpu, "_failure", None)
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     with caplog.at_level("WARNING", logger=cpu.__name__):
-        assert listed_cpu.library() is None
-        assert listed_cpu.library() is None  # remembered: no second attempt, no second message
+        assert cpu.library() is None
+        assert cpu.library() is None  # remembered: no second attempt, no second message
     assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1
     assert "CPU attention kernel unavailable" in caplog.records[0].message
-    # the attention modules keep working on their torch paths
+    # the attention modules keep working on their reference paths
     torch.manual_seed(4)
     q, k, v = torch.randn(3, 1, 2, 30, 8).unbind(0)
     clusters = torch.randint(0, 3, (1, 2, 30))

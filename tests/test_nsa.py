@@ -53,7 +53,7 @@ def reference(layer: NativeSparseAttention, x: torch.Tensor) -> torch.Tensor:
     """The layer, densely: T x T masks, an explicit overlap matrix for eq. 9, per-query selection."""
     config = layer.config
     batch, length, _ = x.shape
-    q_plain, q, tensors = layer._project(x, 0)
+    q_plain, q, tensors = layer._project(x, 0, None)
     k_cmp, v_cmp = layer._branch(tensors, "cmp")
     block, stride, sel = config.compress_block_size, config.compress_stride, config.selection_block_size
     n_blocks = n_complete_blocks(length, block, stride)
@@ -98,7 +98,7 @@ def reference(layer: NativeSparseAttention, x: torch.Tensor) -> torch.Tensor:
     out_win, _ = dense_attention(q, k_win, v_win, band)
     gate = rearrange(torch.sigmoid(layer.to_gates(x)), "b t (h c) -> c b h t 1", c=3)
     y = gate[0] * out_cmp + gate[1] * out_slc + gate[2] * out_win
-    return layer.to_out(rearrange(y, "b h t d -> b t (h d)"))
+    return layer.heads.merge(y)
 
 
 CASES = {
@@ -169,8 +169,8 @@ def test_each_option_changes_behaviour():
             torch.testing.assert_close(layer(x), reference_output, atol=1e-12, rtol=0)
     plain, straight = make_layer(), make_layer(use_diff_topk=True)
     x.requires_grad_(True)
-    grad_plain = torch.autograd.grad(plain(x).sum(), plain.to_q.weight)[0]
-    grad_straight = torch.autograd.grad(straight(x).sum(), straight.to_q.weight)[0]
+    grad_plain = torch.autograd.grad(plain(x).sum(), plain.heads.to_q.weight)[0]
+    grad_straight = torch.autograd.grad(straight(x).sum(), straight.heads.to_q.weight)[0]
     assert not torch.allclose(grad_plain, grad_straight)
 
 

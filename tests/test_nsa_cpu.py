@@ -11,10 +11,17 @@ import torch
 
 from attnlab.attention import nsa
 from attnlab.attention.kernels import nsa_cpu
+from attnlab.attention.kernels.cpu import available
 from attnlab.config import NSAAttentionConfig
 from test_nsa import CASES, DIM, make_layer
 
-needs_kernel = pytest.mark.skipif(not nsa_cpu.usable(torch.zeros(1)), reason="no C++ compiler")
+needs_kernel = pytest.mark.skipif(not available(), reason="no C++ compiler")
+
+
+def block_attention(q, k, v, blocks, positions, block, window=0, gates=None):
+    """The custom op attnlab::nsa_block_attention_cpu's output (no gates: an empty tensor)."""
+    gates = q.new_empty(0) if gates is None else gates
+    return nsa_cpu.block_attention(q, k, v, blocks, gates, positions, block, window)[0]
 
 
 def visible_keys(blocks: list[int], position: int, block: int, window: int, n_keys: int) -> list[tuple[int, int]]:
@@ -83,7 +90,7 @@ def test_block_attention_matches_dense_reference(case):
 
     singles = [x.detach().float().requires_grad_() for x in inputs]
     q32, k32, v32, *gates32 = singles
-    y = nsa_cpu.block_attention(q32, k32, v32, blocks, positions, block, window, gates32[0] if gates32 else None)
+    y = block_attention(q32, k32, v32, blocks, positions, block, window, gates32[0] if gates32 else None)
     torch.testing.assert_close(y.double(), expected, atol=1e-5, rtol=1e-5)
     grads = torch.autograd.grad((y * weight.float()).sum(), singles)
     for name, got, want in zip(["q", "k", "v", "gates"], grads, expected_grads):
@@ -103,7 +110,7 @@ def test_block_attention_reads_only_visible_keys_bit_exact():
 
     def run(k, v):
         q_ = q.clone().requires_grad_()
-        y = nsa_cpu.block_attention(q_, k, v, blocks, positions, block)
+        y = block_attention(q_, k, v, blocks, positions, block)
         (grad,) = torch.autograd.grad(y[:, :, 20].sum(), q_)
         return y[:, :, 20], grad[:, :, 20]
 
@@ -126,8 +133,8 @@ def test_inference_equals_training_forward():
     blocks = random_blocks(1, 2, 40, 3, 5, generator)
     positions = torch.arange(40)
     with torch.no_grad():
-        inference = nsa_cpu.block_attention(q, k, v, blocks, positions, 8)
-    training = nsa_cpu.block_attention(q.requires_grad_(), k, v, blocks, positions, 8)
+        inference = block_attention(q, k, v, blocks, positions, 8)
+    training = block_attention(q.requires_grad_(), k, v, blocks, positions, 8)
     assert torch.equal(inference, training)
 
 
@@ -147,10 +154,10 @@ def test_too_many_blocks_refused():
     k = torch.zeros(1, 1, 4, 8)
     blocks = torch.zeros(1, 1, 4, nsa_cpu.MAX_BLOCKS + 1, dtype=torch.int64)
     with pytest.raises(ValueError, match="at most"):
-        nsa_cpu.block_attention(q, k, k, blocks, torch.arange(4), 1)
+        block_attention(q, k, k, blocks, torch.arange(4), 1)
     many_heads = torch.zeros(1, 1, 4, nsa_cpu.MAX_HEADS + 1, 8)
     with pytest.raises(ValueError, match="query heads"):
-        nsa_cpu.block_attention(many_heads, k, k, blocks[..., :2], torch.arange(4), 1)
+        block_attention(many_heads, k, k, blocks[..., :2], torch.arange(4), 1)
     assert nsa_cpu.fits(nsa_cpu.MAX_BLOCKS, nsa_cpu.MAX_HEADS)
     assert not nsa_cpu.fits(nsa_cpu.MAX_BLOCKS + 1, 1) and not nsa_cpu.fits(1, nsa_cpu.MAX_HEADS + 1)
 
@@ -165,7 +172,7 @@ SELECTION_CASES = {  # compress block, stride, selection block, selected, tokens
 
 @needs_kernel
 @pytest.mark.parametrize("case", sorted(SELECTION_CASES))
-def test_compressed_selection_equals_torch_path(case, monkeypatch):
+def test_compressed_selection_equals_the_reference(case):
     block, stride, selection, n_selected, n_tokens = SELECTION_CASES[case]
     config = NSAAttentionConfig(compress_block_size=block, compress_stride=stride, selection_block_size=selection,
                                 num_selected=n_selected, query_chunk_size=32)
@@ -175,11 +182,11 @@ def test_compressed_selection_equals_torch_path(case, monkeypatch):
     q = torch.randn(1, n_groups * n_heads, n_tokens, dim, generator=generator, requires_grad=True)
     keys, values = (torch.randn(1, n_groups, 1 + n_blocks, dim, generator=generator).requires_grad_() for _ in "kv")
 
-    output, chosen, scores = nsa_cpu.compressed_selection(q, keys, values, torch.arange(n_tokens), config)
-    # the torch path, with selection scores (what straight-through top-k differentiates)
-    monkeypatch.setenv("ATTNLAB_CPU_KERNELS", "0")
+    output, chosen, scores = nsa_cpu.compressed_attention(q, keys, values, block, stride, selection, n_selected,
+                                                          straight_through=True)
+    # the reference, with selection scores (what straight-through top-k differentiates)
     positions = torch.arange(n_tokens)
-    expected, indices, valid, expected_scores = nsa.compressed_branch(q, keys, values, positions, 0, config, True)
+    expected, indices, valid, expected_scores = nsa.compressed_branch(q, keys, values, positions, 0, config)
     expected_blocks = torch.where(valid, indices, -1)
     expected_scores = expected_scores * valid  # empty slots score 0
     assert torch.equal(chosen, expected_blocks)
@@ -197,12 +204,27 @@ def test_compressed_selection_equals_torch_path(case, monkeypatch):
 
 
 @needs_kernel
+def test_custom_ops_pass_the_operator_checks():
+    """Schema, fake implementation, autograd registration and dispatch (torch.library.opcheck)."""
+    generator = torch.Generator().manual_seed(7)
+    q = torch.randn(1, 2, 20, 2, 8, generator=generator, requires_grad=True)
+    k, v = (torch.randn(1, 2, 20, 8, generator=generator, requires_grad=True) for _ in "kv")
+    blocks = random_blocks(1, 2, 20, 3, 5, generator)
+    gates = torch.rand(blocks.shape, generator=generator, requires_grad=True)
+    torch.library.opcheck(nsa_cpu.block_attention, (q, k, v, blocks, gates, torch.arange(20), 4, 0))
+    keys, values = (torch.randn(1, 2, 9, 8, generator=generator, requires_grad=True) for _ in "kv")
+    for straight_through in (False, True):
+        torch.library.opcheck(nsa_cpu.compressed_selection,
+                              (q, keys, values, torch.arange(20), 4, 2, 4, 3, straight_through))
+
+
+@needs_kernel
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_layer_equal_on_both_cpu_paths(case, monkeypatch):
-    """The whole layer in float32, the kernel against the pure-torch path: outputs and every gradient."""
+    """The whole layer in float32, the cpu back-end against the reference: outputs and every gradient."""
     calls = []
     forward = nsa_cpu._forward
-    monkeypatch.setattr(nsa_cpu, "_forward", lambda *args: calls.append(args[-1] is not None) or forward(*args))
+    monkeypatch.setattr(nsa_cpu, "_forward", lambda *args: calls.append(len(args) > 8) or forward(*args))
     results = []
     for enabled in ("1", "0"):
         monkeypatch.setenv("ATTNLAB_CPU_KERNELS", enabled)

@@ -106,7 +106,7 @@ def test_interpreted_triton_selected_kernel_equals_torch(interpreter, gated):
     gates = torch.rand(batch, groups, length, 3, requires_grad=True) if gated else None
     positions = torch.arange(length)
     expected = selected_attention(q, k, v, indices, valid, gates, positions, block, chunk=4)
-    got = interpreter.selected_attention(q, k, v, indices, valid, gates, positions, block)
+    got = interpreter.selected_attention(q, k, v, indices, valid, gates, 0, block)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     weight = torch.randn_like(expected)
     inputs = [q, k, v] + ([gates] if gated else [])

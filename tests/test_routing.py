@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
-from functools import partial
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from attnlab.attention import routing
-from attnlab.attention.base import RotaryEmbedding, naive_attention
+from attnlab.attention.base import naive_attention
+from attnlab.attention.kernels.listed_cpu import routed_attention_cpu
 from attnlab.attention.routing import (
     RoutingAttention,
     commitment_loss,
     routed_attention,
-    routed_attention_cached,
     routing_stats,
 )
 from attnlab.model import Transformer
@@ -33,62 +32,53 @@ def oracle_mask(clusters: torch.Tensor, window: int) -> torch.Tensor:
     return same & causal & (rank[..., :, None] - rank[..., None, :] <= window)
 
 
+def attend(path: str, q, k, v, clusters, window: int):
+    """Routed attention of a whole sequence on one path: the reference (torch) or the cpu back-end."""
+    if path == "cpu":
+        return routed_attention_cpu(q, k, v, clusters, window)[0]
+    return routed_attention(q, k, v, clusters, window)
+
+
 @pytest.mark.parametrize("window", [1, 3, 16])
 def test_routed_attention_equals_oracle(window, cpu_path):
     torch.manual_seed(0)
     q, k, v = torch.randn(3, 2, 2, 37, 8).unbind(0)
     clusters = torch.randint(0, 4, (2, 2, 37))
     expected = naive_attention(q, k, v, oracle_mask(clusters, window))
-    torch.testing.assert_close(routed_attention(q, k, v, clusters, window), expected, atol=1e-5, rtol=1e-5)
-    # the cached path: the last 9 tokens as queries against all keys, in blocks of 4
-    cached = routed_attention_cached(q[:, :, -9:], k, v, clusters, window, block=4)
+    torch.testing.assert_close(attend(cpu_path, q, k, v, clusters, window), expected, atol=1e-5, rtol=1e-5)
+    # the reference for a chunk through a cache: the last 9 tokens as queries against all keys
+    cached = routed_attention(q[:, :, -9:], k, v, clusters, window)
     torch.testing.assert_close(cached, expected[:, :, -9:], atol=1e-5, rtol=1e-5)
     # one decoded token at every length (its own path): clusters with fewer and more than W earlier tokens
     for length in range(1, 38):
-        one = routed_attention_cached(q[:, :, length - 1 : length], k[:, :, :length], v[:, :, :length],
-                                      clusters[..., :length], window)
+        one = routed_attention(q[:, :, length - 1 : length], k[:, :, :length], v[:, :, :length],
+                               clusters[..., :length], window)
         torch.testing.assert_close(one, expected[:, :, length - 1 : length], atol=1e-5, rtol=1e-5)
 
 
-def test_routed_attention_equals_oracle_many_blocks(cpu_path):
-    """Clusters spanning several blocks of the layout, batch rows of different padded lengths."""
+def test_routed_attention_equals_oracle_long_clusters(cpu_path):
+    """Clusters much longer than the window, a row with few long clusters, chunks of queries."""
     torch.manual_seed(1)
     q, k, v = torch.randn(3, 2, 3, 301, 8).unbind(0)
     clusters = torch.randint(0, 5, (2, 3, 301))
     clusters[1, 2] = torch.randint(0, 2, (301,))  # a row with few, long clusters
     expected = naive_attention(q, k, v, oracle_mask(clusters, 16))
-    torch.testing.assert_close(routed_attention(q, k, v, clusters, 16), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(attend(cpu_path, q, k, v, clusters, 16), expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("chunk_slots", [4096, 6])
-def test_routed_attention_gradients_equal_oracle(chunk_slots, monkeypatch, cpu_path):
-    """The backward keeps only q, k, v and recomputes its gathers, in chunks of blocks or at once:
-    gradients must equal the dense oracle's."""
-    monkeypatch.setattr(routing, "CHUNK_SLOTS", chunk_slots)
+@pytest.mark.parametrize("chunk", [256, 6])
+def test_routed_attention_gradients_equal_oracle(chunk, monkeypatch, cpu_path):
+    """Gradients equal the dense oracle's, whether the reference checkpoints one chunk of queries
+    or several."""
+    monkeypatch.setattr(routing, "QUERY_CHUNK", chunk)
     torch.manual_seed(4)
     inputs = [x.requires_grad_() for x in torch.randn(3, 2, 2, 53, 8).unbind(0)]
     clusters = torch.randint(0, 3, (2, 2, 53))
     target = torch.randn(2, 2, 53, 8)
-    fused = torch.autograd.grad((routed_attention(*inputs, clusters, 3) * target).sum(), inputs)
+    fused = torch.autograd.grad((attend(cpu_path, *inputs, clusters, 3) * target).sum(), inputs)
     dense = torch.autograd.grad((naive_attention(*inputs, oracle_mask(clusters, 3)) * target).sum(), inputs)
     for a, b in zip(fused, dense):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-
-
-def test_rotary_inside_equals_rotary_before(cpu_path):
-    """Keys may come in before their rotary positions (so one copy serves attention and the
-    commitment loss): output and gradients equal rotating first."""
-    torch.manual_seed(5)
-    rotary = RotaryEmbedding(8, max_seq_len=64)
-    q, k, v = (x.requires_grad_() for x in torch.randn(3, 2, 2, 41, 8).unbind(0))
-    clusters = torch.randint(0, 3, (2, 2, 41))
-    target = torch.randn(2, 2, 41, 8)
-    inside = routed_attention(q, k, v, clusters, 4, rotary=partial(rotary, offset=3))
-    before = routed_attention(q, rotary(k, 3), v, clusters, 4)
-    torch.testing.assert_close(inside, before, atol=1e-6, rtol=1e-6)
-    for a, b in zip(torch.autograd.grad((inside * target).sum(), (q, k, v)),
-                    torch.autograd.grad((before * target).sum(), (q, k, v))):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
 
 
 def test_commitment_loss_gradient_equals_autograd():
@@ -105,9 +95,9 @@ def test_commitment_loss_gradient_equals_autograd():
 
 def test_routed_attention_causal_to_the_bit_at_scale(monkeypatch, cpu_path):
     """Window 64 (the benchmark's), two threads, a length not a multiple of the window, chunks of
-    4 blocks (whose boundaries move with the later tokens): changing later tokens (their clusters
-    too) must leave every earlier output bit for bit equal, forward and gradient."""
-    monkeypatch.setattr(routing, "CHUNK_SLOTS", 256)
+    100 queries: changing later tokens (their clusters too) must leave every earlier output bit for
+    bit equal, forward and gradient."""
+    monkeypatch.setattr(routing, "QUERY_CHUNK", 100)
     torch.manual_seed(2)
     length, cut = 700, 389
     q, k, v = torch.randn(3, 1, 2, length, 64).unbind(0)
@@ -123,7 +113,7 @@ def test_routed_attention_causal_to_the_bit_at_scale(monkeypatch, cpu_path):
         outputs, grads = [], []
         for inputs, ids in (((q, k, v), clusters), (changed, changed_clusters)):
             inputs = [x.clone().requires_grad_() for x in inputs]
-            y = routed_attention(*inputs, ids, 64)
+            y = attend(cpu_path, *inputs, ids, 64)
             y[:, :, :cut].pow(2).sum().backward()
             outputs.append(y[:, :, :cut])
             grads.append([x.grad[:, :, :cut] for x in inputs])
@@ -214,7 +204,7 @@ def test_commitment_gradient_reaches_keys_through_reversible():
     for weight in (0.0, 10.0):
         model = make("routing-reversible", commitment_weight=weight)
         train_step(model, X)
-        grads.append(routing_layers(model)[0].to_k.weight.grad.clone())
+        grads.append(routing_layers(model)[0].heads.to_k.weight.grad.clone())
     assert not torch.allclose(grads[0], grads[1])
 
 

@@ -8,8 +8,9 @@ import math
 import pytest
 import torch
 
-from attnlab.attention import gathered
 from attnlab.attention.base import AttentionSpec
+from attnlab.attention.kernels.cpu import available
+from attnlab.attention.kernels.listed_cpu import bucket_attention_cpu
 from attnlab.attention.sinkhorn import (
     SinkhornAttention,
     bucket_attention,
@@ -33,9 +34,7 @@ def layer(**options) -> SinkhornAttention:
 def test_equals_dense_oracle(length, cpu_path):
     attention = layer()
     x = torch.randn(2, length, 16)
-    q = attention.to_q(x).unflatten(-1, (2, 8)).transpose(1, 2)  # [B, H, T, D]
-    k = attention.to_k(x).unflatten(-1, (2, 8)).transpose(1, 2)
-    v = attention.to_v(x).unflatten(-1, (2, 8)).transpose(1, 2)
+    q, k, v = attention.heads.project(x)  # [B, H, T, D]
     chosen, weights = sort_buckets(bucket_means(q, 4), bucket_means(k, 4), 2, 5, 0.75, gumbel=False)
     bucket = torch.arange(length) // 4
     bias = torch.full((2, 2, length, length), float("-inf"))
@@ -46,7 +45,7 @@ def test_equals_dense_oracle(length, cpu_path):
     own = (bucket[:, None] == bucket[None, :]) & torch.ones(length, length, dtype=torch.bool).tril()
     bias = torch.where(own, torch.zeros(()), bias)
     scores = q @ k.transpose(-1, -2) / math.sqrt(8) + bias
-    expected = attention.to_out((torch.softmax(scores, -1) @ v).transpose(1, 2).flatten(2))
+    expected = attention.heads.merge(torch.softmax(scores, -1) @ v)
     with torch.no_grad():
         torch.testing.assert_close(attention(x), expected, atol=1e-5, rtol=1e-5)
 
@@ -69,13 +68,13 @@ def bucket_attention_reference(q, keys, values, chosen, weights, offset, size):
     return torch.softmax(scores, dim=-1) @ values
 
 
-@pytest.mark.parametrize("offset, n_new", [(0, 23), (13, 9)])
-@pytest.mark.parametrize("chunk_key_slots", [4096, 16])
-def test_bucket_attention_equals_written_out_scores_with_gradients(offset, n_new, chunk_key_slots, monkeypatch):
-    """The fused path carries the sorting weight as an extra key feature and recomputes its
-    gathers in the backward (in chunks of buckets, or all at once): outputs and gradients (the
-    weights' included, holes included) must equal the densely written-out scores'."""
-    monkeypatch.setattr(gathered, "CHUNK_KEY_SLOTS", chunk_key_slots)
+@pytest.mark.parametrize("path, offset, n_new", [("torch", 0, 23), ("torch", 13, 9), ("cpu", 0, 23), ("cpu", 0, 25)])
+def test_bucket_attention_equals_written_out_scores_with_gradients(path, offset, n_new):
+    """The reference (whole sequences and chunks through a cache) and the cpu back-end (whole
+    sequences, the sorting weight as a per-key bias): outputs and gradients (the weights'
+    included, holes included) must equal the densely written-out scores'."""
+    if path == "cpu" and not available():
+        pytest.skip("the CPU kernels could not be built here")
     torch.manual_seed(3)
     batch, heads, size, dim, sortcut = 2, 3, 5, 8, 2
     n_keys = offset + n_new
@@ -90,7 +89,10 @@ def test_bucket_attention_equals_written_out_scores_with_gradients(offset, n_new
     inputs = [x.requires_grad_() for x in (q, keys, values, weights)]
     target = torch.randn(batch, heads, n_new, dim)
     results = []
-    for function in (bucket_attention, bucket_attention_reference):
+    def cpu_back_end(q, keys, values, chosen, weights, offset, size):
+        return bucket_attention_cpu(q, keys, values, chosen, weights, size)[0]
+
+    for function in (cpu_back_end if path == "cpu" else bucket_attention, bucket_attention_reference):
         y = function(*inputs[:3], chosen, inputs[3], offset, size)
         results.append((y, torch.autograd.grad((y * target).sum(), inputs)))
     torch.testing.assert_close(results[0][0], results[1][0], atol=1e-5, rtol=1e-5)

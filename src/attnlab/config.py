@@ -35,7 +35,7 @@ PRESET_DIR = Path(__file__).parent / "presets"
 class LocalAttentionConfig:
     window_size: int = 128  # keys visible to a query, itself included
     max_rollback: int = 64  # cached tokens kept beyond the window so truncate() can go back this far
-    backend: Literal["torch", "flex"] = "torch"  # flex: FlexAttention block mask (GPU; forward-only on CPU)
+    backend: Literal["auto", "torch", "flex"] = "auto"  # attention/kernels/__init__.py; flex: GPU (CPU: forward only)
 
 
 # ---- routing (owned by attention/routing.py)
@@ -46,7 +46,7 @@ class RoutingAttentionConfig:
     n_local_heads: int | tuple[int, ...] = 0  # heads using the local window, one int or one per layer
     ema_decay: float = 0.999  # centroid moving-average decay, applied once per optimiser step
     commitment_weight: float = 1e-4  # weight of the k-means commitment loss (seed 000's default)
-    backend: Literal["torch", "flex"] = "torch"  # flex: FlexAttention same-cluster band (GPU; forward-only on CPU)
+    backend: Literal["auto", "torch", "cpu", "flex"] = "auto"  # attention/kernels/__init__.py
 
 
 # ---- sinkhorn (owned by attention/sinkhorn.py)
@@ -57,7 +57,7 @@ class SinkhornAttentionConfig:
     sinkhorn_iter: int = 5  # row/column normalisation rounds of the sorting matrix
     temperature: float = 0.75  # divides the sorting logits (and Gumbel noise) before normalising
     n_local_heads: int = 0  # heads using the local window of bucket_size instead of sorted buckets
-    backend: Literal["torch", "flex"] = "torch"  # flex: FlexAttention bucket mask + weight (GPU; forward-only on CPU)
+    backend: Literal["auto", "torch", "cpu", "flex"] = "auto"  # attention/kernels/__init__.py
 
 
 # ---- nsa (owned by attention/nsa.py)
@@ -72,7 +72,7 @@ class NSAAttentionConfig:
     num_selected: int = 4  # selected blocks per query, the initial and the current block included (n)
     use_diff_topk: bool = False  # straight-through gates so the selection scores get gradients (seed 002)
     separate_branch_kv: bool = False  # own key/value projections for each of the three branches
-    backend: Literal["torch", "flex", "triton"] = "torch"  # torch reference; flex: FlexAttention; triton kernels
+    backend: Literal["auto", "torch", "cpu", "flex", "triton"] = "auto"  # attention/kernels/__init__.py
     query_chunk_size: int = 256  # queries processed together; bounds the selected and compressed scores
 
 

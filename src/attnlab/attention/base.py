@@ -1,5 +1,6 @@
-"""What every attention variant shares: its construction spec, the cache interface, rotary
-positions and the naive masked attention that tests use as the oracle.
+"""What every attention variant shares: the interface the model relies on (`Attention`), its
+construction spec, the cache interface, the head projections, rotary positions and the naive
+masked attention that tests use as the oracle.
 
 The contract (DESIGN.md), for every registered variant:
 
@@ -9,6 +10,8 @@ The contract (DESIGN.md), for every registered variant:
     KVCache.length, KVCache.truncate(n)   exact rollback (speculative decoding)
     KVCache.truncate_rows(RowLengths)   optional (per_row_rollback): a length per row
     aux_losses: dict[str, Tensor]   named auxiliary losses of the last training forward
+    after_optimizer_step()          explicit per-step state updates (routing centroids)
+    keys_per_query(config, ...)     keys a query is scored against, for the FLOP count
 
 Dimension legend: B batch, T new tokens, S keys, H query heads, G key/value heads, D head width.
 """
@@ -17,14 +20,15 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from einops import repeat
 from torch import Tensor, nn
-
-from attnlab.model.linear import Linear
 
 
 @dataclass(kw_only=True)
@@ -281,31 +285,113 @@ def _without_cudnn():
 
 
 class HeadProjections(nn.Module):
-    """Input -> rotated per-head queries, keys and values; heads -> output. Used by every variant."""
+    """Input -> per-head queries, keys and values; heads -> output. Every variant holds one as
+    `heads`, so the weights of every attention type are named alike (`heads.to_q.weight`, ...)."""
 
     def __init__(self, spec: AttentionSpec) -> None:
         super().__init__()
         self.spec = spec
         inner_q, inner_kv = spec.n_heads * spec.dim_head, spec.n_kv_heads * spec.dim_head
-        self.to_q = Linear(spec.dim, inner_q, bias=False)
-        self.to_k = Linear(spec.dim, inner_kv, bias=False)
-        self.to_v = Linear(spec.dim, inner_kv, bias=False)
-        self.to_out = Linear(inner_q, spec.dim, bias=False)
+        self.to_q = nn.Linear(spec.dim, inner_q, bias=False)
+        self.to_k = nn.Linear(spec.dim, inner_kv, bias=False)
+        self.to_v = nn.Linear(spec.dim, inner_kv, bias=False)
+        self.to_out = nn.Linear(inner_q, spec.dim, bias=False)
 
     # Head split and merge are a view and a transpose rather than einops.rearrange: the same
     # layout, but rearrange's per-call parsing cost is paid 4 times per layer per decoded token.
 
-    def split(self, x: Tensor, offset: int | Tensor, end: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        """x [B, T, dim] at positions offset.. -> q [B, H, T, D], k and v [B, G, T, D]. offset may
-        be per row ([B], with `end` its bound, RotaryEmbedding.forward)."""
+    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x [B, T, dim] -> q [B, H, T, D], k and v [B, G, T, D], before rotary positions."""
         dim_head = self.spec.dim_head
         q = self.to_q(x).unflatten(-1, (-1, dim_head)).transpose(1, 2)  # b t (h d) -> b h t d
         k = self.to_k(x).unflatten(-1, (-1, dim_head)).transpose(1, 2)  # b t (g d) -> b g t d
         v = self.to_v(x).unflatten(-1, (-1, dim_head)).transpose(1, 2)  # b t (g d) -> b g t d
-        if self.spec.rotary is not None:
-            q, k = self.spec.rotary.rotate_pair(q, k, offset, end)
+        return q, k, v
+
+    def rotate(self, q: Tensor, k: Tensor, offset: int | Tensor, end: int | None = None) -> tuple[Tensor, Tensor]:
+        """Rotary positions for q [B, H, T, D] and k [B, G or H, T, D] at positions offset.. (offset
+        per row [B] with `end` its bound, RotaryEmbedding.forward); unchanged without rotary."""
+        if self.spec.rotary is None:
+            return q, k
+        return self.spec.rotary.rotate_pair(q, k, offset, end)
+
+    def split(self, x: Tensor, offset: int | Tensor, end: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """x [B, T, dim] at positions offset.. -> rotated q [B, H, T, D], k [B, G, T, D], and v."""
+        q, k, v = self.project(x)
+        q, k = self.rotate(q, k, offset, end)
         return q, k, v
 
     def merge(self, y: Tensor) -> Tensor:
         """y [B, H, T, D] -> [B, T, dim]."""
         return self.to_out(y.transpose(1, 2).flatten(2))  # b h t d -> b t (h d)
+
+
+class Attention(nn.Module):
+    """The interface every attention variant implements, and what the model relies on.
+
+    A variant subclasses it, registers itself in `attnlab.registry.ATTENTION` under its kind, names
+    its options dataclass in `config_class` (read from `model.attention.<kind>`), and implements
+    `forward`, `new_cache` and `keys_per_query`. The hooks have defaults: no auxiliary losses and
+    nothing to do after an optimiser step.
+
+    `legacy_keys` maps weight names of earlier attnlab releases (relative to the layer) to today's,
+    applied whenever a state dict is loaded, so old checkpoints keep loading.
+    """
+
+    config_class: ClassVar[type | None] = None
+    legacy_keys: ClassVar[dict[str, str]] = {}
+
+    def __init__(self, spec: AttentionSpec, config: Any) -> None:
+        super().__init__()
+        self.spec, self.config = spec, config
+        self.heads = HeadProjections(spec)
+        self.aux_losses: dict[str, Tensor] = {}  # named auxiliary losses of the last training forward
+        self.register_load_state_dict_pre_hook(_rename_legacy_keys)
+
+    def forward(self, x: Tensor, cache: KVCache | None = None) -> Tensor:
+        """x [B, T, dim] -> [B, T, dim]; with a cache, x holds the next T tokens (cache updated)."""
+        raise NotImplementedError
+
+    def new_cache(self, batch: int, max_len: int, device=None, dtype=None) -> KVCache:
+        raise NotImplementedError
+
+    @staticmethod
+    def keys_per_query(config: Any, seq_len: int, n_heads: int, layer_index: int) -> float:
+        """Keys a query is scored against, averaged over the layer's heads (flops.py)."""
+        raise NotImplementedError
+
+    def after_optimizer_step(self) -> None:
+        """Called once per optimiser step by the training loop; explicit state updates go here."""
+
+    def migrate_state_dict(self, state_dict: dict[str, Tensor], prefix: str) -> None:
+        """Rewrite this layer's weights of an earlier layout in place (default: rename legacy_keys)."""
+        for old, new in self.legacy_keys.items():
+            if prefix + old in state_dict and prefix + new not in state_dict:
+                state_dict[prefix + new] = state_dict.pop(prefix + old)
+
+
+def _rename_legacy_keys(module: Attention, state_dict: dict[str, Tensor], prefix: str, *args) -> None:
+    module.migrate_state_dict(state_dict, prefix)
+
+
+# ----------------------------------------------------------------------------------------------
+# Forwards that run again (reversible layers' backward, activation checkpointing) must not count
+# per-step statistics twice. A module-level flag rather than a thread-local: the autograd engine
+# may run the backward on another thread, and torch.compile can guard on a plain global.
+
+_recomputing = False
+
+
+def is_recomputing() -> bool:
+    """True while a backward pass recomputes a forward (model/reversible.py sets it)."""
+    return _recomputing
+
+
+@contextmanager
+def recomputing() -> Iterator[None]:
+    global _recomputing
+    previous, _recomputing = _recomputing, True
+    try:
+        yield
+    finally:
+        _recomputing = previous

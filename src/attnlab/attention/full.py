@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from attnlab.attention.base import (
+    Attention,
     AttentionSpec,
-    HeadProjections,
     KVCache,
     RowLengths,
     causal_mask,
@@ -75,19 +75,16 @@ class FullCache(KVCache):
 
 
 @ATTENTION.register("full")
-class FullAttention(nn.Module):
+class FullAttention(Attention):
     config_class = FullAttentionConfig
 
     @staticmethod
     def keys_per_query(config: FullAttentionConfig | None, seq_len: int, n_heads: int, layer_index: int) -> float:
-        """Keys a query is scored against, for the FLOP count (flops.py): T, PaLM's convention."""
+        """T, PaLM's convention."""
         return float(seq_len)
 
     def __init__(self, spec: AttentionSpec, config: FullAttentionConfig | None = None) -> None:
-        super().__init__()
-        self.spec = spec
-        self.heads = HeadProjections(spec)
-        self.aux_losses: dict[str, Tensor] = {}
+        super().__init__(spec, config)
 
     def forward(self, x: Tensor, cache: FullCache | None = None) -> Tensor:
         dropout = self.spec.dropout if self.training else 0.0

@@ -15,18 +15,18 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from attnlab.attention.base import (
+    Attention,
     AttentionSpec,
-    HeadProjections,
     KVCache,
     RowLengths,
     expand_kv,
     overlapping_windows,
     sdpa,
 )
-from attnlab.attention.kernels.flex import worth_flex
+from attnlab.attention.kernels import check_backend, choose
 from attnlab.attention.kernels.flex_local import flex_local_attention
 from attnlab.config import LocalAttentionConfig
 from attnlab.errors import ConfigError
@@ -197,20 +197,20 @@ class LocalCache(KVCache):
                              "(raise attention.local.max_rollback)")
 
 
+OFFERED = ("torch", "flex")
+
+
 @ATTENTION.register("local")
-class LocalAttention(nn.Module):
+class LocalAttention(Attention):
     config_class = LocalAttentionConfig
 
     @staticmethod
     def keys_per_query(config: LocalAttentionConfig, seq_len: int, n_heads: int, layer_index: int) -> float:
-        """Keys a query is scored against, for the FLOP count (flops.py)."""
         return float(min(config.window_size, seq_len))
 
     def __init__(self, spec: AttentionSpec, config: LocalAttentionConfig) -> None:
-        super().__init__()
-        self.spec, self.config = spec, config
-        self.heads = HeadProjections(spec)
-        self.aux_losses: dict[str, Tensor] = {}
+        super().__init__(spec, config)
+        check_backend("local", config.backend, OFFERED)
         if config.backend == "flex" and spec.dropout > 0:
             raise ConfigError("attention.local.backend=flex has no attention dropout; set model.attention.dropout=0")
 
@@ -223,7 +223,8 @@ class LocalAttention(nn.Module):
             k, v, row_mask = cache.extend(k, v)  # [B, G, kept + T, D]
             if row_mask is not None:  # rows of different lengths: each its own band
                 return self.heads.merge(sdpa(q, k, v, mask=row_mask, causal=False, dropout=dropout))
-        if self.config.backend == "flex" and worth_flex(q.shape[2], q.device.type):  # short chunks: the torch path
+        # flex serves chunks at any position (its band ends where the keys do)
+        if choose(self.config.backend, OFFERED, q, whole=True, dropout=dropout) == "flex":
             y = flex_local_attention(q, k, v, self.config.window_size)
         else:
             y = local_attention(q, k, v, self.config.window_size, dropout)

@@ -21,13 +21,15 @@ causality and prefix consistency:
 - A sequence that is not a multiple of the bucket size is padded on the right only; padding is
   never visible to a real token, so logits do not depend on the length.
 
-Memory: the T * (n_sortcut + 1) * bucket_size scores are computed by torch's fused attention and
-never kept for the backward; the sorting matrix is (T / bucket_size)^2 per head (the paper's cost;
-linear in T while bucket_size >= sqrt(T)).
+Memory: the reference path (`bucket_attention`) scores each bucket's queries against its chosen
+buckets and itself, T * (n_sortcut + 1) * bucket_size scores per head; the sorting matrix is
+(T / bucket_size)^2 per head (the paper's cost; linear in T while bucket_size >= sqrt(T)).
 
-On the CPU in float32 without dropout, whole sequences run on a compiled kernel
-(kernels/listed_cpu.py, `bucket_units`): one unit per bucket lists its chosen buckets' tokens,
-then its own, with the log sorting weight as a per-key bias that gets its gradient directly.
+Back-ends (kernels/__init__.py), for whole sequences: `cpu`, the listed-key C++ kernel
+(kernels/listed_cpu.py: one unit per bucket lists its chosen buckets' tokens, then its own, with
+the log sorting weight as a per-key bias that gets its gradient directly, and no scores kept for
+the backward); `flex`, a FlexAttention bucket mask (kernels/flex_sinkhorn.py). Cached decoding runs
+the reference path.
 
 Legend: B batch, T tokens, H query heads, G key/value heads, D head width, N buckets, M buckets
 holding queries, b bucket size, S n_sortcut, L local heads.
@@ -40,21 +42,19 @@ import math
 import torch
 import torch.nn.functional as F
 from einops import rearrange
-from torch import Tensor, nn
+from torch import Tensor
 
-from attnlab.attention.base import AttentionSpec, KVCache, RowLengths, expand_kv, write_rows
-from attnlab.attention.gathered import gathered_attention
-from attnlab.attention.kernels import listed_cpu
-from attnlab.attention.kernels.flex import worth_flex
+from attnlab.attention.base import Attention, AttentionSpec, KVCache, RowLengths, expand_kv, write_rows
+from attnlab.attention.kernels import check_backend, choose
 from attnlab.attention.kernels.flex_sinkhorn import flex_bucket_attention
+from attnlab.attention.kernels.listed_cpu import bucket_attention_cpu
 from attnlab.attention.local import local_attention
 from attnlab.config import SinkhornAttentionConfig
 from attnlab.errors import ConfigError
-from attnlab.model.linear import Linear
 from attnlab.registry import ATTENTION
 
+OFFERED = ("torch", "cpu", "flex")
 MASKED = -1e4  # finite "minus infinity" for the sorting matrix: keeps Sinkhorn's gradients finite
-HIDDEN = -1e9  # key feature of a missing chosen bucket: its scores underflow to probability 0
 
 # ----------------------------------------------------------------------------------------------
 # Pure functions
@@ -112,84 +112,51 @@ def bucket_attention(
     q: Tensor, keys: Tensor, values: Tensor, chosen: Tensor, chosen_weights: Tensor, offset: int | Tensor,
     bucket_size: int, dropout: float = 0.0,
 ) -> Tensor:
-    """q [B, H, T, D] at positions offset..offset+T-1 (offset an int, or [B] when rows differ in
-    length); keys, values [B, H, S, D] at positions 0..; chosen, chosen_weights [B, H, M, S'] for
-    the buckets holding the queries (from offset // b on, each row's own) -> [B, H, T, D]. A
-    query sees the earlier slots of its own bucket and itself, and every slot of its bucket's
-    chosen buckets, those scores raised by the bucket's log sorting weight.
-
-    Runs blocked on the fused kernel (attention/gathered.py): one block per query bucket, keys
-    gathered from the chosen buckets and its own; the sorting weight enters as an extra key feature,
-    so it gets its gradient without the scores ever being kept.
-    """
+    """The reference path. q [B, H, T, D] at positions offset..offset+T-1 (offset an int, or [B] when
+    rows differ in length); keys, values [B, H, S, D] at positions 0..; chosen, chosen_weights
+    [B, H, M, S'] for the buckets holding the queries (from offset // b on, each row's own) ->
+    [B, H, T, D]. A query sees the earlier slots of its own bucket and itself, and every slot of its
+    bucket's chosen buckets, those scores raised by the bucket's log sorting weight (-inf: no such
+    bucket, hidden)."""
     batch, n_heads, n_new, dim_head = q.shape
-    size = bucket_size
+    size, n_buckets = bucket_size, chosen.shape[2]
     offsets = torch.as_tensor(offset, device=q.device).reshape(-1, 1)  # [B or 1, 1]
     first_bucket = offsets // size
-    buckets = first_bucket + torch.arange(chosen.shape[2], device=q.device)  # [B or 1, M]
+    buckets = first_bucket + torch.arange(n_buckets, device=q.device)  # [B or 1, M]
     slot = torch.arange(size, device=q.device)
-    # query slots past the queries (the last bucket's tail, the first's head) point at a real row
-    # and return nothing; key slots past the keys (or past a row's own length) are later than
-    # every query of their bucket
+    # query slots past the queries (the last bucket's tail, the first's head) read a real row and
+    # are never returned; key slots past the keys (or a row's own length) are later than every
+    # query of their bucket, so its causal mask hides them
     query_index = (buckets[..., None] * size + slot - offsets[..., None]).clamp(0, n_new - 1)  # [B or 1, M, b]
-    query_index = query_index[:, None].expand(batch, n_heads, -1, -1)  # [B, H, M, b]
-    chosen_rows = (chosen[..., None] * size + slot).flatten(-2)  # [B, H, M, S' b]
-    own_rows = (buckets[..., None] * size + slot)[:, None].expand(batch, n_heads, -1, -1)  # [B, H, M, b]
-    key_index = torch.cat((chosen_rows, own_rows), dim=-1).clamp(max=keys.shape[2] - 1)  # [B, H, M, (S'+1) b]
+    own_rows = buckets[..., None] * size + slot  # [B or 1, M, b]
+    key_index = torch.cat((
+        (chosen[..., None] * size + slot).flatten(-2),  # [B, H, M, S' b]
+        own_rows[:, None].expand(batch, n_heads, -1, -1),
+    ), dim=-1).clamp(max=keys.shape[2] - 1)  # [B, H, M, (S' + 1) b]
     valid = chosen_weights.isfinite()  # [B, H, M, S']; a bucket with fewer past buckets has holes
-    # score + weight = scale * (q.k + weight / scale); a hole's keys get HIDDEN, whose scores
-    # underflow to weight exactly 0 (so one mask serves every block, and no inf * 0 in backward)
-    key_feature = torch.cat((
-        torch.where(valid, chosen_weights * math.sqrt(dim_head), HIDDEN).repeat_interleave(size, dim=-1),
-        chosen_weights.new_zeros(batch, n_heads, chosen.shape[2], size),  # own bucket: no weight
-    ), dim=-1)
-    output_index = (offsets - first_bucket * size + torch.arange(n_new, device=q.device))[:, None]
-    output_index = output_index.expand(batch, n_heads, -1)  # [B, H, T]
-    causal = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()  # own bucket
-    # every bucket alike: the chosen ones whole, its own causally
-    mask = F.pad(causal, (chosen.shape[-1] * size, 0), value=True)  # [b, (S'+1) b]
-    return gathered_attention(q, keys, values, query_index, key_index, output_index, mask,
-                              key_feature=key_feature, dropout=dropout)
-
-
-def bucket_units(chosen: Tensor, chosen_weights: Tensor, n_tokens: int, bucket_size: int
-                 ) -> tuple[listed_cpu.Units, Tensor]:
-    """The CPU kernel's units for a whole sequence (kernels/listed_cpu.py): one per (batch, head,
-    bucket), listing the tokens of its chosen buckets (holes left out) and then its own; slot s of
-    the bucket sees the chosen tokens and its own slots 0..s. chosen, chosen_weights [B, H, N, S]
-    -> (units, the key bias [L]: each chosen bucket's log sorting weight, 0 for its own tokens;
-    differentiable in chosen_weights)."""
-    batch, n_heads, n_buckets, n_sortcut = chosen.shape
-    size, device = bucket_size, chosen.device
-    slot = torch.arange(size, device=device)
-    own = torch.arange(n_buckets, device=device)[:, None] * size + slot  # [N, b]
-    tokens = torch.cat((
-        (chosen[..., None] * size + slot).flatten(-2),  # [B, H, N, S b]
-        own.expand(batch, n_heads, -1, -1),
-    ), dim=-1).flatten(0, 1)  # [B H, N, (S + 1) b]
-    valid = chosen_weights.isfinite()  # [B, H, N, S]
-    listed = torch.cat((
-        valid.repeat_interleave(size, dim=-1), (own < n_tokens).expand(batch, n_heads, -1, -1),
-    ), dim=-1).flatten(0, 1)
     bias = torch.cat((
-        chosen_weights.repeat_interleave(size, dim=-1), chosen_weights.new_zeros(batch, n_heads, n_buckets, size),
-    ), dim=-1).flatten(0, 1)
-    n_listed = listed.sum(-1).flatten()  # [B H N]
-    key_start = F.pad(n_listed.cumsum(0), (1, 0))
-    n_rows = batch * n_heads
-    queries = torch.arange(n_tokens, device=device).expand(n_rows, -1)  # [B H, T]: bucket by bucket
-    per_bucket = (n_tokens - own[:, 0]).clamp(max=size)  # [N]: queries of each bucket (the last may be partial)
-    query_start = F.pad(per_bucket.repeat(n_rows).cumsum(0), (1, 0))
-    n_chosen_slots = (valid.sum(-1) * size).flatten(0, 1)  # [B H, N]
-    bucket = queries // size
-    units = listed_cpu.Units(
-        bh=torch.arange(n_rows, device=device).repeat_interleave(n_buckets), key_start=key_start,
-        key_tokens=tokens[listed], query_start=query_start, query_tokens=queries.flatten(),
-        query_lo=torch.zeros(n_rows * n_tokens, dtype=torch.long, device=device),
-        query_hi=(n_chosen_slots.gather(-1, bucket) + queries % size).flatten(),
-        group_start=torch.arange(0, n_rows * n_buckets + 1, n_buckets, device=device),  # a head's buckets share keys
-    )
-    return units, bias[listed]
+        torch.where(valid, chosen_weights, 0.0).repeat_interleave(size, dim=-1),
+        chosen_weights.new_zeros(batch, n_heads, n_buckets, size),  # own bucket: no weight
+    ), dim=-1).to(q.dtype)[:, :, :, None]  # [B, H, M, 1, (S' + 1) b]
+    causal = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()  # own bucket: [b, b]
+    visible = torch.cat((
+        valid.repeat_interleave(size, dim=-1)[:, :, :, None].expand(-1, -1, -1, size, -1),
+        causal.expand(batch, n_heads, n_buckets, -1, -1),
+    ), dim=-1)  # [B, H, M, b, (S' + 1) b]
+    queries = _gather_rows(q, query_index[:, None].expand(batch, n_heads, -1, -1))  # [B, H, M, b, D]
+    block_keys, block_values = _gather_rows(keys, key_index), _gather_rows(values, key_index)
+    scores = torch.einsum("bhmqd,bhmkd->bhmqk", queries, block_keys) / math.sqrt(dim_head) + bias
+    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    probs = F.dropout(probs, dropout) if dropout else probs
+    out = torch.einsum("bhmqk,bhmkd->bhmqd", probs, block_values).flatten(2, 3)  # [B, H, M b, D]
+    output_index = (offsets - first_bucket * size + torch.arange(n_new, device=q.device))[:, None]  # [B or 1, 1, T]
+    return out.gather(2, output_index[..., None].expand(batch, n_heads, -1, dim_head))
+
+
+def _gather_rows(x: Tensor, index: Tensor) -> Tensor:
+    """x [B, H, S, D] at index [B, H, M, K] -> [B, H, M, K, D]."""
+    flat = index.flatten(2)[..., None].expand(-1, -1, -1, x.shape[-1])
+    return x.gather(2, flat).unflatten(2, index.shape[2:])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -264,54 +231,43 @@ class SinkhornCache(KVCache):
 
 
 @ATTENTION.register("sinkhorn")
-class SinkhornAttention(nn.Module):
+class SinkhornAttention(Attention):
     """L local heads (window of bucket_size) then H - L sorted-bucket heads."""
 
     config_class = SinkhornAttentionConfig
+    legacy_keys = {f"{name}.weight": f"heads.{name}.weight" for name in ("to_q", "to_k", "to_v", "to_out")}
 
     @staticmethod
     def keys_per_query(config: SinkhornAttentionConfig, seq_len: int, n_heads: int, layer_index: int) -> float:
-        """Keys a query is scored against, for the FLOP count (flops.py), averaged over the heads:
-        local heads a bucket, sorted heads their own bucket and the n_sortcut chosen ones."""
+        """Local heads a bucket, sorted heads their own bucket and the n_sortcut chosen ones."""
         bucket = min(config.bucket_size, seq_len)
         sorted_keys = min(bucket * (1 + config.n_sortcut), seq_len)
         return (config.n_local_heads * bucket + (n_heads - config.n_local_heads) * sorted_keys) / n_heads
 
     def __init__(self, spec: AttentionSpec, config: SinkhornAttentionConfig) -> None:
-        super().__init__()
-        self.spec, self.config = spec, config
+        super().__init__(spec, config)
+        check_backend("sinkhorn", config.backend, OFFERED)
         if not 0 <= config.n_local_heads <= spec.n_heads:
             raise ValueError(f"n_local_heads={config.n_local_heads} must be between 0 and heads={spec.n_heads}")
         self.n_local = config.n_local_heads
-        inner_q, inner_kv = spec.n_heads * spec.dim_head, spec.n_kv_heads * spec.dim_head
-        self.to_q = Linear(spec.dim, inner_q, bias=False)
-        self.to_k = Linear(spec.dim, inner_kv, bias=False)
-        self.to_v = Linear(spec.dim, inner_kv, bias=False)
-        self.to_out = Linear(inner_q, spec.dim, bias=False)
-        self.aux_losses: dict[str, Tensor] = {}
         if config.backend == "flex" and spec.dropout > 0:
             raise ConfigError("attention.sinkhorn.backend=flex has no attention dropout; set model.attention.dropout=0")
 
     def forward(self, x: Tensor, cache: SinkhornCache | None = None) -> Tensor:
-        spec, config, local = self.spec, self.config, self.n_local
-        size = config.bucket_size
+        spec, local, size = self.spec, self.n_local, self.config.bucket_size
         dropout = spec.dropout if self.training else 0.0
         offset = 0 if cache is None else cache.offset  # [B] per row after a per-row rollback
         n_new = x.shape[1]
-        raw_q = rearrange(self.to_q(x), "b t (h d) -> b h t d", d=spec.dim_head)  # [B, H, T, D]
-        raw_k = expand_kv(rearrange(self.to_k(x), "b t (g d) -> b g t d", d=spec.dim_head), spec.n_heads)
-        v = expand_kv(rearrange(self.to_v(x), "b t (g d) -> b g t d", d=spec.dim_head), spec.n_heads)
-        q, k = raw_q, raw_k
-        if spec.rotary is not None:
-            q, k = spec.rotary.rotate_pair(q, k, offset, None if cache is None else cache.length + n_new)
+        raw_q, raw_k, v = self.heads.project(x)  # [B, H, T, D], [B, G, T, D] x 2
+        raw_k, v = expand_kv(raw_k, spec.n_heads), expand_kv(v, spec.n_heads)
+        q, k = self.heads.rotate(raw_q, raw_k, offset, None if cache is None else cache.length + n_new)
         if cache is None:
             query_means, key_means = bucket_means(raw_q, size), bucket_means(raw_k, size)  # [B, H, N, D]
-            first_bucket, keys, values = 0, k, v
+            keys, values = k, v
         else:
             cache.append(k, v, raw_q, raw_k)
             n_buckets = math.ceil(cache.length / size)
             query_means, key_means = cache.query_means[:, :, :n_buckets], cache.key_means[:, :, :n_buckets]
-            first_bucket = offset // size
             keys, values = cache.keys[:, :, : n_buckets * size], cache.values[:, :, : n_buckets * size]
             keys, values = keys.to(q.dtype), values.to(q.dtype)
         positions = None if cache is None or cache.rows is None else cache.positions  # [B, T] when rows differ
@@ -322,13 +278,13 @@ class SinkhornAttention(nn.Module):
                                          positions))
         if local < spec.n_heads:
             parts.append(self._sorted(q[:, local:], keys[:, local:], values[:, local:], query_means[:, local:],
-                                      key_means[:, local:], first_bucket, offset, dropout))
+                                      key_means[:, local:], offset, dropout))
         y = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]  # [B, H, T, D]
-        return self.to_out(rearrange(y, "b h t d -> b t (h d)"))  # a view when y is laid out [B, T, H, D]
+        return self.heads.merge(y)
 
-    def _sorted(self, q, keys, values, query_means, key_means, first_bucket, offset, dropout) -> Tensor:
+    def _sorted(self, q, keys, values, query_means, key_means, offset, dropout) -> Tensor:
         """q [B, H', T, D] at positions offset..; keys, values [B, H', >= offset+T (bucket-padded), D].
-        offset and first_bucket are ints, or [B] when rows differ in length."""
+        offset is an int, or [B] when rows differ in length."""
         config, size = self.config, self.config.bucket_size
         chosen, weights = sort_buckets(
             query_means, key_means, config.n_sortcut, config.sinkhorn_iter, config.temperature,
@@ -336,18 +292,18 @@ class SinkhornAttention(nn.Module):
         )
         if isinstance(offset, Tensor):  # each row's own buckets: as many as T tokens can span
             n_spanned = (q.shape[2] + size - 2) // size + 1
-            index = (first_bucket[:, None] + torch.arange(n_spanned, device=q.device)).clamp(max=chosen.shape[2] - 1)
+            first = offset // size
+            index = (first[:, None] + torch.arange(n_spanned, device=q.device)).clamp(max=chosen.shape[2] - 1)
             index = index[:, None, :, None].expand(-1, chosen.shape[1], -1, chosen.shape[3])  # [B, H', M, S']
             return bucket_attention(q, keys, values, chosen.gather(2, index), weights.gather(2, index), offset, size,
                                     dropout)
-        chosen, weights = chosen[:, :, first_bucket:], weights[:, :, first_bucket:]  # buckets with queries
-        # a whole sequence, long enough on CUDA (flex.worth_flex): kernels/flex_sinkhorn.py
-        if config.backend == "flex" and offset == 0 and worth_flex(q.shape[2], q.device.type):
-            return flex_bucket_attention(q, keys[:, :, : q.shape[2]], values[:, :, : q.shape[2]], chosen, weights, size)
-        if offset == 0 and listed_cpu.usable(q, keys, values, dropout=dropout):  # the CPU kernel
-            n_tokens = q.shape[2]
-            units, bias = bucket_units(chosen, weights, n_tokens, size)
-            return listed_cpu.listed_attention(q, keys[:, :, :n_tokens], values[:, :, :n_tokens], units, bias)
+        chosen, weights = chosen[:, :, offset // size :], weights[:, :, offset // size :]  # buckets with queries
+        n_tokens = q.shape[2]
+        backend = choose(config.backend, OFFERED, q, whole=offset == 0, dropout=dropout)
+        if backend == "cpu":
+            return bucket_attention_cpu(q, keys[:, :, :n_tokens], values[:, :, :n_tokens], chosen, weights, size)[0]
+        if backend == "flex" and offset == 0:
+            return flex_bucket_attention(q, keys[:, :, :n_tokens], values[:, :, :n_tokens], chosen, weights, size)
         return bucket_attention(q, keys, values, chosen, weights, offset, size, dropout)  # [B, H', T, D]
 
     def new_cache(self, batch: int, max_len: int, device=None, dtype=None) -> SinkhornCache:

@@ -21,7 +21,6 @@ from typing import Any
 import torch
 
 from attnlab.config import ModelConfig, config_from_dict
-from attnlab.model.linear import column_products_enabled
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -74,7 +73,6 @@ def environment(device: torch.device, dtype: str) -> dict[str, Any]:
         "dtype": dtype,
         "device": device.type,
         "machine": platform.processor() or platform.machine(),
-        "column_products": column_products_enabled(),  # decoding products may take them (model/linear.py)
     }
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
@@ -131,9 +129,11 @@ def measure_train(
 @torch.no_grad()
 def measure_decode(
     model_values: dict[str, Any], context: int, new_tokens: int, use_cache: bool,
-    device: str = "cpu", dtype: str = "fp32",
+    device: str = "cpu", dtype: str = "fp32", column_products: bool = False,
 ) -> dict[str, Any]:
+    """column_products: decode with the opt-in column products (model/column_products.py)."""
     from attnlab.model import Transformer
+    from attnlab.model.column_products import decoding_products, use_column_products
 
     torch_device = torch.device(device)
     length = context + new_tokens
@@ -142,6 +142,8 @@ def measure_decode(
     model = Transformer(config).to(torch_device).eval()
     if dtype != "fp32":
         model = model.to(DTYPES[dtype])
+    if column_products:
+        use_column_products(model)
     sequence = torch.randint(0, config.num_tokens, (1, length), device=torch_device)
     times = []
     loaded = []  # key/value tokens one query read per layer and step, where the cache reports it (NSA)
@@ -169,7 +171,7 @@ def measure_decode(
         "kind": "decode", "attention": config.attention.kind, "context": context, "cache": use_cache,
         "ms_per_token": median * 1e3, "tokens_per_s": 1 / median, "new_tokens": new_tokens,
         "kv_tokens_loaded": statistics.mean(loaded) if loaded else None,  # paper NSA's Table 4 quantity
-        **environment(torch_device, dtype),
+        "products": decoding_products(model, torch_device), **environment(torch_device, dtype),
     }
 
 

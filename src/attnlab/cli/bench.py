@@ -35,6 +35,8 @@ def register(subparsers) -> None:
             sub.add_argument("--context", type=int, nargs="+", default=[64, 256, 1024])
             sub.add_argument("--new-tokens", type=int, default=16, help="tokens timed per context (median)")
             sub.add_argument("--no-uncached", action="store_true", help="skip the no-cache baseline")
+            sub.add_argument("--column-products", action="store_true",
+                             help="decode with the opt-in column products (model/column_products.py)")
         sub.set_defaults(func=run)
 
     suite = kinds.add_parser("suite", help="every registered attention over a range of lengths: report and plots")
@@ -60,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
                     for n in args.seq_len]
         else:
             jobs = [("decode", dict(model_values=values, context=c, new_tokens=args.new_tokens, use_cache=cache,
-                                    device=args.device, dtype=args.dtype))
+                                    device=args.device, dtype=args.dtype, column_products=args.column_products))
                     for c in args.context for cache in ([True] if args.no_uncached else [True, False])]
         for task, arguments in jobs:
             result = run_isolated(task, arguments, args.threads)

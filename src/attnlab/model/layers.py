@@ -10,7 +10,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab.config import ModelConfig
-from attnlab.model.linear import Linear
 from attnlab.registry import FEED_FORWARD, NORM
 
 NORM.register("layernorm")(nn.LayerNorm)
@@ -33,8 +32,8 @@ class GeluMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         hidden = hidden_width(config, gated=False)
-        self.up = Linear(config.dim, hidden)
-        self.down = Linear(hidden, config.dim)
+        self.up = nn.Linear(config.dim, hidden)
+        self.down = nn.Linear(hidden, config.dim)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -49,9 +48,9 @@ class SwiGLU(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         hidden = hidden_width(config, gated=True)
-        self.gate = Linear(config.dim, hidden, bias=False)
-        self.up = Linear(config.dim, hidden, bias=False)
-        self.down = Linear(hidden, config.dim, bias=False)
+        self.gate = nn.Linear(config.dim, hidden, bias=False)
+        self.up = nn.Linear(config.dim, hidden, bias=False)
+        self.down = nn.Linear(hidden, config.dim, bias=False)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -80,7 +79,7 @@ class TokenEmbedding(nn.Module):
         super().__init__()
         width = config.emb_dim or config.dim
         self.embed = nn.Embedding(config.num_tokens, width)
-        self.project = Linear(width, config.dim, bias=False) if config.emb_dim else nn.Identity()
+        self.project = nn.Linear(width, config.dim, bias=False) if config.emb_dim else nn.Identity()
 
     def forward(self, tokens: Tensor) -> Tensor:
         return self.project(self.embed(tokens))  # [B, T] -> [B, T, dim]

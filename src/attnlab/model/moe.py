@@ -27,7 +27,6 @@ from torch import Tensor, nn
 from attnlab.config import ModelConfig
 from attnlab.errors import ConfigError
 from attnlab.model.layers import SwiGLU
-from attnlab.model.linear import Linear
 from attnlab.registry import FEED_FORWARD
 
 
@@ -87,7 +86,7 @@ class MoEFeedForward(nn.Module):
             raise ConfigError("feed_forward=moe does not support model.ff_chunks > 1")
         self.n_experts, self.top_k, self.normalize = moe.n_experts, moe.top_k, moe.normalize_top_k
         self.balance_weight, self.z_weight = moe.balance_loss_weight, moe.z_loss_weight
-        self.router = Linear(config.dim, moe.n_experts, bias=False)
+        self.router = nn.Linear(config.dim, moe.n_experts, bias=False)
         self.experts = nn.ModuleList(SwiGLU(config) for _ in range(moe.n_experts))
         self.shared_experts = nn.ModuleList(SwiGLU(config) for _ in range(moe.n_shared_experts))
         self.aux_losses: dict[str, Tensor] = {}  # collected by Transformer.collect_aux_losses

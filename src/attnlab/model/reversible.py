@@ -23,29 +23,12 @@ Legend: B batch, T tokens, dim model width.
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
 
-_state = threading.local()
-
-
-def is_recomputing() -> bool:
-    """True while the backward pass recomputes a reversible block's forward."""
-    return getattr(_state, "recomputing", False)
-
-
-@contextlib.contextmanager
-def recomputing() -> Iterator[None]:
-    previous = is_recomputing()
-    _state.recomputing = True
-    try:
-        yield
-    finally:
-        _state.recomputing = previous
-
+from attnlab.attention.base import is_recomputing, recomputing  # noqa: F401 - the flag lives with attention
 
 # ----------------------------------------------------------------------------------------------
 # The two branches of a Block (model/transformer.py) and the plain two-stream evaluation

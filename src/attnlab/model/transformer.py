@@ -24,7 +24,6 @@ import attnlab.model.moe  # noqa: F401  (registers the mixture-of-experts feed-f
 from attnlab.attention.base import AttentionSpec, KVCache, RotaryEmbedding, RowLengths
 from attnlab.config import ModelConfig
 from attnlab.model.layers import Chunked, TokenEmbedding
-from attnlab.model.linear import Linear, set_column_layout
 from attnlab.model.loss import IGNORE_INDEX, chunked_linear_cross_entropy  # IGNORE_INDEX: padding, masked
 from attnlab.model.reversible import reversible_blocks
 from attnlab.registry import ATTENTION, FEED_FORWARD, NORM
@@ -143,8 +142,8 @@ class Transformer(nn.Module):
         self.norm = make_norm(config)
         out_width = config.emb_dim or config.dim
         # factorised embeddings project back to E before the (possibly tied) vocabulary matrix
-        self.head_project = Linear(config.dim, out_width, bias=False) if config.emb_dim else None
-        self.head = Linear(out_width, config.num_tokens, bias=False)
+        self.head_project = nn.Linear(config.dim, out_width, bias=False) if config.emb_dim else None
+        self.head = nn.Linear(out_width, config.num_tokens, bias=False)
         if config.tie_embeddings:
             self.head.weight = self.token_embedding.embed.weight
         self._aux_modules: list[nn.Module] | None = None  # modules reporting aux_losses, found on first use
@@ -152,7 +151,6 @@ class Transformer(nn.Module):
         for name, parameter in self.named_parameters():
             if name.endswith(("to_out.weight", "down.weight")):  # GPT-2: scale residual projections
                 nn.init.normal_(parameter, std=0.02 / math.sqrt(2 * config.depth))
-        set_column_layout(self)  # decoding products by the model's size (model/linear.py)
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -211,6 +209,12 @@ class Transformer(nn.Module):
             for name, value in module.aux_losses.items():
                 totals[name] = totals[name] + value if name in totals else value
         return totals
+
+    def after_optimizer_step(self) -> None:
+        """Explicit once-per-step updates of state that is not a gradient parameter (routing
+        centroids): the training loop calls this after every optimiser step."""
+        for block in self.blocks:
+            block.attention.after_optimizer_step()
 
     def collect_stats(self) -> dict[str, float]:
         """Logging-only statistics of the last forward (e.g. MoE expert load), averaged over layers."""

@@ -23,7 +23,11 @@ from attnlab.model.transformer import Transformer
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+# 2: attention back-ends (model.attention.<kind>.backend "auto"); version 1 checkpoints are read
+# with their "torch" back-ends as "auto" (which is what "torch" then did) and their attention
+# weights renamed when loaded (attention/base.py: Attention.migrate_state_dict)
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 CHECKPOINT_DIR = "checkpoints"
 _NAME = re.compile(r"step-(\d+)\.pt$")
 
@@ -77,11 +81,22 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path} is corrupt or unsafe to load ({reason})") from error
     if not isinstance(state, dict) or "model" not in state or "config" not in state:
         raise CheckpointError(f"checkpoint {path} is not an attnlab checkpoint")
-    if state.get("format_version") != FORMAT_VERSION:
+    if state.get("format_version") not in READABLE_VERSIONS:
         raise CheckpointError(
-            f"checkpoint {path} has format {state.get('format_version')}, expected {FORMAT_VERSION}"
+            f"checkpoint {path} has format {state.get('format_version')}, expected one of {READABLE_VERSIONS}"
         )
+    if state["format_version"] == 1:
+        state["config"] = upgrade_version_1_config(state["config"])
     return state
+
+
+def upgrade_version_1_config(config: dict[str, Any]) -> dict[str, Any]:
+    """Before back-ends were named, "torch" meant: the compiled CPU kernels where they serve, the
+    torch path elsewhere; that is "auto" now."""
+    for variant in config.get("model", {}).get("attention", {}).values():
+        if isinstance(variant, dict) and variant.get("backend") == "torch":
+            variant["backend"] = "auto"
+    return config
 
 
 def resolve_checkpoint(run_or_checkpoint: str | Path) -> Path:

@@ -1,0 +1,97 @@
+"""The faster paths of the attention variants, each behind a named back-end.
+
+Each variant file (attention/*.py) holds the paper's math as its reference path; the back-end in
+its config (`model.attention.<kind>.backend`) names the faster path that serves the calls it can:
+
+    torch   the variant file's reference path itself: any device, dtype, dropout and call
+    cpu     compiled C++ kernels (kernels/cpu.py): float32 on the CPU, no dropout or autocast, whole
+            sequences (training, prefill); registered as torch custom ops, so torch.compile traces them
+    flex    FlexAttention with block masks (kernels/flex*.py): whole sequences or long chunks, no
+            dropout; compiled on CUDA, forward-only eager reference on the CPU (for checks)
+    triton  Triton kernels (kernels/nsa_triton.py): CUDA, or the CPU under TRITON_INTERPRET=1
+    auto    the fastest back-end that serves the call: cpu where it serves it, else on CUDA for whole
+            sequences triton (NSA's selected branch) or flex (local, routing, sinkhorn), else torch
+
+A call a back-end does not serve (a cached chunk for `cpu`, a short chunk for `flex`) runs on the
+reference path: every back-end has one semantics, tested against the reference
+(tests/test_backends.py and the per-kernel tests). The choice reads the call's device, dtype,
+autocast state, dropout and length, never the values of its tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from attnlab.attention.kernels.flex import LENGTH_BUCKET
+from attnlab.errors import ConfigError
+
+BACKENDS = ("auto", "torch", "cpu", "flex", "triton")
+
+
+def check_backend(kind: str, backend: str, offered: tuple[str, ...]) -> None:
+    """A one-line error for a back-end this variant has no path for."""
+    if backend != "auto" and backend not in offered:
+        raise ConfigError(
+            f"attention.{kind}.backend={backend} is not offered; {kind} offers: auto, {', '.join(offered)}"
+        )
+
+
+def cpu_refusal(x: Tensor, dropout: float) -> str | None:
+    """Why the C++ kernels cannot run here (None: they can): float32 on the CPU, no dropout, no
+    autocast, kernels built."""
+    from attnlab.attention.kernels.cpu import available
+
+    if x.device.type != "cpu" or x.dtype != torch.float32 or torch.is_autocast_enabled("cpu"):
+        return "runs float32 CPU tensors without autocast"
+    if dropout:
+        return "has no attention dropout"
+    if not available():
+        return "needs the compiled CPU kernels (a C++ compiler; ATTNLAB_CPU_KERNELS not 0)"
+    return None
+
+
+def flex_refusal(x: Tensor, dropout: float) -> str | None:
+    return "has no attention dropout" if dropout else None
+
+
+def triton_refusal(x: Tensor, dropout: float) -> str | None:
+    from attnlab.attention.kernels.nsa_triton import interpreting, triton_installed
+
+    if not triton_installed():
+        return "needs triton (pip install triton)"
+    if x.device.type != "cuda" and not interpreting():
+        return "runs on CUDA tensors (or the CPU under TRITON_INTERPRET=1)"
+    return None
+
+
+def serves_call(backend: str, x: Tensor, whole: bool) -> bool:
+    """Whether a back-end that can run here takes this call: the cpu kernels take whole sequences;
+    flex on CUDA takes chunks of LENGTH_BUCKET queries or more (a shorter one would compile a kernel
+    for its shape), on the CPU any chunk of 2 or more (eager reference); triton takes any."""
+    if backend == "cpu":
+        return whole
+    if backend == "flex":
+        return x.shape[-2] >= (LENGTH_BUCKET if x.device.type == "cuda" else 2)
+    return True
+
+
+REFUSALS = {"torch": lambda x, dropout: None, "cpu": cpu_refusal, "flex": flex_refusal, "triton": triton_refusal}
+
+
+def choose(backend: str, offered: tuple[str, ...], x: Tensor, whole: bool, dropout: float = 0.0) -> str:
+    """The back-end that runs a call with queries x [..., T, D]. A named back-end runs every call
+    it takes (`serves_call`) and leaves the others to the reference (torch); one that cannot run
+    on this device, dtype or dropout at all is a one-line error. `auto` takes cpu where it serves,
+    then on CUDA for whole sequences triton or flex, as offered, else torch. whole: a whole sequence
+    from position 0 (training, prefill), not a chunk through a cache."""
+    if backend != "auto":
+        refusal = REFUSALS[backend](x, dropout)
+        if refusal is not None:
+            raise ConfigError(f"attention back-end {backend} {refusal}; choose backend=auto or torch")
+        return backend if serves_call(backend, x, whole) else "torch"
+    candidates = ["cpu"] + (["triton", "flex"] if x.device.type == "cuda" and whole else [])
+    for name in candidates:
+        if name in offered and REFUSALS[name](x, dropout) is None and serves_call(name, x, whole):
+            return name
+    return "torch"

@@ -1,11 +1,12 @@
-"""The compiled CPU attention kernels: listed_cpu.cpp (routing and sinkhorn attention,
-listed_cpu.py) and nsa_cpu.cpp (native sparse attention's selected and sliding branches,
-nsa_cpu.py), built together into one shared library.
+"""The `cpu` back-end's compiled kernels: listed_cpu.cpp (routing and sinkhorn attention,
+listed_cpu.py) and nsa_cpu.cpp (native sparse attention's three branches, nsa_cpu.py), built
+together into one shared library and called through ctypes inside torch custom ops (so autograd,
+torch.compile and FlopCounterMode see ordinary operators).
 
 The library is compiled on first use with the system's C++ compiler (`c++`, or $CXX) into a cache
 directory keyed by the sources, the compiler and this CPU ($ATTNLAB_CACHE, else ~/.cache/attnlab);
 a few seconds. Without a compiler, or with ATTNLAB_CPU_KERNELS=0, `available()` is False (a failed
-build is logged once) and the attention modules keep their pure-torch paths.
+build is logged once) and `auto` back-ends run the variants' reference paths.
 """
 
 from __future__ import annotations
@@ -106,11 +107,19 @@ def library() -> ctypes.CDLL | None:
     return _library
 
 
+@torch.compiler.assume_constant_result
 def available() -> bool:
+    """Whether the kernels can run here (built on first call). A constant for torch.compile: the
+    answer does not change within a process."""
     return library() is not None
 
 
-def usable(*tensors: Tensor, dropout: float = 0.0) -> bool:
-    """Whether the kernels serve these tensors: float32 on the CPU, no dropout, no autocast, library built."""
-    return (dropout == 0.0 and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
-            and not torch.is_autocast_enabled("cpu") and available())
+def pointer(x: Tensor | None) -> ctypes.c_void_p:
+    """The data pointer of x (None: a null pointer), for the kernels' ctypes calls."""
+    return ctypes.c_void_p(0 if x is None or x.numel() == 0 else x.data_ptr())
+
+
+def require(*tensors: Tensor) -> None:
+    """A one-line error unless the kernels serve these tensors (float32 on the CPU, library built)."""
+    if not all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors) or not available():
+        raise RuntimeError("the cpu attention back-end needs float32 CPU tensors and the compiled kernels")

@@ -7,8 +7,9 @@ CPU in torch 2.13, and it builds the whole query x key score matrix: for checks 
 
 The compiled kernels need a head width of at least 16: narrower heads are zero-padded (scores and
 outputs unchanged, the scale taken from the true width). Compiling per shape suits whole
-sequences, not decoding: back-ends send chunks shorter than `LENGTH_BUCKET` queries on CUDA to
-their exact torch path (`worth_flex`), so a growing cache never compiles a kernel per length.
+sequences, not decoding: chunks shorter than `LENGTH_BUCKET` queries on CUDA run on the variants'
+reference paths (kernels/__init__.py: `flex_serves`), so a growing cache never compiles a kernel per
+length.
 
 Block masks are built from each back-end's structure (`tile_block_mask`): which key tiles of
 `TILE` tokens a query tile can see, worked out from the window, the selected blocks or the chosen
@@ -72,12 +73,6 @@ def pad_to_bucket(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tens
     q = F.pad(q, (0, 0, 0, -q.shape[2] % LENGTH_BUCKET))
     k, v = (F.pad(x, (0, 0, 0, -x.shape[2] % LENGTH_BUCKET)) for x in (k, v))
     return q, k, v
-
-
-def worth_flex(n_queries: int, device_type: str) -> bool:
-    """Whether a chunk of n_queries goes through flex: on CUDA whole sequences and long chunks
-    (a short one would compile a kernel for its shape), on the CPU any chunk of 2 or more."""
-    return n_queries >= (LENGTH_BUCKET if device_type == "cuda" else 2)
 
 
 @functools.cache

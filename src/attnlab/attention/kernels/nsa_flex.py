@@ -61,15 +61,14 @@ def selection_block_mask(indices: Tensor, valid: Tensor, offset: int, block: int
 
 
 def selected_attention(
-    q: Tensor, k: Tensor, v: Tensor, indices: Tensor, valid: Tensor, positions: Tensor, block: int
+    q: Tensor, k: Tensor, v: Tensor, indices: Tensor, valid: Tensor, offset: int, block: int
 ) -> Tensor:
     """Attention of each query to the tokens at or before it in its selected blocks.
 
-    q [B, H, T, D] at absolute `positions` [T] (consecutive); k, v [B, G, S, D]; indices, valid
+    q [B, H, T, D] at positions offset..offset+T-1; k, v [B, G, S, D]; indices, valid
     [B, G, T, n] (the blocks of `block` tokens a query's key/value group chose). -> [B, H, T, D].
     No straight-through gates: the caller uses the torch path when they need a gradient.
     """
-    offset = int(positions[0]) if positions.numel() else 0
     n_queries, n_groups = q.shape[2], k.shape[1]
     heads_per_group = q.shape[1] // n_groups
     q, k, v = pad_to_bucket(q, k, v)

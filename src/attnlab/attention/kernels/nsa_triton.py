@@ -1,5 +1,6 @@
-"""Triton kernels for NSA's selected branch, forward and backward (same semantics as
-attention/nsa.py's SelectedBlockAttention, which the tests compare against).
+"""The `triton` back-end of NSA's selected branch, forward and backward (same semantics as
+attention/nsa.py's reference `selected_attention`, which the tests compare against), registered
+as torch custom ops.
 
 One program per (batch, key/value group, query): it loads the R query heads of the group together
 (they share the selection, eq. 10), walks the query's n selected blocks of `block` keys, and keeps an
@@ -31,8 +32,18 @@ from torch import Tensor
 from attnlab.errors import ConfigError
 
 
+@torch.compiler.assume_constant_result
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@torch.compiler.assume_constant_result
+def triton_installed() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def check_installed() -> None:
@@ -172,48 +183,6 @@ def _kernels():
     return forward_kernel, backward_kernel
 
 
-class TritonSelectedAttention(torch.autograd.Function):
-    """q [B, G, T, R, D] at positions offset..offset+T-1; k, v [B, G, S, D]; indices, valid [B, G, T, n];
-    gates [B, G, T, n] or None. -> [B, G, T, R, D]."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, indices, valid, gates, offset: int, block: int):  # noqa: D102
-        forward_kernel, _ = _kernels()
-        batch, n_groups, n_queries, heads_per_group, dim_head = q.shape
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        indices, valid = indices.contiguous().to(torch.int32), valid.contiguous().to(torch.int8)
-        gates = None if gates is None else gates.contiguous()
-        output = torch.empty_like(q)
-        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)  # [B, G, T, R]
-        grid = (n_queries, batch * n_groups)
-        sizes = _sizes(heads_per_group, indices.shape[-1], block, dim_head, gates is not None)
-        forward_kernel[grid](
-            q, k, v, indices, valid, q if gates is None else gates, output, lse,
-            n_queries, k.shape[2], offset, 1 / math.sqrt(dim_head), **sizes,
-        )
-        ctx.save_for_backward(q, k, v, indices, valid, gates, output, lse)
-        ctx.offset, ctx.block = offset, block
-        return output
-
-    @staticmethod
-    def backward(ctx, grad_output):  # noqa: D102
-        _, backward_kernel = _kernels()
-        q, k, v, indices, valid, gates, output, lse = ctx.saved_tensors
-        batch, n_groups, n_queries, heads_per_group, dim_head = q.shape
-        grad_q = torch.empty_like(q)
-        grad_k = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-        grad_v = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-        grad_gates = None if gates is None else torch.zeros(gates.shape, dtype=torch.float32, device=gates.device)
-        sizes = _sizes(heads_per_group, indices.shape[-1], ctx.block, dim_head, gates is not None)
-        backward_kernel[(n_queries, batch * n_groups)](
-            q, k, v, indices, valid, q if gates is None else gates, output, lse, grad_output.contiguous(),
-            grad_q, grad_k, grad_v, grad_q if grad_gates is None else grad_gates,
-            n_queries, k.shape[2], ctx.offset, 1 / math.sqrt(dim_head), **sizes,
-        )
-        grad_gates = None if grad_gates is None else grad_gates.to(gates.dtype)
-        return grad_q, grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, grad_gates, None, None
-
-
 def _sizes(heads_per_group: int, n_selected: int, block: int, dim_head: int, has_gates: bool) -> dict:
     return dict(
         HEADS_PER_GROUP=heads_per_group, N_SELECTED=n_selected, BLOCK=block, DIM=dim_head,
@@ -221,16 +190,89 @@ def _sizes(heads_per_group: int, n_selected: int, block: int, dim_head: int, has
     )
 
 
-def selected_attention(q, k, v, indices, valid, gates, positions, block: int) -> Tensor:
-    """The selected branch by the Triton kernels: q [B, H, T, D] at consecutive `positions` [T],
+# ----------------------------------------------------------------------------------------------
+# attnlab::nsa_selected_attention_triton: torch custom ops, so torch.compile traces through them
+
+
+@torch.library.custom_op("attnlab::nsa_selected_attention_triton", mutates_args=())
+def selected_attention_op(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, valid: Tensor, gates: Tensor,
+                          offset: int, block: int) -> tuple[Tensor, Tensor]:
+    """q [B, G, T, R, D] at positions offset..offset+T-1; k, v [B, G, S, D]; indices, valid [B, G, T, n];
+    gates [B, G, T, n], or empty [0] for none. -> (output [B, G, T, R, D], log-sum-exp [B, G, T, R])."""
+    forward_kernel, _ = _kernels()
+    batch, n_groups, n_queries, heads_per_group, dim_head = q.shape
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    indices, valid = indices.contiguous().to(torch.int32), valid.contiguous().to(torch.int8)
+    has_gates = gates.numel() > 0
+    gates = gates.contiguous()
+    output = torch.empty_like(q)
+    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)  # [B, G, T, R]
+    sizes = _sizes(heads_per_group, indices.shape[-1], block, dim_head, has_gates)
+    forward_kernel[(n_queries, batch * n_groups)](
+        q, k, v, indices, valid, gates if has_gates else q, output, lse,
+        n_queries, k.shape[2], offset, 1 / math.sqrt(dim_head), **sizes,
+    )
+    return output, lse
+
+
+@selected_attention_op.register_fake
+def _(q, k, v, indices, valid, gates, offset, block):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("attnlab::nsa_selected_attention_triton_backward", mutates_args=())
+def selected_attention_backward(grad_output: Tensor, q: Tensor, k: Tensor, v: Tensor, indices: Tensor,
+                                valid: Tensor, gates: Tensor, output: Tensor, lse: Tensor, offset: int, block: int
+                                ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    _, backward_kernel = _kernels()
+    batch, n_groups, n_queries, heads_per_group, dim_head = q.shape
+    q, k, v, output = q.contiguous(), k.contiguous(), v.contiguous(), output.contiguous()
+    indices, valid = indices.contiguous().to(torch.int32), valid.contiguous().to(torch.int8)
+    has_gates = gates.numel() > 0
+    gates, grad_output = gates.contiguous(), grad_output.contiguous()
+    grad_q = torch.empty_like(q)
+    grad_k = torch.zeros(k.shape, dtype=torch.float32, device=k.device)  # added to atomically
+    grad_v = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    grad_gates = torch.zeros(gates.shape, dtype=torch.float32, device=gates.device)
+    sizes = _sizes(heads_per_group, indices.shape[-1], block, dim_head, has_gates)
+    backward_kernel[(n_queries, batch * n_groups)](
+        q, k, v, indices, valid, gates if has_gates else q, output, lse, grad_output,
+        grad_q, grad_k, grad_v, grad_gates if has_gates else grad_q,
+        n_queries, k.shape[2], offset, 1 / math.sqrt(dim_head), **sizes,
+    )
+    return grad_q, grad_k.to(k.dtype), grad_v.to(v.dtype), grad_gates.to(gates.dtype)
+
+
+@selected_attention_backward.register_fake
+def _(grad_output, q, k, v, indices, valid, gates, output, lse, offset, block):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), gates.new_empty(gates.shape)
+
+
+def _setup(ctx, inputs, output) -> None:
+    q, k, v, indices, valid, gates, offset, block = inputs
+    ctx.save_for_backward(q, k, v, indices, valid, gates, *output)
+    ctx.offset, ctx.block = offset, block
+
+
+def _backward(ctx, grad_output, _grad_lse):
+    q, k, v, indices, valid, gates, output, lse = ctx.saved_tensors
+    grad_q, grad_k, grad_v, grad_gates = selected_attention_backward(
+        grad_output, q, k, v, indices, valid, gates, output, lse, ctx.offset, ctx.block)
+    return grad_q, grad_k, grad_v, None, None, grad_gates, None, None
+
+
+selected_attention_op.register_autograd(_backward, setup_context=_setup)
+
+
+def selected_attention(q, k, v, indices, valid, gates, offset: int, block: int) -> Tensor:
+    """The selected branch by the Triton kernels: q [B, H, T, D] at positions offset..offset+T-1,
     k, v [B, G, S, D], indices, valid, gates [B, G, T, n] (gates may be None). -> [B, H, T, D]."""
     from einops import rearrange
 
     check_available(q.device)
     n_groups = k.shape[1]
-    offset = int(positions[0]) if positions.numel() else 0
     k, v = k.to(q.dtype), v.to(q.dtype)
-    gates = None if gates is None else gates.to(q.dtype)
+    gates = q.new_empty(0) if gates is None else gates.to(q.dtype)
     grouped = rearrange(q, "b (g r) t d -> b g t r d", g=n_groups)
-    output = TritonSelectedAttention.apply(grouped, k, v, indices, valid, gates, offset, block)
+    output, _ = selected_attention_op(grouped, k, v, indices, valid, gates, offset, block)
     return rearrange(output, "b g t r d -> b (g r) t d")
