@@ -233,10 +233,8 @@ def train(
     if initial_weights is not None:
         model.load_state_dict(initial_weights)
     ema = WeightEMA(model, tc.ema_decay) if tc.ema else None  # copied before wrapping, laid out like it after
-    forward, optimizer = strategy.wrap(model, lambda module: build_optimizer(module, tc))
-    if ema is not None:
-        strategy.prepare_copy(ema.model)
     copies = {} if ema is None else {"ema": ema.model}  # saved and restored with the model
+    strategy.wrap(model, lambda module: build_optimizer(module, tc), copies)
     scaler = torch.amp.GradScaler(device.type, enabled=autocast_dtype == torch.float16)
     sampler = make_sampler(corpus, tc, rank=strategy.rank, world_size=strategy.world_size)
     step = 0
@@ -246,7 +244,7 @@ def train(
         train_seconds = float(state.get("train_seconds", 0.0))
         if ema is not None and state.get("ema") is None:
             raise CheckpointError(f"{resume_from} has no EMA weights but train.ema=true")
-        strategy.restore(forward, model, optimizer, copies, state, run_dir, step)
+        strategy.restore(state, run_dir, step)
         scaler.load_state_dict(state["scaler"])
         sampler.load_state_dict(state["sampler"])
         rng_states = state["rng"]
@@ -256,7 +254,8 @@ def train(
         set_rng_state(rng_states[strategy.rank])
         log.info("resumed from %s at step %d", resume_from, step)
     if tc.compile:
-        forward = torch.compile(forward)
+        strategy.compile()
+    forward = strategy.forward
 
     metrics = (
         open_metrics(config.log, run_dir, config.name, config_to_dict(config), step if state else None)
@@ -272,7 +271,7 @@ def train(
     def checkpoint() -> Path:
         """Every rank takes part (sharded engines write their own checkpoint); rank 0 writes the file."""
         path = checkpoint_path(run_dir, step)
-        states = strategy.checkpoint_states(forward, model, optimizer, copies, run_dir, step)  # full, on rank 0
+        states = strategy.checkpoint_states(run_dir, step)  # full, on rank 0
         rng_states = strategy.gather_objects(rng_state())
         strategy.barrier()
         if strategy.is_main:
@@ -325,7 +324,7 @@ def train(
             while step < last_step and not stop_agreed(stop, strategy):
                 started = time.perf_counter()
                 lr = learning_rate(step, tc)
-                for group in optimizer.param_groups:
+                for group in strategy.optimizer.param_groups:
                     group["lr"] = lr
                 losses: dict[str, float] = {}
                 for micro in range(tc.grad_accum):
@@ -334,7 +333,7 @@ def train(
                         batch = randomly_truncate(batch, tc.seed, step * tc.grad_accum + micro)
                     tokens = batch.tokens.to(device, non_blocking=True)
                     loss_mask = None if batch.loss_mask is None else batch.loss_mask.to(device, non_blocking=True)
-                    with strategy.micro_step_context(forward, is_last=micro == tc.grad_accum - 1):
+                    with strategy.micro_step_context(is_last=micro == tc.grad_accum - 1):
                         with autocast:
                             output = forward(tokens[:, :-1], targets=tokens[:, 1:], loss_mask=loss_mask)
                             if teacher is not None:
@@ -351,16 +350,16 @@ def train(
                                 f"updating the weights. Last good checkpoint: {kept[-1] if kept else 'none'}. "
                                 f"Try a lower train.lr or train.precision=fp32"
                             )
-                        strategy.backward(forward, output.loss, scaler)
+                        strategy.backward(output.loss, scaler)
                     named = [("loss", output.loss), ("lm_loss", output.lm_loss), *output.aux_losses.items()]
                     if teacher is not None:
                         named.append(("distill", distill))
                     for name, value in named:
                         losses[name] = losses.get(name, 0.0) + value.item() / tc.grad_accum
-                grad_norm = strategy.step(forward, optimizer, scaler, model)
+                grad_norm = strategy.step(scaler)
                 after_optimizer_step(model)
                 if ema is not None:
-                    with strategy.full_parameters(model):
+                    with strategy.full_parameters():
                         ema.update(model)
                 step += 1
 
