@@ -48,7 +48,7 @@ from attnlab.train.checkpoint import (
     read_checkpoint,
     save_checkpoint,
 )
-from attnlab.train.distill import distillation_loss, load_teacher
+from attnlab.train.distill import load_teacher, student_loss
 from attnlab.train.distributed import STRATEGY, local_device
 from attnlab.train.ema import WeightEMA
 from attnlab.train.metrics import Metrics, open_metrics
@@ -336,13 +336,9 @@ def train(
                     with strategy.micro_step_context(is_last=micro == tc.grad_accum - 1):
                         with autocast:
                             output = forward(tokens[:, :-1], targets=tokens[:, 1:], loss_mask=loss_mask)
+                            parts = {}
                             if teacher is not None:
-                                with torch.no_grad():
-                                    teacher_logits = teacher(tokens[:, :-1]).logits
-                                distill = distillation_loss(output.logits, teacher_logits, loss_mask, tc.distill_loss)
-                                aux = sum(output.aux_losses.values(), torch.zeros((), device=device))
-                                weight = tc.distill_weight
-                                output.loss = (1 - weight) * output.lm_loss + weight * distill + aux
+                                output.loss, parts = student_loss(output, teacher, tokens[:, :-1], loss_mask, tc)
                         if not torch.isfinite(output.loss):
                             kept = list_checkpoints(run_dir)
                             raise TrainingError(
@@ -351,10 +347,8 @@ def train(
                                 f"Try a lower train.lr or train.precision=fp32"
                             )
                         strategy.backward(output.loss, scaler)
-                    named = [("loss", output.loss), ("lm_loss", output.lm_loss), *output.aux_losses.items()]
-                    if teacher is not None:
-                        named.append(("distill", distill))
-                    for name, value in named:
+                    named = {"loss": output.loss, "lm_loss": output.lm_loss, **output.aux_losses, **parts}
+                    for name, value in named.items():
                         losses[name] = losses.get(name, 0.0) + value.item() / tc.grad_accum
                 grad_norm = strategy.step(scaler)
                 after_optimizer_step(model)
