@@ -13,7 +13,9 @@ or the total variation distance TV(p, q) = sum_v |p - q| / 2 (tv): one minus the
 speculative decoding at temperature 1 accepts a draft token at that position, so minimising it
 maximises acceptance on the training text directly (DistillSpec compares both). The teacher is
 loaded once from its run, kept in eval mode without gradients, and run on the same batch, so
-resuming stays exact.
+resuming stays exact. `student_loss` assembles the training loss of one micro-batch (the loop calls
+it in place of the model's own loss); the model's auxiliary losses (already weighted) are added
+whole, as in the model's own loss.
 """
 
 from __future__ import annotations
@@ -24,9 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnlab.config import RunConfig
+from attnlab.config import RunConfig, TrainConfig
 from attnlab.errors import CheckpointError, ConfigError
-from attnlab.model import Transformer
+from attnlab.model import ModelOutput, Transformer
 from attnlab.train.checkpoint import load_model
 
 log = logging.getLogger(__name__)
@@ -50,6 +52,20 @@ def distillation_loss(
         return per_position.mean()
     mask = loss_mask.to(per_position.dtype)
     return (per_position * mask).sum() / mask.sum().clamp(min=1)
+
+
+def student_loss(
+    output: ModelOutput, teacher: Transformer, inputs: Tensor, loss_mask: Tensor | None, config: TrainConfig
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The loss to minimise on one micro-batch, (1 - w) * lm_loss + w * D(teacher, model) + the
+    model's auxiliary losses (w = config.distill_weight), and its distillation part named for the log.
+    output: the model's forward on inputs [B, T] (logits [B, T, V]); loss_mask [B, T] or None."""
+    with torch.no_grad():
+        teacher_logits = teacher(inputs).logits  # [B, T, V]
+    distill = distillation_loss(output.logits, teacher_logits, loss_mask, config.distill_loss)
+    aux = sum(output.aux_losses.values(), torch.zeros((), device=distill.device))
+    weight = config.distill_weight
+    return (1 - weight) * output.lm_loss + weight * distill + aux, {"distill": distill}
 
 
 def load_teacher(config: RunConfig, device: torch.device) -> Transformer | None:

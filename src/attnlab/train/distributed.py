@@ -9,6 +9,11 @@ the optimiser step and the checkpoint (DeepSpeed owns all three).
     deepspeed  DeepSpeed ZeRO 0-3, started by the `deepspeed` launcher or torchrun, its JSON config
                given by dist.deepspeed_config (or --deepspeed_config)
 
+A strategy keeps what it wraps: after `wrap(model, build_optimizer, copies)` it holds the model,
+the module forward is called on (the model itself, its DDP wrapper or the DeepSpeed engine), the
+optimiser and the copies of the model (the EMA weights), and its backward, step and checkpoint
+methods work on those.
+
 Under every strategy, rank r trains on slice r of the same global batch (the sampler is
 counter-based), so a run on N processes with batch_size b follows the loss curve of one process
 with batch_size N*b (tests/test_distributed.py). Only rank 0 logs, samples and writes files.
@@ -80,12 +85,24 @@ class SingleProcess:
         self.config = config
         self.device = device
         self.rank, self.world_size = 0, 1
+        self.model: nn.Module | None = None  # the plain model: its parameters, buffers and state dict
+        self.forward: nn.Module | None = None  # what forward is called on (DDP wrapper, DeepSpeed engine)
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.copies: dict[str, nn.Module] = {}  # copies of the model (the EMA weights), checkpointed with it
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def wrap(self, model: nn.Module, build_optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
+    def wrap(self, model: nn.Module, build_optimizer, copies: dict[str, nn.Module] | None = None) -> None:
+        """Lay out `model` for this engine and keep it, the module to call forward on, the optimiser
+        `build_optimizer(model)` makes for it, and `copies` of the model (made before wrapping)
+        laid out like it."""
+        self.model = model
+        self.forward, self.optimizer = self.wrap_model(model, build_optimizer)
+        self.copies = {name: self.prepare_copy(copy) for name, copy in (copies or {}).items()}
+
+    def wrap_model(self, model: nn.Module, build_optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
         """The module to call forward on, and the optimiser `build_optimizer(model)` makes for it."""
         return model, build_optimizer(model)
 
@@ -93,22 +110,26 @@ class SingleProcess:
         """Lay out a copy of the model (the EMA weights) the way `wrap` laid out the model."""
         return module
 
-    def micro_step_context(self, forward: nn.Module, is_last: bool):
+    def compile(self) -> None:
+        """torch.compile the forward module; an engine's own methods are still reached through it."""
+        self.forward = torch.compile(self.forward)
+
+    def micro_step_context(self, is_last: bool):
         """Context for one micro-batch's forward and backward (DDP skips the all-reduce until the last)."""
         return contextlib.nullcontext()
 
-    def backward(self, forward: nn.Module, loss: torch.Tensor, scaler: torch.amp.GradScaler) -> None:
+    def backward(self, loss: torch.Tensor, scaler: torch.amp.GradScaler) -> None:
         scaler.scale(loss / self.config.train.grad_accum).backward()
 
-    def step(self, forward: nn.Module, optimizer, scaler: torch.amp.GradScaler, model: nn.Module) -> float:
+    def step(self, scaler: torch.amp.GradScaler) -> float:
         """Clip and step; return the gradient norm before clipping."""
         clip = self.config.train.grad_clip
-        scaler.unscale_(optimizer)
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else math.inf)
+        scaler.unscale_(self.optimizer)
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else math.inf)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a sharded DTensor
-        scaler.step(optimizer)
+        scaler.step(self.optimizer)
         scaler.update()
-        optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=True)
         return float(norm)
 
     def mean(self, value: float) -> float:
@@ -128,20 +149,18 @@ class SingleProcess:
 
     engine_folder: str | None = None  # sub-folder of the run directory for the engine's own checkpoints
 
-    def checkpoint_states(self, forward: nn.Module, model: nn.Module, optimizer, copies: dict[str, nn.Module],
-                          run_dir: Path, step: int) -> dict[str, Any] | None:
-        return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                **{name: copy.state_dict() for name, copy in copies.items()}}
+    def checkpoint_states(self, run_dir: Path, step: int) -> dict[str, Any] | None:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                **{name: copy.state_dict() for name, copy in self.copies.items()}}
 
-    def restore(self, forward: nn.Module, model: nn.Module, optimizer, copies: dict[str, nn.Module],
-                state: dict[str, Any], run_dir: Path, step: int) -> None:
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        for name, copy in copies.items():
+    def restore(self, state: dict[str, Any], run_dir: Path, step: int) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        for name, copy in self.copies.items():
             copy.load_state_dict(state[name])
 
-    def full_parameters(self, model: nn.Module):
-        """Context in which `model.parameters()` hold their full values (ZeRO-3 gathers them)."""
+    def full_parameters(self):
+        """Context in which `self.model.parameters()` hold their full values (ZeRO-3 gathers them)."""
         return contextlib.nullcontext()
 
     def close(self) -> None:
@@ -175,7 +194,7 @@ class _ProcessGroupStrategy(SingleProcess):
 
 @STRATEGY.register("ddp")
 class DDP(_ProcessGroupStrategy):
-    def wrap(self, model, build_optimizer):
+    def wrap_model(self, model, build_optimizer):
         from torch.nn.parallel import DistributedDataParallel
 
         device_ids = [self.device.index] if self.device.type == "cuda" else None
@@ -184,15 +203,15 @@ class DDP(_ProcessGroupStrategy):
         wrapped = DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False)
         return wrapped, build_optimizer(model)
 
-    def micro_step_context(self, forward, is_last):
-        return contextlib.nullcontext() if is_last else forward.no_sync()
+    def micro_step_context(self, is_last):
+        return contextlib.nullcontext() if is_last else self.forward.no_sync()
 
 
 @STRATEGY.register("fsdp")
 class FSDP(_ProcessGroupStrategy):
     """FSDP2: each block's parameters sharded over ranks, then the root's."""
 
-    def wrap(self, model, build_optimizer):
+    def wrap_model(self, model, build_optimizer):
         return self.prepare_copy(model), build_optimizer(model)  # over the sharded parameters
 
     def prepare_copy(self, module):
@@ -210,33 +229,34 @@ class FSDP(_ProcessGroupStrategy):
 
     engine_folder = "fsdp"
 
-    def _sharded_states(self, model, optimizer, copies) -> dict[str, Any]:
+    def _sharded_states(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-        return {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer),
-                **{name: get_model_state_dict(copy) for name, copy in copies.items()}}
+        return {"model": get_model_state_dict(self.model),
+                "optimizer": get_optimizer_state_dict(self.model, self.optimizer),
+                **{name: get_model_state_dict(copy) for name, copy in self.copies.items()}}
 
-    def checkpoint_states(self, forward, model, optimizer, copies, run_dir, step):
+    def checkpoint_states(self, run_dir, step):
         from attnlab.train.sharded import load_full_tensors, save_sharded
 
         folder = engine_checkpoint_folder(run_dir, self.engine_folder, step)
-        save_sharded(self._sharded_states(model, optimizer, copies), folder)
+        save_sharded(self._sharded_states(), folder)
         dist.barrier()
         if not self.is_main:
             return None
-        full = load_full_tensors(folder, ["model", *copies])
+        full = load_full_tensors(folder, ["model", *self.copies])
         return {"optimizer": {}, **full}
 
-    def restore(self, forward, model, optimizer, copies, state, run_dir, step):
+    def restore(self, state, run_dir, step):
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
         from attnlab.train.sharded import load_sharded
 
-        sharded = self._sharded_states(model, optimizer, copies)
+        sharded = self._sharded_states()
         load_sharded(sharded, engine_checkpoint_folder(run_dir, self.engine_folder, step))
-        set_model_state_dict(model, sharded["model"])
-        set_optimizer_state_dict(model, optimizer, sharded["optimizer"])
-        for name, copy in copies.items():
+        set_model_state_dict(self.model, sharded["model"])
+        set_optimizer_state_dict(self.model, self.optimizer, sharded["optimizer"])
+        for name, copy in self.copies.items():
             set_model_state_dict(copy, sharded[name])
 
 
@@ -288,18 +308,18 @@ class DeepSpeed(_ProcessGroupStrategy):
         ds.setdefault("zero_allow_untested_optimizer", True)  # attnlab passes a plain torch AdamW
         return ds
 
-    def wrap(self, model, build_optimizer):
+    def wrap_model(self, model, build_optimizer):
         engine, engine_optimizer, _, _ = self.deepspeed.initialize(
             model=model, optimizer=build_optimizer(model), config=self.ds_config
         )
         return engine, engine_optimizer
 
-    def backward(self, forward, loss, scaler):
-        forward.backward(loss)  # the engine scales by 1/grad_accum itself
-        forward.step()  # called every micro-batch; the engine steps the optimiser at the boundary
+    def backward(self, loss, scaler):
+        self.forward.backward(loss)  # the engine scales by 1/grad_accum itself
+        self.forward.step()  # called every micro-batch; the engine steps the optimiser at the boundary
 
-    def step(self, forward, optimizer, scaler, model):
-        norm = forward.get_global_grad_norm()
+    def step(self, scaler):
+        norm = self.forward.get_global_grad_norm()
         return float(norm) if norm is not None else float("nan")
 
     # The engine writes its own checkpoint under RUN/deepspeed/step-N/ and resumes from it; rank 0
@@ -310,26 +330,27 @@ class DeepSpeed(_ProcessGroupStrategy):
 
     engine_folder = "deepspeed"
 
-    def checkpoint_states(self, forward, model, optimizer, copies, run_dir, step):
+    def checkpoint_states(self, run_dir, step):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         folder = engine_checkpoint_folder(run_dir, self.engine_folder, step)
-        forward.save_checkpoint(str(folder.parent), tag=folder.name)
+        self.forward.save_checkpoint(str(folder.parent), tag=folder.name)
         dist.barrier()
         if not self.is_main:
             return None
         weights = get_fp32_state_dict_from_zero_checkpoint(str(folder.parent), tag=folder.name)
-        return {"model": weights, "optimizer": {}, **{name: copy.state_dict() for name, copy in copies.items()}}
+        return {"model": weights, "optimizer": {},
+                **{name: copy.state_dict() for name, copy in self.copies.items()}}
 
-    def restore(self, forward, model, optimizer, copies, state, run_dir, step):
+    def restore(self, state, run_dir, step):
         folder = engine_checkpoint_folder(run_dir, self.engine_folder, step)
-        path, _ = forward.load_checkpoint(str(folder.parent), tag=folder.name)
+        path, _ = self.forward.load_checkpoint(str(folder.parent), tag=folder.name)
         if path is None:
             raise AttnlabError(f"no DeepSpeed checkpoint {folder}")
-        for name, copy in copies.items():
+        for name, copy in self.copies.items():
             copy.load_state_dict(state[name])
 
-    def full_parameters(self, model):
+    def full_parameters(self):
         if self.ds_config.get("zero_optimization", {}).get("stage", 0) == 3:
-            return self.deepspeed.zero.GatheredParameters(list(model.parameters()))
+            return self.deepspeed.zero.GatheredParameters(list(self.model.parameters()))
         return contextlib.nullcontext()

@@ -1,12 +1,22 @@
-"""The training loop: one readable function, `train(config)`, calling small helpers.
+"""The training loop, read top to bottom: prepare the run, then repeat one optimiser step and the
+actions that are due after it.
 
-Each optimiser step: set the learning rate, run `grad_accum` micro-batches (forward under autocast,
-backward of loss / grad_accum), stop on a non-finite loss before touching the weights, clip, step,
-let modules with explicit per-step state update it (`after_optimizer_step`, e.g. routing centroids),
-update the EMA weights. Then, on their schedules: metrics, validation, a sample, a checkpoint.
+    prepare(config) -> Run   check the config, load the data, build the model, its EMA copy and the
+                             optimiser (the distribution strategy wraps and keeps them), restore a
+                             resumed run from its checkpoint
+    train_step(run)          one optimiser step: set the learning rate, run `grad_accum` micro-batches
+                             (forward under autocast, the distillation loss when there is a teacher,
+                             backward of loss / grad_accum), stop on a non-finite loss before touching
+                             the weights, clip, step, let modules with explicit per-step state update it
+                             (`after_optimizer_step`, e.g. routing centroids), update the EMA weights
+    record_metrics, validate, log_sample, write_checkpoint
+                             the periodic actions, each on its own schedule
+    train(config)            the loop: a step, then what is due; Ctrl-C stops after a step, with a checkpoint
 
 A checkpoint holds everything the next step depends on (weights, optimiser, scaler, EMA, step,
 RNG states, data sampler position), so a resumed run continues bit for bit (tests/test_train.py).
+
+Dimensions: B micro-batch rows (per rank), T train.seq_len, V vocabulary.
 """
 
 from __future__ import annotations
@@ -21,7 +31,7 @@ import subprocess
 import sys
 import threading
 import time
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +43,7 @@ from tqdm.auto import tqdm
 
 from attnlab.config import RunConfig, config_to_dict, save_config
 from attnlab.data.bytes import ByteCorpus, load_corpus
-from attnlab.data.sampler import make_sampler, prime_tokens, randomly_truncate
+from attnlab.data.sampler import RandomWindowSampler, make_sampler, prime_tokens, randomly_truncate
 from attnlab.errors import AttnlabError, CheckpointError, ConfigError
 from attnlab.evaluate import evaluate
 from attnlab.flops import flops_per_token, peak_flops
@@ -48,8 +58,8 @@ from attnlab.train.checkpoint import (
     read_checkpoint,
     save_checkpoint,
 )
-from attnlab.train.distill import distillation_loss, load_teacher
-from attnlab.train.distributed import STRATEGY, local_device
+from attnlab.train.distill import load_teacher, student_loss
+from attnlab.train.distributed import STRATEGY, SingleProcess, local_device
 from attnlab.train.ema import WeightEMA
 from attnlab.train.metrics import Metrics, open_metrics
 from attnlab.train.optim import build_optimizer, learning_rate
@@ -187,16 +197,51 @@ def load_initial_weights(config: RunConfig) -> dict[str, Tensor] | None:
     return start.state_dict()
 
 
-def train(
-    config: RunConfig,
-    resume: str | bool | None = None,
-    command_line: list[str] | None = None,
-    until_step: int | None = None,
-) -> TrainResult:
-    """Train `config`; resume as in find_resume_checkpoint. `until_step` stops early (with a
-    checkpoint) while keeping the schedule of train.max_steps: for time-sliced jobs."""
+# --------------------------------------------------------------------------------------------
+# Preparing the run
+
+
+@dataclass
+class Run:
+    """What a training run holds from one step to the next. The strategy holds the module forward
+    is called on, the optimiser and the EMA copy it laid out (train/distributed.py)."""
+
+    config: RunConfig
+    strategy: SingleProcess
+    model: Transformer  # the plain model: its mode, statistics and per-step updates
+    corpus: ByteCorpus  # or a TokenCorpus (data/pretrain.py)
+    sampler: RandomWindowSampler  # or a token corpus's own sampler; its position is checkpointed
+    scaler: torch.amp.GradScaler  # loss scaling, enabled for fp16 only
+    autocast_dtype: torch.dtype | None  # None: plain float32
+    teacher: Transformer | None  # train.distill_from, frozen
+    ema: WeightEMA | None  # the averaged weights evaluation and sampling use (train.ema)
+    tokens_per_step: int  # over all micro-batches and ranks
+    step_flops: float  # model FLOPs of one optimiser step (flops.py)
+    device_peak_flops: float | None  # per device; None: no MFU reported
+    metrics: Metrics = dataclasses.field(default_factory=lambda: Metrics([]))  # rank 0's sinks; other ranks write none
+    step: int = 0  # optimiser steps completed
+    train_seconds: float = 0.0  # optimiser-step time so far, carried across resumes (for wall-time plots)
+    last_eval: dict[str, float] | None = None
+
+
+def load_training_corpus(config: RunConfig, strategy: SingleProcess) -> ByteCorpus:
+    """ByteCorpus, or TokenCorpus for tokenized documents, checked against the model's vocabulary.
+    Rank 0 first: loading may build the corpus into the shared cache (built-in corpora, tokenizer,
+    shards), which ranks must not do at once."""
+    corpus = load_corpus(config.data) if strategy.is_main else None
+    strategy.barrier()
+    if corpus is None:
+        corpus = load_corpus(config.data)
+    if getattr(corpus, "vocab_size", 256) > config.model.num_tokens:
+        raise AttnlabError(f"the data's vocabulary has {corpus.vocab_size} tokens but model.num_tokens="
+                           f"{config.model.num_tokens}; set model.num_tokens={corpus.vocab_size}")
+    return corpus
+
+
+def prepare(config: RunConfig, resume: str | bool | None, command_line: list[str] | None) -> Run:
+    """Everything the loop needs, checked in an order that fails early (the checkpoint, teacher and
+    initial weights before any data is built), and restored from the checkpoint when resuming."""
     tc = config.train
-    run_dir = config.run_dir
     device = local_device(tc.device) if config.dist.strategy != "single" else resolve_device(tc.device)
     strategy = STRATEGY.get(config.dist.strategy)(config, device)
     resume_from = find_resume_checkpoint(config, resume)
@@ -215,187 +260,243 @@ def train(
     torch.manual_seed(tc.seed)
     random.seed(tc.seed)
     np.random.seed(tc.seed)
-
-    # ByteCorpus, or TokenCorpus for tokenized documents. Rank 0 first: loading may build the corpus
-    # into the shared cache (built-in corpora, tokenizer, shards), which ranks must not do at once
-    corpus = load_corpus(config.data) if strategy.is_main else None
-    strategy.barrier()
-    if corpus is None:
-        corpus = load_corpus(config.data)
-    if getattr(corpus, "vocab_size", 256) > config.model.num_tokens:
-        raise AttnlabError(f"the data's vocabulary has {corpus.vocab_size} tokens but model.num_tokens="
-                           f"{config.model.num_tokens}; set model.num_tokens={corpus.vocab_size}")
+    corpus = load_training_corpus(config, strategy)
     if strategy.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        write_run_info(config, run_dir, command_line)
+        config.run_dir.mkdir(parents=True, exist_ok=True)
+        write_run_info(config, config.run_dir, command_line)
 
     model = Transformer(config.model).to(device)
     if initial_weights is not None:
         model.load_state_dict(initial_weights)
     ema = WeightEMA(model, tc.ema_decay) if tc.ema else None  # copied before wrapping, laid out like it after
-    forward, optimizer = strategy.wrap(model, lambda module: build_optimizer(module, tc))
-    if ema is not None:
-        strategy.prepare_copy(ema.model)
     copies = {} if ema is None else {"ema": ema.model}  # saved and restored with the model
-    scaler = torch.amp.GradScaler(device.type, enabled=autocast_dtype == torch.float16)
-    sampler = make_sampler(corpus, tc, rank=strategy.rank, world_size=strategy.world_size)
-    step = 0
-    train_seconds = 0.0  # optimiser-step time so far, carried across resumes (for wall-time plots)
-    if state is not None:
-        step = int(state["step"])
-        train_seconds = float(state.get("train_seconds", 0.0))
-        if ema is not None and state.get("ema") is None:
-            raise CheckpointError(f"{resume_from} has no EMA weights but train.ema=true")
-        strategy.restore(forward, model, optimizer, copies, state, run_dir, step)
-        scaler.load_state_dict(state["scaler"])
-        sampler.load_state_dict(state["sampler"])
-        rng_states = state["rng"]
-        if len(rng_states) != strategy.world_size:
-            raise CheckpointError(f"{resume_from} was written by {len(rng_states)} processes; this run has "
-                                  f"{strategy.world_size}")
-        set_rng_state(rng_states[strategy.rank])
-        log.info("resumed from %s at step %d", resume_from, step)
-    if tc.compile:
-        forward = torch.compile(forward)
-
-    metrics = (
-        open_metrics(config.log, run_dir, config.name, config_to_dict(config), step if state else None)
-        if strategy.is_main else Metrics([])
+    strategy.wrap(model, lambda module: build_optimizer(module, tc), copies)
+    tokens_per_step = tc.batch_size * tc.grad_accum * tc.seq_len * strategy.world_size
+    run = Run(
+        config=config, strategy=strategy, model=model, corpus=corpus,
+        scaler=torch.amp.GradScaler(device.type, enabled=autocast_dtype == torch.float16),
+        sampler=make_sampler(corpus, tc, rank=strategy.rank, world_size=strategy.world_size),
+        autocast_dtype=autocast_dtype, teacher=teacher, ema=ema, tokens_per_step=tokens_per_step,
+        step_flops=flops_per_token(config.model, tc.seq_len) * tokens_per_step,
+        device_peak_flops=peak_flops(device, autocast_dtype, tc.peak_tflops),
     )
+    if state is not None:
+        restore(run, state, resume_from)
+    if tc.compile:
+        strategy.compile()
+    if strategy.is_main:
+        resumed_step = run.step if state is not None else None  # metrics after it are rewritten
+        run.metrics = open_metrics(config.log, config.run_dir, config.name, config_to_dict(config), resumed_step)
     log.info(
         "%s: %s, %.2fM parameters, %s on %s (%s, %s x %d)",
         config.name, config.model.attention.kind, model.num_parameters() / 1e6, corpus.description, device,
         "fp32" if autocast_dtype is None else str(autocast_dtype).split(".")[-1], config.dist.strategy,
         strategy.world_size,
     )
+    return run
 
-    def checkpoint() -> Path:
-        """Every rank takes part (sharded engines write their own checkpoint); rank 0 writes the file."""
-        path = checkpoint_path(run_dir, step)
-        states = strategy.checkpoint_states(forward, model, optimizer, copies, run_dir, step)  # full, on rank 0
-        rng_states = strategy.gather_objects(rng_state())
-        strategy.barrier()
-        if strategy.is_main:
-            save_checkpoint(path, {
-                "config": config_to_dict(config),
-                "model": states["model"],
-                "optimizer": states["optimizer"],
-                "scaler": scaler.state_dict(),
-                "ema": states.get("ema"),
-                "step": step,
-                "rng": rng_states,
-                "sampler": sampler.state_dict(),
-                "train_seconds": train_seconds,
-            })
-            prune_checkpoints(run_dir, tc.keep_last, strategy.engine_folder)
-        strategy.barrier()
-        return path
 
-    def validate() -> dict[str, float]:
-        """Every rank evaluates the same windows, as many as one global batch holds (a sharded model
-        needs all ranks in its forward); rank 0 records."""
-        result = evaluate(
-            ema.model if ema is not None else forward, corpus.val, tc.seq_len,
-            tc.eval_batches * tc.batch_size * strategy.world_size, tc.batch_size, autocast_dtype=autocast_dtype,
+def restore(run: Run, state: dict[str, Any], resume_from: Path) -> None:
+    """Continue `run` from a checkpoint's state: weights, optimiser, EMA, scaler, data position, RNG."""
+    strategy = run.strategy
+    run.step = int(state["step"])
+    run.train_seconds = float(state.get("train_seconds", 0.0))
+    if run.ema is not None and state.get("ema") is None:
+        raise CheckpointError(f"{resume_from} has no EMA weights but train.ema=true")
+    strategy.restore(state, run.config.run_dir, run.step)
+    run.scaler.load_state_dict(state["scaler"])
+    run.sampler.load_state_dict(state["sampler"])
+    rng_states = state["rng"]
+    if len(rng_states) != strategy.world_size:
+        raise CheckpointError(f"{resume_from} was written by {len(rng_states)} processes; this run has "
+                              f"{strategy.world_size}")
+    set_rng_state(rng_states[strategy.rank])
+    log.info("resumed from %s at step %d", resume_from, run.step)
+
+
+# --------------------------------------------------------------------------------------------
+# One optimiser step
+
+
+def train_step(run: Run) -> tuple[dict[str, float], float, float]:
+    """One optimiser step over train.grad_accum micro-batches. Returns the losses by name (means over
+    the micro-batches and the ranks), the gradient norm before clipping and the learning rate."""
+    tc, strategy = run.config.train, run.strategy
+    lr = learning_rate(run.step, tc)
+    for group in strategy.optimizer.param_groups:
+        group["lr"] = lr
+    losses: dict[str, float] = {}
+    for micro in range(tc.grad_accum):
+        tokens, loss_mask = next_micro_batch(run, micro)  # [B, T+1], [B, T] or None
+        with strategy.micro_step_context(is_last=micro == tc.grad_accum - 1):
+            with autocast(run):
+                loss, named = micro_batch_loss(run, tokens, loss_mask)
+            stop_if_not_finite(run, loss)
+            strategy.backward(loss, run.scaler)
+        for name, value in named.items():
+            losses[name] = losses.get(name, 0.0) + value.item() / tc.grad_accum
+    grad_norm = strategy.step(run.scaler)
+    after_optimizer_step(run.model)
+    if run.ema is not None:
+        with strategy.full_parameters():
+            run.ema.update(run.model)
+    return {name: strategy.mean(value) for name, value in losses.items()}, grad_norm, lr
+
+
+def next_micro_batch(run: Run, micro: int) -> tuple[Tensor, Tensor | None]:
+    """Micro-batch `micro` of this step on the device: tokens [B, T+1] and loss_mask [B, T] or None."""
+    tc, device = run.config.train, run.strategy.device
+    batch = run.sampler.next_batch(run.corpus.train)  # Batch: tokens [B, T+1], loss_mask [B, T] | None
+    if tc.randomly_truncate_sequence:
+        batch = randomly_truncate(batch, tc.seed, run.step * tc.grad_accum + micro)
+    tokens = batch.tokens.to(device, non_blocking=True)
+    loss_mask = None if batch.loss_mask is None else batch.loss_mask.to(device, non_blocking=True)
+    return tokens, loss_mask
+
+
+def autocast(run: Run) -> AbstractContextManager:
+    """Mixed precision for the forward (train.precision), or nothing in plain float32."""
+    if run.autocast_dtype is None:
+        return nullcontext()
+    return torch.autocast(run.strategy.device.type, dtype=run.autocast_dtype)
+
+
+def micro_batch_loss(run: Run, tokens: Tensor, loss_mask: Tensor | None) -> tuple[Tensor, dict[str, Tensor]]:
+    """The loss to minimise on tokens [B, T+1] (toward the teacher when there is one: train/distill.py),
+    and every loss by name for the log."""
+    inputs = tokens[:, :-1]  # [B, T]
+    output = run.strategy.forward(inputs, targets=tokens[:, 1:], loss_mask=loss_mask)
+    loss, parts = output.loss, {}
+    if run.teacher is not None:
+        loss, parts = student_loss(output, run.teacher, inputs, loss_mask, run.config.train)
+    return loss, {"loss": loss, "lm_loss": output.lm_loss, **output.aux_losses, **parts}
+
+
+def stop_if_not_finite(run: Run, loss: Tensor) -> None:
+    """Raise before the optimiser touches the weights, so the last checkpoint stays good."""
+    if not torch.isfinite(loss):
+        kept = list_checkpoints(run.config.run_dir)
+        raise TrainingError(
+            f"loss became {loss.item()} at step {run.step + 1}; stopped before "
+            f"updating the weights. Last good checkpoint: {kept[-1] if kept else 'none'}. "
+            f"Try a lower train.lr or train.precision=fp32"
         )
-        record = {"val_loss": result.loss, "val_bpb": result.bits_per_byte}
-        metrics.write(step, record)
-        if strategy.is_main:
-            log.info("step %d: validation loss %.4f, %.4f bits per byte", step, result.loss, result.bits_per_byte)
-        return record
 
-    tokens_per_step = tc.batch_size * tc.grad_accum * tc.seq_len * strategy.world_size
-    step_flops = flops_per_token(config.model, tc.seq_len) * tokens_per_step  # model FLOPs (flops.py)
-    peak = peak_flops(device, autocast_dtype, tc.peak_tflops)  # per device; None: no MFU reported
-    autocast = (
-        torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None else nullcontext()
+
+# --------------------------------------------------------------------------------------------
+# The periodic actions
+
+
+def record_metrics(run: Run, losses: dict[str, float], grad_norm: float, lr: float, elapsed: float) -> None:
+    """The step's losses, model statistics, learning rate, gradient norm and throughput."""
+    tokens_per_step, step_flops, peak = run.tokens_per_step, run.step_flops, run.device_peak_flops
+    run.metrics.write(run.step, {
+        **losses, **run.model.collect_stats(), "lr": lr, "grad_norm": grad_norm,
+        "tokens_per_s": tokens_per_step / elapsed, "tokens": run.step * tokens_per_step,
+        "model_tflops_per_s": step_flops / elapsed / 1e12,
+        **({"mfu": step_flops / elapsed / run.strategy.world_size / peak} if peak else {}),
+        "elapsed_s": run.train_seconds,
+    })
+
+
+def validate(run: Run) -> dict[str, float]:
+    """Every rank evaluates the same windows, as many as one global batch holds (a sharded model
+    needs all ranks in its forward); rank 0 records. The EMA weights are evaluated when kept."""
+    tc, strategy = run.config.train, run.strategy
+    result = evaluate(
+        run.ema.model if run.ema is not None else strategy.forward, run.corpus.val, tc.seq_len,
+        tc.eval_batches * tc.batch_size * strategy.world_size, tc.batch_size, autocast_dtype=run.autocast_dtype,
     )
-    last_eval = None
+    record = {"val_loss": result.loss, "val_bpb": result.bits_per_byte}
+    run.metrics.write(run.step, record)
+    if strategy.is_main:
+        log.info("step %d: validation loss %.4f, %.4f bits per byte", run.step, result.loss, result.bits_per_byte)
+    run.model.train()
+    return record
+
+
+def log_sample(run: Run) -> None:
+    """A continuation of a validation prime, from the EMA weights when kept."""
+    prime, text = sample_text(run.ema.model if run.ema is not None else run.model, run.corpus, run.config, run.step)
+    log.info("step %d sample:\n--- prime ---\n%s\n--- continuation ---\n%s\n---", run.step, prime, text)
+    run.model.train()
+
+
+def write_checkpoint(run: Run) -> Path:
+    """Every rank takes part (sharded engines write their own checkpoint); rank 0 writes the file."""
+    strategy, run_dir = run.strategy, run.config.run_dir
+    path = checkpoint_path(run_dir, run.step)
+    states = strategy.checkpoint_states(run_dir, run.step)  # full, on rank 0
+    rng_states = strategy.gather_objects(rng_state())
+    strategy.barrier()
+    if strategy.is_main:
+        save_checkpoint(path, {
+            "config": config_to_dict(run.config),
+            "model": states["model"],
+            "optimizer": states["optimizer"],
+            "scaler": run.scaler.state_dict(),
+            "ema": states.get("ema"),
+            "step": run.step,
+            "rng": rng_states,
+            "sampler": run.sampler.state_dict(),
+            "train_seconds": run.train_seconds,
+        })
+        prune_checkpoints(run_dir, run.config.train.keep_last, strategy.engine_folder)
+    strategy.barrier()
+    return path
+
+
+# --------------------------------------------------------------------------------------------
+# The loop
+
+
+def train(
+    config: RunConfig,
+    resume: str | bool | None = None,
+    command_line: list[str] | None = None,
+    until_step: int | None = None,
+) -> TrainResult:
+    """Train `config`; resume as in find_resume_checkpoint. `until_step` stops early (with a
+    checkpoint) while keeping the schedule of train.max_steps: for time-sliced jobs."""
+    run = prepare(config, resume, command_line)
+    tc = config.train
     interrupted = False
     progress = tqdm(
-        total=tc.max_steps, initial=step, desc=config.name, dynamic_ncols=True,
-        disable=not (config.log.progress and strategy.is_main),
+        total=tc.max_steps, initial=run.step, desc=config.name, dynamic_ncols=True,
+        disable=not (config.log.progress and run.strategy.is_main),
     )
-    if step == 0 and tc.eval_every > 0:
-        last_eval = validate()
-    model.train()
+    if run.step == 0 and tc.eval_every > 0:
+        run.last_eval = validate(run)
+    run.model.train()
     last_step = tc.max_steps if until_step is None else min(until_step, tc.max_steps)
     try:
         with StopOnInterrupt() as stop:
-            while step < last_step and not stop_agreed(stop, strategy):
+            while run.step < last_step and not stop_agreed(stop, run.strategy):
                 started = time.perf_counter()
-                lr = learning_rate(step, tc)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-                losses: dict[str, float] = {}
-                for micro in range(tc.grad_accum):
-                    batch = sampler.next_batch(corpus.train)  # Batch: tokens [B, T+1], loss_mask [B, T] | None
-                    if tc.randomly_truncate_sequence:
-                        batch = randomly_truncate(batch, tc.seed, step * tc.grad_accum + micro)
-                    tokens = batch.tokens.to(device, non_blocking=True)
-                    loss_mask = None if batch.loss_mask is None else batch.loss_mask.to(device, non_blocking=True)
-                    with strategy.micro_step_context(forward, is_last=micro == tc.grad_accum - 1):
-                        with autocast:
-                            output = forward(tokens[:, :-1], targets=tokens[:, 1:], loss_mask=loss_mask)
-                            if teacher is not None:
-                                with torch.no_grad():
-                                    teacher_logits = teacher(tokens[:, :-1]).logits
-                                distill = distillation_loss(output.logits, teacher_logits, loss_mask, tc.distill_loss)
-                                aux = sum(output.aux_losses.values(), torch.zeros((), device=device))
-                                weight = tc.distill_weight
-                                output.loss = (1 - weight) * output.lm_loss + weight * distill + aux
-                        if not torch.isfinite(output.loss):
-                            kept = list_checkpoints(run_dir)
-                            raise TrainingError(
-                                f"loss became {output.loss.item()} at step {step + 1}; stopped before "
-                                f"updating the weights. Last good checkpoint: {kept[-1] if kept else 'none'}. "
-                                f"Try a lower train.lr or train.precision=fp32"
-                            )
-                        strategy.backward(forward, output.loss, scaler)
-                    named = [("loss", output.loss), ("lm_loss", output.lm_loss), *output.aux_losses.items()]
-                    if teacher is not None:
-                        named.append(("distill", distill))
-                    for name, value in named:
-                        losses[name] = losses.get(name, 0.0) + value.item() / tc.grad_accum
-                grad_norm = strategy.step(forward, optimizer, scaler, model)
-                after_optimizer_step(model)
-                if ema is not None:
-                    with strategy.full_parameters(model):
-                        ema.update(model)
-                step += 1
-
-                losses = {name: strategy.mean(value) for name, value in losses.items()}
+                losses, grad_norm, lr = train_step(run)
+                run.step += 1
                 elapsed = time.perf_counter() - started
-                train_seconds += elapsed
+                run.train_seconds += elapsed
                 progress.update(1)
                 progress.set_postfix(
-                    loss=f"{losses['loss']:.3f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_step / elapsed:.0f}"
+                    loss=f"{losses['loss']:.3f}", lr=f"{lr:.2e}", tok_s=f"{run.tokens_per_step / elapsed:.0f}"
                 )
-                if step % tc.log_every == 0 or step == tc.max_steps:
-                    metrics.write(step, {
-                        **losses, **model.collect_stats(), "lr": lr, "grad_norm": grad_norm,
-                        "tokens_per_s": tokens_per_step / elapsed, "tokens": step * tokens_per_step,
-                        "model_tflops_per_s": step_flops / elapsed / 1e12,
-                        **({"mfu": step_flops / elapsed / strategy.world_size / peak} if peak else {}),
-                        "elapsed_s": train_seconds,
-                    })
-                if tc.eval_every > 0 and (step % tc.eval_every == 0 or step == tc.max_steps):
-                    last_eval = validate()
-                    model.train()
-                if tc.sample_every > 0 and step % tc.sample_every == 0 and strategy.world_size == 1:
-                    prime, text = sample_text(ema.model if ema is not None else model, corpus, config, step)
-                    log.info("step %d sample:\n--- prime ---\n%s\n--- continuation ---\n%s\n---", step, prime, text)
-                    model.train()
-                if step % tc.save_every == 0 or step in (tc.max_steps, until_step):
-                    checkpoint()
-            if step < last_step:
+                if run.step % tc.log_every == 0 or run.step == tc.max_steps:
+                    record_metrics(run, losses, grad_norm, lr, elapsed)
+                if tc.eval_every > 0 and (run.step % tc.eval_every == 0 or run.step == tc.max_steps):
+                    run.last_eval = validate(run)
+                if tc.sample_every > 0 and run.step % tc.sample_every == 0 and run.strategy.world_size == 1:
+                    log_sample(run)
+                if run.step % tc.save_every == 0 or run.step in (tc.max_steps, until_step):
+                    write_checkpoint(run)
+            if run.step < last_step:  # stopped by Ctrl-C: save the step just finished
                 interrupted = True
-                log.info("interrupted: saved %s (step %d); continue with --resume", checkpoint(), step)
+                log.info("interrupted: saved %s (step %d); continue with --resume", write_checkpoint(run), run.step)
     finally:
         progress.close()
-        metrics.close()
-    strategy.close()
-    return TrainResult(run_dir=run_dir, step=step, interrupted=interrupted, last_eval=last_eval)
+        run.metrics.close()
+    run.strategy.close()
+    return TrainResult(run_dir=config.run_dir, step=run.step, interrupted=interrupted, last_eval=run.last_eval)
 
 
 def stop_agreed(stop: StopOnInterrupt, strategy) -> bool:
