@@ -14,7 +14,7 @@ import torch
 
 from attnlab.cli.main import main
 from attnlab.config import DataConfig, TrainConfig, load_config
-from attnlab.data.bytes import load_corpus
+from attnlab.data.corpus import load_corpus
 from attnlab.data.pretrain import PaddedDocumentSampler, load_token_corpus
 from attnlab.data.sampler import RandomWindowSampler, make_sampler
 from attnlab.data.shards import TokenShards, prepare_token_shards, token_dtype

@@ -8,7 +8,9 @@ import json
 from pathlib import Path
 
 from attnlab.config import DataConfig, load_config
-from attnlab.data.bytes import ENWIK8_URL, default_cache_dir, download_enwik8, load_corpus, prepare_builtin
+from attnlab.data.byte_corpus import ENWIK8_URL, download_enwik8, prepare_builtin
+from attnlab.data.corpus import load_corpus
+from attnlab.data.files import default_cache_dir
 from attnlab.data.pretrain import write_builtin_jsonl
 from attnlab.data.shards import prepare_token_shards
 from attnlab.errors import DataError

@@ -7,7 +7,7 @@ import dataclasses
 import json
 
 from attnlab.attention.routing import routing_stats
-from attnlab.data.bytes import load_corpus
+from attnlab.data.corpus import load_corpus
 from attnlab.data.sampler import eval_batch
 from attnlab.evaluate import evaluate
 from attnlab.train.checkpoint import load_model

@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from attnlab.data.pretrain import encode_prompt, tokenizer_for
+from attnlab.data.corpus import encode_prompt, tokenizer_for
 from attnlab.generate.sampling import SamplingConfig, stream
 from attnlab.train.checkpoint import load_model
 

@@ -121,7 +121,7 @@ def build_prompt(args: argparse.Namespace, target, tokenizer) -> torch.Tensor:
     """[batch, T] prompt tokens: the text repeated per row, or one validation prime per row (a window
     of byte data; the beginning of a document of tokenized data, all cut to the shortest)."""
     if args.prime_from_val:
-        from attnlab.data.bytes import load_corpus
+        from attnlab.data.corpus import load_corpus
         from attnlab.data.sampler import eval_windows, prime_tokens
 
         corpus = load_corpus(target.run_config.data)
@@ -132,7 +132,7 @@ def build_prompt(args: argparse.Namespace, target, tokenizer) -> torch.Tensor:
             return torch.stack([prime[:length] for prime in primes]).long().to(args.device)
         windows = eval_windows(corpus.val, args.prime_length, args.batch_size, seed=args.seed)
         return windows[:, : args.prime_length].long().to(args.device)
-    from attnlab.data.pretrain import encode_prompt
+    from attnlab.data.corpus import encode_prompt
 
     tokens = encode_prompt(tokenizer, args.prompt if args.prompt is not None else "")
     return torch.tensor([tokens] * args.batch_size, device=args.device)
@@ -159,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
     if args.early_exit is not None and args.draft_quantize != "none":
         raise AttnlabError("--draft-quantize needs a draft of its own (--draft RUN): an early-exit draft's layers are "
                            "the target's")
-    from attnlab.data.bytes import decode_bytes
+    from attnlab.data.byte_corpus import decode_bytes
 
     device = torch.device(args.device)
     target = load_model(args.target, device=device, weights=args.weights)
@@ -174,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
         if quantize_weights(draft, args.draft_quantize):
             draft_name += f" ({args.draft_quantize} weights)"
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
-    from attnlab.data.pretrain import tokenizer_for
+    from attnlab.data.corpus import tokenizer_for
 
     tokenizer = tokenizer_for(target.run_config.data)  # None: a byte-level run
     decode = decode_bytes if tokenizer is None else tokenizer.decode
