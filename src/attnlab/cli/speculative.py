@@ -22,12 +22,13 @@ from pathlib import Path
 import torch
 
 from attnlab.config import known_presets, load_config
-from attnlab.errors import AttnlabError, ConfigError
+from attnlab.errors import AttnlabError
 from attnlab.generate.sampling import SamplingConfig, generate
-from attnlab.generate.speculative import EarlyExitDraft, speculative_generate, train_pair
+from attnlab.generate.speculative import EarlyExitDraft, speculative_generate
 from attnlab.model.linear import decoding_products
 from attnlab.model.quantize import QUANTIZATIONS, quantize_weights
 from attnlab.train.checkpoint import load_model
+from attnlab.train.draft import existing_target_settings, split_overrides, train_pair
 
 log = logging.getLogger(__name__)
 
@@ -275,34 +276,14 @@ def run(args: argparse.Namespace) -> int:
 # Training
 
 
-def split_overrides(overrides: list[str]) -> tuple[list[str], list[str]]:
-    """key=value for both, target.key=value for the target, draft.key=value for the draft."""
-    target, draft = [], []
-    for override in overrides:
-        if override.startswith("target."):
-            target.append(override.removeprefix("target."))
-        elif override.startswith("draft."):
-            draft.append(override.removeprefix("draft."))
-        elif override.split("=", 1)[0].strip() == "name":
-            raise ConfigError("name= would give both runs the same name: use target.name=... or draft.name=...")
-        else:
-            target.append(override)
-            draft.append(override)
-    return target, draft
-
-
 def run_train(args: argparse.Namespace) -> int:
     target_overrides, draft_overrides = split_overrides(args.overrides)
     draft_config = load_config(args.draft_preset, draft_overrides)
     command_line = ["attnlab", *sys.argv[1:]]
     if args.target_run is not None:
-        settings = Path(args.target_run) / "config.yaml"
-        if not settings.is_file():
-            raise ConfigError(f"{settings} not found: --target needs a run directory")
-        if any(override.startswith("target.") for override in args.overrides):
-            raise ConfigError("with --target RUN the target is not trained: target.* overrides do not apply")
+        target_settings = existing_target_settings(Path(args.target_run), args.overrides)
         target_result, draft_result = train_pair(
-            None, draft_config, target_settings=load_config(settings), resume=args.resume, command_line=command_line,
+            None, draft_config, target_settings=target_settings, resume=args.resume, command_line=command_line,
             distill_weight=args.distill, target_dir=Path(args.target_run), draft_steps=args.draft_steps,
         )
     else:
