@@ -414,4 +414,3 @@ def speculative_generate(
         tokens=tokens, lengths=produced, n_steps=n_steps, n_drafted=n_drafted, n_accepted=n_accepted, gamma=gamma,
         n_row_steps=n_row_steps, per_row=per_row,
     )
-
