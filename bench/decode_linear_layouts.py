@@ -27,14 +27,14 @@ import json
 import statistics
 import time
 
-import torch
-
 import attnlab.model.linear as linear_module
-from attnlab.data.bytes import load_corpus
+import torch
+from attnlab.model.linear import column_product, column_products
+
+from attnlab.data.corpus import load_corpus
 from attnlab.data.sampler import eval_windows
 from attnlab.generate.sampling import SamplingConfig, generate
 from attnlab.generate.speculative import speculative_generate
-from attnlab.model.linear import column_product, column_products
 from attnlab.model.quantize import QUANTIZATIONS, quantize_weights
 from attnlab.train.checkpoint import load_model
 

@@ -19,11 +19,11 @@ import statistics
 import time
 
 import torch
+from attnlab.model.linear import column_products, linear_weight_bytes, set_column_layout
 
 from attnlab.bench.measure import model_config
 from attnlab.bench.runner import model_values
 from attnlab.model import Transformer
-from attnlab.model.linear import column_products, linear_weight_bytes, set_column_layout
 
 
 @torch.inference_mode()

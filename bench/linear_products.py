@@ -23,7 +23,6 @@ import time
 
 import torch
 import torch.nn.functional as F
-
 from attnlab.model.linear import column_product
 
 

@@ -86,7 +86,7 @@ def main() -> None:
 def acceptance_on_own_samples(target, draft, n_rows: int = 8, prime: int = 128, n_new: int = 256) -> float:
     """sum_v min(p, q) at the positions of the target's own temperature-1 continuations of
     validation primes: the text speculative decoding actually verifies."""
-    from attnlab.data.bytes import load_corpus
+    from attnlab.data.corpus import load_corpus
     from attnlab.data.sampler import eval_windows
     from attnlab.generate.sampling import generate
 
@@ -100,7 +100,7 @@ def acceptance_on_own_samples(target, draft, n_rows: int = 8, prime: int = 128, 
 @torch.inference_mode()
 def acceptance_on_validation(target, draft, n_windows: int = 16, seq_len: int = 256) -> float:
     """Mean over validation positions of sum_v min(p, q), temperature 1, no filters."""
-    from attnlab.data.bytes import load_corpus
+    from attnlab.data.corpus import load_corpus
     from attnlab.data.sampler import eval_windows
 
     windows = eval_windows(load_corpus(target.run_config.data).val, seq_len, n_windows).long()
@@ -132,7 +132,7 @@ def in_loop_costs(target, draft, batch: int, gamma: int, repeats: int, n_new: in
     one warm-up run of each first) of where a speculative step's time goes, in cached target
     tokens of the base decoding. Each decoder's first forward feeds the prompt (prefill); it is
     counted apart."""
-    from attnlab.data.bytes import load_corpus
+    from attnlab.data.corpus import load_corpus
     from attnlab.data.sampler import eval_windows
     from attnlab.generate.sampling import generate
     from attnlab.generate.speculative import speculative_generate

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from attnlab.data.bytes import load_corpus
+from attnlab.data.corpus import load_corpus
 from attnlab.data.sampler import eval_windows
 from attnlab.generate.sampling import SamplingConfig, generate
 from attnlab.generate.speculative import speculative_generate

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from attnlab.data.bytes import load_corpus
+from attnlab.data.corpus import load_corpus
 from attnlab.data.sampler import eval_windows
 from attnlab.generate.sampling import generate
 from attnlab.train.checkpoint import load_model

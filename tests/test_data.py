@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import ast
 import gzip
 import hashlib
 import http.server
 import json
+import shutil
 import threading
 import zipfile
 from functools import partial
@@ -17,7 +19,9 @@ import torch
 
 from attnlab.cli.main import main
 from attnlab.config import DataConfig
-from attnlab.data.bytes import download_enwik8, load_corpus, prepare_builtin, stdlib_sources
+from attnlab.data.byte_corpus import download_enwik8, prepare_builtin
+from attnlab.data.corpus import load_corpus
+from attnlab.data.files import stdlib_sources
 from attnlab.data.sampler import Batch, RandomWindowSampler, eval_windows, randomly_truncate
 from attnlab.errors import DataError
 
@@ -175,3 +179,69 @@ def test_random_truncation_is_seeded_and_occasional():
     assert 15 <= len(truncated) <= 70 and min(truncated) >= 2  # about 10% of batches, never empty
     cut = next(randomly_truncate(batch, 0, i) for i in range(400) if lengths[i] < 33)
     assert torch.equal(cut.tokens, batch.tokens[:, : cut.tokens.shape[1]])  # a prefix of every row
+
+
+# --------------------------------------------------------------------------------------------
+# The package's import graph
+
+
+def data_imports(folder: Path) -> dict[str, set[str]]:
+    """{module: the attnlab.data modules it imports}, for every module in `folder` (attnlab/data),
+    counting every import statement: at the top, inside functions (lazy) and under TYPE_CHECKING."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted(folder.glob("*.py")):
+        name = "attnlab.data" if path.stem == "__init__" else f"attnlab.data.{path.stem}"
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from . import x, from .x import y
+                    base = ".".join(["attnlab", "data"][: 3 - node.level] + ([base] if base else []))
+                imported |= {base} | {f"{base}.{alias.name}" for alias in node.names}
+        graph[name] = {module for module in imported if module.startswith("attnlab.data.")} - {name}
+    return {name: {module for module in imported if module in graph} for name, imported in graph.items()}
+
+
+def import_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of the graph as [a, b, ..., a], or None."""
+    state: dict[str, str] = {}  # "open" while on the search path, "done" after
+
+    def visit(module: str, path: list[str]) -> list[str] | None:
+        state[module] = "open"
+        for imported in sorted(graph[module]):
+            if state.get(imported) == "open":
+                return path[path.index(imported):] + [imported]
+            if imported not in state and (cycle := visit(imported, [*path, imported])):
+                return cycle
+        state[module] = "done"
+        return None
+
+    return next((cycle for module in sorted(graph) if module not in state and (cycle := visit(module, [module]))),
+                None)
+
+
+DATA_FOLDER = Path(__file__).resolve().parent.parent / "src" / "attnlab" / "data"
+
+
+def test_data_package_has_no_import_cycle():
+    graph = data_imports(DATA_FOLDER)
+    assert {"attnlab.data.files", "attnlab.data.corpus", "attnlab.data.pretrain"} <= set(graph)
+    assert graph["attnlab.data.files"] == set()  # the leaf every corpus builds on
+    assert import_cycle(graph) is None, " -> ".join(import_cycle(graph))
+
+
+def test_import_cycle_check_sees_lazy_imports(tmp_path):
+    """The check fails on the old circle: byte corpora importing the token corpus inside a function,
+    the token corpus importing them back."""
+    folder = tmp_path / "data"
+    shutil.copytree(DATA_FOLDER, folder)
+    source = (folder / "byte_corpus.py").read_text()
+    lazy = "\n\ndef load_tokens(config):\n    from attnlab.data.pretrain import load_token_corpus\n\n" \
+           "    return load_token_corpus(config)\n"
+    (folder / "byte_corpus.py").write_text(source + lazy)
+    (folder / "pretrain.py").write_text("from attnlab.data.byte_corpus import encode_text\n"
+                                        + (folder / "pretrain.py").read_text())
+    cycle = import_cycle(data_imports(folder))
+    assert cycle is not None and {"attnlab.data.byte_corpus", "attnlab.data.pretrain"} <= set(cycle)

@@ -14,7 +14,7 @@ import torch
 
 from attnlab.cli.main import main
 from attnlab.config import DataConfig, TrainConfig, load_config
-from attnlab.data.bytes import load_corpus
+from attnlab.data.corpus import load_corpus
 from attnlab.data.pretrain import PaddedDocumentSampler, load_token_corpus
 from attnlab.data.sampler import RandomWindowSampler, make_sampler
 from attnlab.data.shards import TokenShards, prepare_token_shards, token_dtype
@@ -279,13 +279,13 @@ def test_minimind_demo_pipeline_end_to_end(tmp_path, capsys, caplog, monkeypatch
     assert main(["sample", run, "--prompt", "Return the", "--max-new-tokens", "12", "--temperature", "0",
                  "--no-cache"]) == 0
     assert capsys.readouterr().out == cached and cached.startswith("Return the")
-    import attnlab.cli.sample as sample_command
+    import attnlab.generate.sampling as sampling
 
     tokenizer = load_corpus(load_config("minimind-demo", tiny).data).tokenizer
     word, rest = tokenizer.encode(" word"), tokenizer.encode(" after")
     steps = [*word, tokenizer.eos_id, *rest]
     with monkeypatch.context() as patch:
-        patch.setattr(sample_command, "stream", lambda *a, **k: ((torch.tensor([t]), None) for t in steps))
+        patch.setattr(sampling, "stream", lambda *a, **k: ((torch.tensor([t]), None) for t in steps))
         assert main(["sample", run, "--prompt", "Say", "--max-new-tokens", "12"]) == 0
     assert capsys.readouterr().out == "Say word\n"  # generation stops at the end token
     for prime in (["--prime-from-val", "--batch-size", "2"], ["--prompt", "Return the"]):  # primes are documents

@@ -648,12 +648,12 @@ def test_per_row_scheme_refused_for_caches_without_it(trained_pair, monkeypatch,
 def test_decoding_past_the_training_length_warns(trained_pair, caplog):
     """The pair was trained on windows of 32 tokens: a decoding that reaches further is flagged for
     each model, one that stays within is not."""
-    from attnlab.cli.speculative import warn_beyond_training
+    from attnlab.bench.speculative import warn_beyond_training
     from attnlab.train.checkpoint import load_model
 
     root = trained_pair[0]
     target, draft = load_model(root / "target"), load_model(root / "draft")
-    with caplog.at_level("WARNING", logger="attnlab.cli.speculative"):
+    with caplog.at_level("WARNING", logger="attnlab.bench.speculative"):
         assert not warn_beyond_training(target, "target", 32)
         assert warn_beyond_training(target, "target", 33) and warn_beyond_training(draft, "draft", 40)
     messages = [record.getMessage() for record in caplog.records]

@@ -8,13 +8,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
+from attnlab.attention.routing import routing_stats
+from attnlab.data.corpus import load_corpus, with_data_path
 from attnlab.data.sampler import eval_batch
 from attnlab.model.modes import eval_mode
 from attnlab.model.transformer import Transformer
+from attnlab.train.checkpoint import load_model
 
 
 @dataclass
@@ -68,3 +73,31 @@ def evaluate(
         loss=loss, bits_per_token=loss / math.log(2), perplexity=math.exp(min(loss, 50.0)),
         n_windows=n_windows, n_tokens=count, bits_per_byte=total / math.log(2) / max(n_bytes, 1),
     )
+
+
+def evaluate_run(
+    run: str | Path,
+    n_windows: int = 64,
+    seq_len: int | None = None,
+    batch_size: int = 8,
+    seed: int = 1234,
+    data_path: str | None = None,
+    weights: str = "auto",
+    device: str = "cpu",
+) -> dict[str, Any]:
+    """The record `attnlab eval RUN --json` prints: the run's checkpoint evaluated on its validation
+    data (or on `data_path`'s: a byte file, or token shards for a tokenized run) over `n_windows`
+    windows of seq_len (default: the run's), with routing statistics when the model routes."""
+    model = load_model(run, device=device, weights=weights)
+    config = model.run_config
+    data_config = config.data if data_path is None else with_data_path(config.data, data_path)
+    corpus = load_corpus(data_config)
+    seq_len = seq_len or config.train.seq_len
+    result = evaluate(model, corpus.val, seq_len, n_windows, batch_size, seed=seed)
+    report = {"run": str(run), "step": model.checkpoint_step, "data": corpus.description, "seq_len": seq_len,
+              **result.as_dict()}
+    windows = eval_batch(corpus.val, seq_len, min(n_windows, batch_size), seed).tokens
+    routing = routing_stats(model, windows[:, :-1].to(device))  # empty unless the model routes
+    if routing:
+        report["routing"] = routing
+    return report

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from attnlab.errors import AttnlabError
+from attnlab.train.metrics import read_metrics
 
 
 def _pyplot():
@@ -85,3 +86,13 @@ def plot_runs(runs: list[tuple[str, list[dict[str, Any]]]], out: Path) -> Path:
     figure.savefig(out, dpi=100)
     plt.close(figure)
     return out
+
+
+def plot_run_dirs(run_dirs: list[Path], out: Path) -> Path:
+    """plot_runs of run directories (their metrics.jsonl), each labelled with its folder's name."""
+    runs = []
+    for run_dir in run_dirs:
+        if not (run_dir / "metrics.jsonl").is_file():
+            raise AttnlabError(f"{run_dir} has no metrics.jsonl: is it a run directory?")
+        runs.append((run_dir.name, read_metrics(run_dir)))
+    return plot_runs(runs, out)

@@ -11,6 +11,7 @@ import logging
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 from attnlab.config import parse_override
@@ -69,6 +70,33 @@ def run_isolated(task: str, arguments: dict[str, Any], threads: int, timeout: fl
     result = _worker(task, arguments, threads, timeout, follow_memory=False)
     result["peak_memory_mb"] = memory["peak_memory_mb"]
     return result
+
+
+Job = tuple[str, dict[str, Any]]  # (task: a function of bench/measure.py, its arguments)
+
+
+def train_jobs(values: dict[str, Any], seq_lens: list[int], batch_size: int, steps: int, warmup: int, device: str,
+               dtype: str) -> list[Job]:
+    """`attnlab bench train`: one training measurement of the model `values` per sequence length."""
+    return [("train", dict(model_values=values, seq_len=n, batch_size=batch_size, steps=steps, warmup=warmup,
+                           device=device, dtype=dtype)) for n in seq_lens]
+
+
+def decode_jobs(values: dict[str, Any], contexts: list[int], new_tokens: int, uncached: bool, device: str,
+                dtype: str, column_products: bool = False) -> list[Job]:
+    """`attnlab bench decode`: per context, decoding with the cache and (if `uncached`) without it;
+    column_products: with the opt-in column products (model/column_products.py)."""
+    return [("decode", dict(model_values=values, context=c, new_tokens=new_tokens, use_cache=cache, device=device,
+                            dtype=dtype, column_products=column_products))
+            for c in contexts for cache in ([True, False] if uncached else [True])]
+
+
+def run_jobs(jobs: list[Job], threads: int) -> Iterator[dict[str, Any]]:
+    """Each job's result as it finishes (one fresh process each), with its model values under "model"."""
+    for task, arguments in jobs:
+        result = run_isolated(task, arguments, threads)
+        result["model"] = arguments["model_values"]
+        yield result
 
 
 def train_table(results: list[dict[str, Any]]) -> str:

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from attnlab.bench.runner import decode_table, model_values, run_isolated, train_table
+from attnlab.bench.runner import decode_jobs, decode_table, model_values, run_jobs, train_jobs, train_table
 
 
 def register(subparsers) -> None:
@@ -57,16 +57,11 @@ def run(args: argparse.Namespace) -> int:
     for attention in args.attention:
         values = model_values(args.dim, args.depth, args.heads, attention, args.overrides)
         if args.bench_kind == "train":
-            jobs = [("train", dict(model_values=values, seq_len=n, batch_size=args.batch_size, steps=args.steps,
-                                   warmup=args.warmup, device=args.device, dtype=args.dtype))
-                    for n in args.seq_len]
+            jobs = train_jobs(values, args.seq_len, args.batch_size, args.steps, args.warmup, args.device, args.dtype)
         else:
-            jobs = [("decode", dict(model_values=values, context=c, new_tokens=args.new_tokens, use_cache=cache,
-                                    device=args.device, dtype=args.dtype, column_products=args.column_products))
-                    for c in args.context for cache in ([True] if args.no_uncached else [True, False])]
-        for task, arguments in jobs:
-            result = run_isolated(task, arguments, args.threads)
-            result["model"] = values
+            jobs = decode_jobs(values, args.context, args.new_tokens, not args.no_uncached, args.device, args.dtype,
+                               args.column_products)
+        for result in run_jobs(jobs, args.threads):
             results.append(result)
             print(json.dumps(result), flush=True)
             if args.out:

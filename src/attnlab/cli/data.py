@@ -8,7 +8,8 @@ import json
 from pathlib import Path
 
 from attnlab.config import DataConfig, load_config
-from attnlab.data.bytes import ENWIK8_URL, default_cache_dir, download_enwik8, load_corpus, prepare_builtin
+from attnlab.data.byte_corpus import ENWIK8_URL, download_enwik8, prepare_builtin
+from attnlab.data.corpus import load_corpus
 from attnlab.data.pretrain import write_builtin_jsonl
 from attnlab.data.shards import prepare_token_shards
 from attnlab.errors import DataError
@@ -63,8 +64,7 @@ def run_prepare(args: argparse.Namespace) -> int:
     if args.corpus is None:
         raise DataError("name a corpus (builtin, builtin-jsonl) or give --input FILES --tokenizer DIR --out DATA")
     if args.corpus == "builtin-jsonl":
-        cache = str(args.cache_dir or default_cache_dir())
-        print(write_builtin_jsonl(DataConfig(cache_dir=cache)))
+        print(write_builtin_jsonl(DataConfig(cache_dir=str(args.cache_dir) if args.cache_dir else None)))
         return 0
     folder = prepare_builtin(args.cache_dir)
     meta = json.loads((folder / "meta.json").read_text())

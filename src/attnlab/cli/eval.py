@@ -3,14 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 
-from attnlab.attention.routing import routing_stats
-from attnlab.data.bytes import load_corpus
-from attnlab.data.sampler import eval_batch
-from attnlab.evaluate import evaluate
-from attnlab.train.checkpoint import load_model
+from attnlab.evaluate import evaluate_run
 
 
 def register(subparsers) -> None:
@@ -28,28 +23,17 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    model = load_model(args.run, device=args.device, weights=args.weights)
-    config = model.run_config
-    data_config = config.data
-    if args.data is not None:  # a byte file, or a folder of token shards for a tokenized run
-        source = "tokens" if data_config.source in ("tokens", "builtin-tokens") else "file"
-        data_config = dataclasses.replace(data_config, source=source, path=args.data)
-    corpus = load_corpus(data_config)
-    seq_len = args.seq_len or config.train.seq_len
-    result = evaluate(model, corpus.val, seq_len, args.windows, args.batch_size, seed=args.seed)
-    report = {"run": str(args.run), "step": model.checkpoint_step, "data": corpus.description,
-              "seq_len": seq_len, **result.as_dict()}
-    windows = eval_batch(corpus.val, seq_len, min(args.windows, args.batch_size), args.seed).tokens
-    routing = routing_stats(model, windows[:, :-1].to(args.device))  # empty unless the model routes
-    if routing:
-        report["routing"] = routing
+    report = evaluate_run(args.run, args.windows, args.seq_len, args.batch_size, args.seed, data_path=args.data,
+                          weights=args.weights, device=args.device)
     if args.json:
         print(json.dumps(report))
     else:
-        print(f"{report['run']} (step {report['step']}) on {report['data']}, {args.windows} windows of {seq_len}:")
-        print(f"  loss {result.loss:.4f} nats/token, {result.bits_per_token:.4f} bits per token, "
-              f"{result.bits_per_byte:.4f} bits per byte, "
-              f"perplexity {result.perplexity:.3f}")
+        print(f"{report['run']} (step {report['step']}) on {report['data']}, {args.windows} windows of "
+              f"{report['seq_len']}:")
+        print(f"  loss {report['loss']:.4f} nats/token, {report['bits_per_token']:.4f} bits per token, "
+              f"{report['bits_per_byte']:.4f} bits per byte, "
+              f"perplexity {report['perplexity']:.3f}")
+        routing = report.get("routing")
         if routing:
             print(f"  routing: {routing['no_routed_key_fraction']:.3f} of tokens without a routed key, "
                   f"{routing['only_itself_fraction']:.3f} seeing only themselves, largest cluster "

@@ -5,9 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from attnlab.bench.plots import plot_runs
-from attnlab.errors import AttnlabError
-from attnlab.train.metrics import read_metrics
+from attnlab.bench.plots import plot_run_dirs
 
 
 def register(subparsers) -> None:
@@ -18,10 +16,5 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    runs = []
-    for run_dir in args.runs:
-        if not (run_dir / "metrics.jsonl").is_file():
-            raise AttnlabError(f"{run_dir} has no metrics.jsonl: is it a run directory?")
-        runs.append((run_dir.name, read_metrics(run_dir)))
-    print(plot_runs(runs, args.out))
+    print(plot_run_dirs(args.runs, args.out))
     return 0

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import codecs
 import sys
 
 import torch
 
-from attnlab.data.pretrain import encode_prompt, tokenizer_for
-from attnlab.generate.sampling import SamplingConfig, stream
+from attnlab.data.corpus import encode_prompt, tokenizer_for
+from attnlab.generate.sampling import SamplingConfig, stream_text
+from attnlab.model.column_products import use_column_products
 from attnlab.train.checkpoint import load_model
 
 
@@ -27,25 +27,22 @@ def register(subparsers) -> None:
     parser.add_argument("--no-cache", action="store_true", help="recompute the whole prefix each token (slow path)")
     parser.add_argument("--weights", choices=["auto", "model", "ema"], default="auto")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--column-products", action="store_true",
+                        help="decode with the opt-in column products on a CPU (model/column_products.py)")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     model = load_model(args.run, device=args.device, weights=args.weights)
+    use_column_products(model, args.column_products)
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
     tokenizer = tokenizer_for(model.run_config.data)  # None: a byte-level run
-    if tokenizer is None:
-        token_bytes = lambda token: bytes([token])  # noqa: E731
-    else:
-        token_bytes = lambda token: tokenizer.decode_bytes([token])  # noqa: E731
     prompt = torch.tensor([encode_prompt(tokenizer, args.prompt)], device=args.device)
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     sys.stdout.write(args.prompt)
-    for token, _ in stream(model, prompt, args.max_new_tokens, sampling, not args.no_cache, generator):
-        if tokenizer is not None and int(token[0]) == tokenizer.eos_id:
-            break  # the document ends here: tokenized runs are trained with an end token
-        sys.stdout.write(decoder.decode(token_bytes(int(token[0]))))
+    pieces = stream_text(model, prompt, args.max_new_tokens, sampling, not args.no_cache, generator, tokenizer)
+    for piece in pieces:
+        sys.stdout.write(piece)
         sys.stdout.flush()
-    sys.stdout.write(decoder.decode(b"", final=True) + "\n")
+    sys.stdout.write("\n")
     return 0

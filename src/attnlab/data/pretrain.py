@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from attnlab.config import DataConfig, TrainConfig
-from attnlab.data.bytes import _write_atomic, default_cache_dir, encode_text, sha256_of, stdlib_sources
+from attnlab.data.files import cache_dir, sha256_of, stdlib_sources, write_atomic
 from attnlab.data.sampler import Batch, RandomWindowSampler
 from attnlab.data.shards import (
     META_FILE,
@@ -172,6 +172,9 @@ class TokenCorpus:
                                          rank, world_size)
         return RandomWindowSampler(len(self.train), config.seq_len, config.batch_size, config.seed, rank, world_size)
 
+    def encode(self, text: str) -> list[int]:
+        return document_prompt(self.tokenizer, text)
+
     def decode(self, ids) -> str:
         return self.tokenizer.decode_bytes(ids).decode("utf-8", errors="replace")
 
@@ -185,19 +188,10 @@ def token_folder(config: DataConfig) -> Path:
     return builtin_folder(config) / f"tokens-v{config.vocab_size}"
 
 
-def tokenizer_for(config: DataConfig) -> Tokenizer | None:
-    """The tokenizer of a run's data (the copy beside its shards); None for byte-level data."""
-    if config.source not in ("tokens", "builtin-tokens"):
-        return None
-    return Tokenizer(token_folder(config) / TOKENIZER_FOLDER)
-
-
-def encode_prompt(tokenizer: Tokenizer | None, text: str) -> list[int]:
-    """Prompt ids for generation: BOS then the text for a tokenized run (its documents start with
-    BOS in training), the text's bytes for a byte-level run (a newline if the text is empty)."""
-    if tokenizer is not None:
-        return [tokenizer.bos_id, *tokenizer.encode(text)]
-    return encode_text(text) or [ord("\n")]
+def document_prompt(tokenizer: Tokenizer, text: str) -> list[int]:
+    """Prompt ids for generation from a tokenized model: BOS then the text (its training documents
+    start with BOS)."""
+    return [tokenizer.bos_id, *tokenizer.encode(text)]
 
 
 def load_token_corpus(config: DataConfig) -> TokenCorpus:
@@ -230,8 +224,7 @@ def load_token_corpus(config: DataConfig) -> TokenCorpus:
 
 
 def builtin_folder(config: DataConfig) -> Path:
-    cache = Path(config.cache_dir) if config.cache_dir else default_cache_dir()
-    return cache / f"builtin-jsonl-py{platform.python_version()}"
+    return cache_dir(config) / f"builtin-jsonl-py{platform.python_version()}"
 
 
 def stdlib_documents() -> list[str]:
@@ -276,9 +269,9 @@ def write_builtin_jsonl(config: DataConfig) -> Path:
     if not documents:
         raise DataError("found no docstrings in the standard library for the built-in jsonl corpus")
     data = "".join(json.dumps({"text": text}, ensure_ascii=False) + "\n" for text in documents).encode("utf-8")
-    _write_atomic(path, data)
+    write_atomic(path, data)
     meta = {"python": platform.python_version(), "n_documents": len(documents), "bytes": len(data)}
-    _write_atomic(meta_path, (json.dumps(meta, indent=2) + "\n").encode())
+    write_atomic(meta_path, (json.dumps(meta, indent=2) + "\n").encode())
     log.info("built-in jsonl corpus: %d documents, %d bytes -> %s", len(documents), len(data), path)
     return path
 

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from attnlab.data.bytes import sha256_of
+from attnlab.data.files import sha256_of
 from attnlab.data.jsonl import SkipCounter, parse_batch, read_line_batches
 from attnlab.data.tokenizer import TOKENIZER_FILE, Tokenizer
 from attnlab.errors import DataError

@@ -8,15 +8,20 @@ Legend: B batch, T tokens, V vocabulary.
 
 from __future__ import annotations
 
+import codecs
 import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from attnlab.model.modes import eval_mode
 from attnlab.model.transformer import Transformer
+
+if TYPE_CHECKING:
+    from attnlab.data.tokenizer import Tokenizer
 
 
 @dataclass(kw_only=True)
@@ -137,3 +142,25 @@ def generate(
     if not new:
         return prompt
     return torch.cat((prompt, torch.stack(new, dim=1)), dim=1)
+
+
+def stream_text(
+    model: Transformer,
+    prompt: Tensor,
+    max_new_tokens: int,
+    sampling: SamplingConfig | None = None,
+    use_cache: bool = True,
+    generator: torch.Generator | None = None,
+    tokenizer: Tokenizer | None = None,
+) -> Iterator[str]:
+    """The text of row 0's new tokens, piece by piece as they are drawn (prompt [1, T]): each token's
+    bytes (its own for a byte-level model, the tokenizer's otherwise) decoded as UTF-8 incrementally,
+    so a character split over tokens comes out whole. A tokenized model stops at its end token (it
+    is trained with one); the last piece flushes what is left (possibly "")."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    for token, _ in stream(model, prompt, max_new_tokens, sampling, use_cache, generator):
+        token_id = int(token[0])
+        if tokenizer is not None and token_id == tokenizer.eos_id:
+            break  # the document ends here
+        yield decoder.decode(bytes([token_id]) if tokenizer is None else tokenizer.decode_bytes([token_id]))
+    yield decoder.decode(b"", final=True)

@@ -42,7 +42,8 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from attnlab.config import RunConfig, config_to_dict, save_config
-from attnlab.data.bytes import ByteCorpus, load_corpus
+from attnlab.data.byte_corpus import ByteCorpus
+from attnlab.data.corpus import load_corpus
 from attnlab.data.sampler import RandomWindowSampler, make_sampler, prime_tokens, randomly_truncate
 from attnlab.errors import AttnlabError, CheckpointError, ConfigError
 from attnlab.evaluate import evaluate
@@ -132,14 +133,6 @@ def write_run_info(config: RunConfig, run_dir: Path, command_line: list[str] | N
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
     (run_dir / "run_info.json").write_text(json.dumps(info, indent=2) + "\n")
-
-
-def after_optimizer_step(model: torch.nn.Module) -> None:
-    """Explicit once-per-step updates of module state that is not a gradient parameter."""
-    for module in model.modules():
-        update = getattr(module, "after_optimizer_step", None)
-        if callable(update):
-            update()
 
 
 def find_resume_checkpoint(config: RunConfig, resume: str | bool | None) -> Path | None:
@@ -336,7 +329,7 @@ def train_step(run: Run) -> tuple[dict[str, float], float, float]:
         for name, value in named.items():
             losses[name] = losses.get(name, 0.0) + value.item() / tc.grad_accum
     grad_norm = strategy.step(run.scaler)
-    after_optimizer_step(run.model)
+    run.model.after_optimizer_step()  # explicit per-step state: routing centroids
     if run.ema is not None:
         with strategy.full_parameters():
             run.ema.update(run.model)

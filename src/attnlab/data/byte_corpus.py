@@ -1,4 +1,5 @@
-"""Byte corpora: the built-in corpus, any text/.gz/.zip/raw file, and enwik8.
+"""Byte corpora: the built-in corpus, any text/.gz/.zip/raw file, and enwik8 (data.source builtin,
+file, enwik8; data/corpus.py picks the source).
 
 Every corpus is a pair of uint8 arrays (train, validation) whose values are the tokens 0..255.
 
@@ -16,7 +17,6 @@ import logging
 import os
 import platform
 import sysconfig
-import tempfile
 import urllib.error
 import urllib.request
 import zipfile
@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from attnlab.config import DataConfig
+from attnlab.data.files import cache_dir, default_cache_dir, sha256_of, stdlib_sources, write_atomic
 from attnlab.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -34,48 +35,39 @@ ENWIK8_URL = "http://mattmahoney.net/dc/enwik8.zip"
 # sha256 of enwik8.zip (36,445,475 bytes) as published with the archive and pinned by many projects
 ENWIK8_SHA256 = "547994d9980ebed1288380d652999f38a14fe291a6247c157c3d33d4932534bc"
 ENWIK8_BYTES = 100_000_000  # the unzipped file
-EXCLUDED_FOLDERS = {"site-packages", "dist-packages", "__pycache__"}
 
 
 @dataclass
 class ByteCorpus:
+    """A byte corpus as the Corpus interface (data/corpus.py) serves it: the tokens are the bytes."""
+
     train: np.ndarray  # uint8, possibly memory-mapped
     val: np.ndarray
     description: str
 
+    @property
+    def vocab_size(self) -> int:
+        return 256
+
+    def encode(self, text: str) -> list[int]:
+        return byte_prompt(text)
+
     def decode(self, tokens) -> str:
         return decode_bytes(tokens)
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("ATTNLAB_CACHE") or Path.home() / ".cache" / "attnlab")
 
 
 def encode_text(text: str) -> list[int]:
     return list(text.encode("utf-8"))
 
 
+def byte_prompt(text: str) -> list[int]:
+    """Prompt ids for generation from a byte-level model: the text's bytes (a newline if the text is
+    empty: generation needs one token to start from)."""
+    return encode_text(text) or [ord("\n")]
+
+
 def decode_bytes(tokens) -> str:
     return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", delete=False) as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(handle.name, path)
-
-
-def stdlib_sources() -> list[Path]:
-    """The standard library's .py files, sorted by their path relative to the library root."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = [
-        path for path in root.rglob("*.py")
-        if path.is_file() and not EXCLUDED_FOLDERS.intersection(path.relative_to(root).parts)
-    ]
-    return sorted(files, key=lambda path: path.relative_to(root).as_posix())
 
 
 def prepare_builtin(cache_dir: Path | None = None, val_fraction: float = 0.05) -> Path:
@@ -94,8 +86,8 @@ def prepare_builtin(cache_dir: Path | None = None, val_fraction: float = 0.05) -
         raise DataError(f"no standard-library sources found under {sysconfig.get_paths()['stdlib']}")
     corpus = b"".join(path.read_bytes() for path in files)
     n_val = int(len(corpus) * val_fraction)
-    _write_atomic(folder / "train.bin", corpus[: len(corpus) - n_val])
-    _write_atomic(folder / "val.bin", corpus[len(corpus) - n_val :])
+    write_atomic(folder / "train.bin", corpus[: len(corpus) - n_val])
+    write_atomic(folder / "val.bin", corpus[len(corpus) - n_val :])
     meta = {
         "python": platform.python_version(),
         "n_files": len(files),
@@ -105,7 +97,7 @@ def prepare_builtin(cache_dir: Path | None = None, val_fraction: float = 0.05) -
         "val_fraction": val_fraction,
         "sha256": hashlib.sha256(corpus).hexdigest(),
     }
-    _write_atomic(meta_path, (json.dumps(meta, indent=2) + "\n").encode())  # written last: marks completion
+    write_atomic(meta_path, (json.dumps(meta, indent=2) + "\n").encode())  # written last: marks completion
     log.info("built-in corpus: %d files, %d bytes -> %s", len(files), len(corpus), folder)
     return folder
 
@@ -138,12 +130,9 @@ def split_bytes(data: bytes, val_fraction: float) -> tuple[np.ndarray, np.ndarra
     return array[: len(array) - n_val], array[len(array) - n_val :]
 
 
-def load_corpus(config: DataConfig) -> ByteCorpus:  # or a TokenCorpus (data/pretrain.py)
-    if config.source in ("tokens", "builtin-tokens"):  # tokenized documents: data/pretrain.py
-        from attnlab.data.pretrain import load_token_corpus  # imports this module
-
-        return load_token_corpus(config)
-    cache = Path(config.cache_dir) if config.cache_dir else default_cache_dir()
+def load_byte_corpus(config: DataConfig) -> ByteCorpus:
+    """The byte corpus of data.source builtin, file or enwik8 (data/corpus.py picks the source)."""
+    cache = cache_dir(config)
     if config.source == "builtin":
         folder = prepare_builtin(cache, config.val_fraction)
         meta = json.loads((folder / "meta.json").read_text())
@@ -171,14 +160,6 @@ def load_corpus(config: DataConfig) -> ByteCorpus:  # or a TokenCorpus (data/pre
         val=array[config.enwik8_train_bytes : needed],
         description=f"enwik8 ({config.enwik8_train_bytes:,} train / {config.enwik8_val_bytes:,} validation bytes)",
     )
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def download_enwik8(

@@ -1,0 +1,56 @@
+"""Files the data pipeline writes and reads: atomic writes, content hashes, the cache directory, and
+the standard library's sources (the input of both built-in corpora).
+
+This module imports no other module of `attnlab.data`: every corpus builds on it, so it is the leaf
+that keeps the package's import graph free of cycles (tests/test_data.py checks the graph).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sysconfig
+import tempfile
+from pathlib import Path
+
+from attnlab.config import DataConfig
+
+EXCLUDED_FOLDERS = {"site-packages", "dist-packages", "__pycache__"}
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("ATTNLAB_CACHE") or Path.home() / ".cache" / "attnlab")
+
+
+def cache_dir(config: DataConfig) -> Path:
+    """Where a run's prepared corpora live: data.cache_dir, else the default cache."""
+    return Path(config.cache_dir) if config.cache_dir else default_cache_dir()
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write to a temporary file beside `path`, fsync it and rename it: readers see the old file or
+    the whole new one, never a part."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", delete=False) as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(handle.name, path)
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def stdlib_sources() -> list[Path]:
+    """The standard library's .py files, sorted by their path relative to the library root."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = [
+        path for path in root.rglob("*.py")
+        if path.is_file() and not EXCLUDED_FOLDERS.intersection(path.relative_to(root).parts)
+    ]
+    return sorted(files, key=lambda path: path.relative_to(root).as_posix())
