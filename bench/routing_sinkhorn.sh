@@ -16,25 +16,25 @@ sizes="attention.local.window_size=64 attention.routing.window_size=64 attention
 what=${1:-all}
 
 if [[ $what == train || $what == all ]]; then
-    # each configuration in a fresh process, one after the other: compare ratios, note the load
-    uptime | tee -a "$out/load.txt"
+    # each configuration in a fresh process, one after the other: compare ratios
+    uptime
     $attnlab bench train --attention full routing sinkhorn --seq-len 4096 --set $sizes \
         --steps 7 --warmup 3 --out "$out/train.jsonl" --markdown "$out/train.md"
-    uptime | tee -a "$out/load.txt"
+    uptime
 fi
 
 if [[ $what == decode || $what == all ]]; then
-    uptime | tee -a "$out/load.txt"
+    uptime
     $attnlab bench decode --attention full routing sinkhorn --context 64 256 1024 --new-tokens 16 --set $sizes \
         --out "$out/decode.jsonl" --markdown "$out/decode.md"
-    uptime | tee -a "$out/load.txt"
+    uptime
 fi
 
 if [[ $what == share || $what == all ]]; then
     # full, routing, sinkhorn and a model whose attention core is free, steps interleaved in one process
-    uptime | tee -a "$out/load.txt"
-    $python bench/attention_share.py --seq-len 4096 --rounds 3 | tee "$out/share.md"
-    uptime | tee -a "$out/load.txt"
+    uptime
+    $python bench/attention_share.py --seq-len 4096 --rounds 5 | tee "$out/share.md"
+    uptime
 fi
 
 if [[ $what == quality || $what == all ]]; then

@@ -1,5 +1,5 @@
 """Text written by a byte-level target, for distilling a speculative-decoding draft on the
-contexts decoding verifies (docs/benchmarks.md, "Distilling on the target's own text").
+contexts decoding verifies (docs/benchmarks.md, "Speculative decoding").
 
 A draft distilled on corpus text agrees with its target less on the target's own continuations
 than on the corpus (0.848 against 0.875 per token for the CPU pair): decoding feeds the target's

@@ -9,8 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 
@@ -19,22 +17,6 @@ def run_script(name: str, *arguments: str) -> list[dict]:
     result = subprocess.run([sys.executable, str(BENCH / name), *arguments], capture_output=True, text=True,
                             env=env, timeout=300, check=True)
     return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-
-
-@pytest.mark.parametrize("pool", ["0.25", "8"])
-def test_linear_products_script(pool):
-    rows = run_script("linear_products.py", "--rows", "1", "3", "--pool-mb", pool, "--rounds", "1", "--dim", "32")
-    assert [(row["weight"], row["rows"]) for row in rows] == [
-        ([32, 32], 1), ([32, 32], 3), ([128, 32], 1), ([128, 32], 3), ([32, 128], 1), ([32, 128], 3)
-    ]
-    assert all(row["linear_us"] > 0 and row["columns_us"] > 0 for row in rows)
-    assert all("row_major_columns_us" not in row for row in rows)
-
-
-def test_linear_products_script_times_row_major_columns_when_asked():
-    rows = run_script("linear_products.py", "--rows", "4", "--pool-mb", "0.25", "--rounds", "1", "--dim", "32",
-                      "--row-major-columns")
-    assert len(rows) == 3 and all(row["row_major_columns_us"] > 0 for row in rows)
 
 
 def test_decode_products_ab_script():

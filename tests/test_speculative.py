@@ -8,9 +8,6 @@ from __future__ import annotations
 import copy
 import itertools
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -615,21 +612,6 @@ def test_speculative_command_with_an_int8_draft(trained_pair, capsys):
     assert report["speculative"]["text"] == report["base"]["text"]  # greedy: token for token
     assert main([*arguments, "--early-exit", "1"]) == 2  # its layers are the target's
     assert "--draft-quantize needs a draft of its own" in capsys.readouterr().err
-
-
-def test_decode_linear_layouts_script(trained_pair):
-    """bench/decode_linear_layouts.py starts and reports each layout (its figures are in
-    docs/benchmarks.md; this only keeps it runnable)."""
-    root = trained_pair[0]
-    script = Path(__file__).resolve().parent.parent / "bench" / "decode_linear_layouts.py"
-    result = subprocess.run(
-        [sys.executable, str(script), str(root / "target"), str(root / "draft"), "--repeats", "1", "--gamma", "3",
-         "--strided"], capture_output=True, text=True, timeout=300, check=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"})
-    rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-    assert [row.get("layout") for row in rows[:3]] == ["linear", "columns", "strided"]
-    assert all(row["base_ms"] > 0 and row["speculative_ms"] > 0 for row in rows[:3])
-    assert set(rows[3]) == {"columns_over_linear", "columns_over_strided"}
 
 
 def test_per_row_scheme_refused_for_caches_without_it(trained_pair, monkeypatch, capsys):
