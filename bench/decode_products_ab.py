@@ -1,11 +1,9 @@
-"""Cached decoding, one token at a time, with attnlab's Linear in each of its two product layouts
-(attnlab.model.linear: F.linear, or the column product W x^T that it takes when decoding on a
-CPU), for every attention type, in one process: the layouts alternate round after round, so a slow
-spell of a shared machine slows both. Models as `attnlab bench decode` builds them (untrained,
+"""Cached decoding, one token at a time, with plain nn.Linear products (F.linear) and with the opt-in
+column products W x^T (attnlab.model.column_products, `--column-products` of the decoding
+commands), for every attention type, in one process: the layouts alternate round after round, so a
+slow spell of a shared machine slows both. Models as `attnlab bench decode` builds them (untrained,
 batch 1); each round prefills the context afresh and times --new-tokens single-token forwards.
 Medians of the per-round medians, in ms per token, one JSON line per attention type and context.
-The columns layout is taken whatever the model's size (attnlab itself takes it from 8 MB of linear
-weights on; the default models have 13 MB).
 
     python bench/decode_products_ab.py [--attention full local routing sinkhorn nsa] [--context 512]
         [--new-tokens 32] [--rounds 7] [--dim 256] [--depth 4] [--heads 4]
@@ -19,11 +17,12 @@ import statistics
 import time
 
 import torch
-from attnlab.model.linear import column_products, linear_weight_bytes, set_column_layout
+from torch import nn
 
 from attnlab.bench.measure import model_config
 from attnlab.bench.runner import model_values
 from attnlab.model import Transformer
+from attnlab.model.column_products import use_column_products
 
 
 @torch.inference_mode()
@@ -55,18 +54,18 @@ def main() -> None:
             config = model_config({**values, "max_seq_len": max(length, values.get("max_seq_len", 0))})
             torch.manual_seed(0)
             model = Transformer(config).eval()
-            set_column_layout(model, min_bytes=0)  # the columns layout whatever the model's size
+            weights = {id(m.weight): m.weight for m in model.modules() if isinstance(m, nn.Linear)}
             sequence = torch.randint(0, config.num_tokens, (1, length))
             times = {False: [], True: []}
             for repeat in range(args.rounds + 1):  # the first round warms up
                 for enabled in (False, True):
-                    with column_products(enabled):
-                        elapsed = round_ms(model, sequence, context)
+                    use_column_products(model, enabled)
+                    elapsed = round_ms(model, sequence, context)
                     if repeat:
                         times[enabled].append(elapsed)
             linear, columns = statistics.median(times[False]), statistics.median(times[True])
             print(json.dumps({"attention": attention, "context": context, "threads": torch.get_num_threads(),
-                              "linear_weight_mb": round(linear_weight_bytes(model) / 2**20, 1),
+                              "linear_weight_mb": round(sum(4 * w.numel() for w in weights.values()) / 2**20, 1),
                               "rounds": args.rounds, "linear_ms_per_token": round(linear, 3),
                               "columns_ms_per_token": round(columns, 3),
                               "linear_over_columns": round(linear / columns, 3)}), flush=True)

@@ -1,5 +1,5 @@
-"""The CPU listed-key kernel (attention/kernels/listed_cpu.py) against the pure-torch paths it
-replaces, on the attention core alone: routed attention (clusters) and sinkhorn's bucket attention
+"""The `cpu` back-end's listed-key kernel (attention/kernels/listed_cpu.py) against the reference
+paths of the variant files, on the attention core alone: routed attention (clusters) and sinkhorn's bucket attention
 (chosen buckets + own), forward + backward, the two paths interleaved in one process, medians.
 
     OMP_NUM_THREADS=2 python bench/listed_kernel.py --seq-len 4096 --rounds 9
@@ -8,13 +8,13 @@ replaces, on the attention core alone: routed attention (clusters) and sinkhorn'
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
 import torch
 
 from attnlab.attention import routing, sinkhorn
+from attnlab.attention.kernels.listed_cpu import bucket_attention_cpu, routed_attention_cpu
 
 
 def main() -> None:
@@ -34,33 +34,33 @@ def main() -> None:
     chosen, weights = sinkhorn.sort_buckets(*means, 1, 5, 0.75, gumbel=False)
     weights.requires_grad_()
 
-    def routed() -> None:
-        y = routing.routed_attention(q, k, v, clusters, args.window)
+    def routed(path: str) -> None:
+        if path == "kernel":
+            y = routed_attention_cpu(q, k, v, clusters, args.window)[0]
+        else:
+            y = routing.routed_attention(q, k, v, clusters, args.window)
         torch.autograd.grad(y, (q, k, v), grad)
 
-    def bucketed() -> None:  # what SinkhornAttention._sorted runs for a whole sequence
-        if os.environ["ATTNLAB_CPU_KERNELS"] == "1":
-            units, bias = sinkhorn.bucket_units(chosen, weights, args.seq_len, args.window)
-            from attnlab.attention.kernels.listed_cpu import listed_attention
-            y = listed_attention(q, k, v, units, bias)
+    def bucketed(path: str) -> None:  # what SinkhornAttention._sorted runs for a whole sequence
+        if path == "kernel":
+            y = bucket_attention_cpu(q, k, v, chosen, weights, args.window)[0]
         else:
             y = sinkhorn.bucket_attention(q, k, v, chosen, weights, 0, args.window)
         torch.autograd.grad(y, (q, k, v, weights), grad)
 
-    paths = {"kernel": "1", "torch": "0"}
+    paths = ("kernel", "torch")
     times = {(name, path): [] for name in ("routing", "sinkhorn") for path in paths}
     for round_ in range(args.rounds + 1):  # round 0 warms up
         for name, function in (("routing", routed), ("sinkhorn", bucketed)):
-            for path, flag in paths.items():
-                os.environ["ATTNLAB_CPU_KERNELS"] = flag
+            for path in paths:
                 started = time.perf_counter()
-                function()
+                function(path)
                 if round_:
                     times[name, path].append(time.perf_counter() - started)
     print(f"seq_len {args.seq_len}, heads {args.heads}, dim_head {args.dim_head}, window/bucket {args.window}, "
           f"{torch.get_num_threads()} threads, forward + backward, median of {args.rounds}")
     print()
-    print("| attention core | kernel (ms) | torch path (ms) | speed-up |")
+    print("| attention core | kernel (ms) | reference (ms) | speed-up |")
     print("|---|---:|---:|---:|")
     for name in ("routing", "sinkhorn"):
         kernel, plain = (statistics.median(times[name, path]) * 1e3 for path in paths)

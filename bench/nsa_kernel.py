@@ -1,4 +1,4 @@
-"""The NSA CPU kernel (attention/kernels/nsa_cpu.py) against the pure-torch path, branch by branch
+"""The NSA `cpu` back-end (attention/kernels/nsa_cpu.py) against the reference path, branch by branch
 on one layer's attention cores (no projections, no compressor): the compressed branch with the
 block selection, the selected branch and the sliding branch, forward and backward timed
 separately, the two paths interleaved in one process, medians.
@@ -9,7 +9,7 @@ separately, the two paths interleaved in one process, medians.
 from __future__ import annotations
 
 import argparse
-import os
+import dataclasses
 import statistics
 import time
 
@@ -33,7 +33,8 @@ def main() -> None:
     spec = AttentionSpec(dim=args.heads * args.dim_head, n_heads=args.heads, dim_head=args.dim_head,
                          n_kv_heads=args.kv_heads, dropout=0.0, max_seq_len=args.seq_len, layer_index=0, n_layers=1,
                          rotary=None)
-    layer = nsa.NativeSparseAttention(spec, config)
+    layers = {path: nsa.NativeSparseAttention(spec, dataclasses.replace(config, backend=backend))
+              for path, backend in (("kernel", "cpu"), ("torch", "torch"))}
     torch.manual_seed(0)
     n_tokens, n_groups = args.seq_len, args.kv_heads
     n_blocks = nsa.n_complete_blocks(n_tokens, config.compress_block_size, config.compress_stride)
@@ -42,25 +43,22 @@ def main() -> None:
     keys, values = (torch.randn(1, n_groups, 1 + n_blocks, args.dim_head, requires_grad=True) for _ in range(2))
     positions = torch.arange(n_tokens)
 
-    def compressed():  # NativeSparseAttention.forward's compressed branch, on the path the flag selects
-        return nsa.compressed_branch(q, keys, values, positions, 0, config, straight_through=False)[0]
-
     with torch.no_grad():  # the selection both paths' selected branch reads
-        _, indices, valid, _ = nsa.compressed_branch(q, keys, values, positions, 0, config, straight_through=False)
-    branches = {
-        "compressed + selection": (compressed, (q, keys, values)),
-        "selected": (lambda: layer._selected(q, k, v, indices, valid, None, positions), (q, k, v)),
-        "sliding": (lambda: layer._sliding(q, k, v), (q, k, v)),
+        _, indices, valid, _ = nsa.compressed_branch(q, keys, values, positions, 0, config)
+    branches = {  # NativeSparseAttention.forward's branches of a whole sequence, on each layer's back-end
+        "compressed + selection": (lambda layer: layer._compressed(q, keys, values, positions, 0, True, False)[0],
+                                   (q, keys, values)),
+        "selected": (lambda layer: layer._selected(q, k, v, indices, valid, None, positions, 0, True), (q, k, v)),
+        "sliding": (lambda layer: layer._sliding(q, k, v, None, True), (q, k, v)),
     }
-    paths = {"kernel": "1", "torch": "0"}
+    paths = ("kernel", "torch")
     times = {(name, path, part): [] for name in branches for path in paths for part in ("forward", "backward")}
     grad = torch.randn(q.shape)
     for round_ in range(args.rounds + 1):  # round 0 warms up
         for name, (function, inputs) in branches.items():
-            for path, flag in paths.items():
-                os.environ["ATTNLAB_CPU_KERNELS"] = flag
+            for path in paths:
                 started = time.perf_counter()
-                y = function()
+                y = function(layers[path])
                 middle = time.perf_counter()
                 torch.autograd.grad(y, inputs, grad)
                 if round_:
@@ -69,7 +67,7 @@ def main() -> None:
     print(f"seq_len {n_tokens}, heads {args.heads}, kv_heads {n_groups}, dim_head {args.dim_head}, "
           f"{torch.get_num_threads()} threads, median of {args.rounds} (ms)")
     print()
-    print("| branch | kernel forward | torch forward | kernel backward | torch backward "
+    print("| branch | kernel forward | reference forward | kernel backward | reference backward "
           "| forward + backward speed-up |")
     print("|---|---:|---:|---:|---:|---:|")
     for name in branches:

@@ -1,14 +1,59 @@
-"""train.compile=true: the compiled model trains to the same losses as eager (CPU, tiny size)."""
+"""torch.compile traces every attention type whole: a training step (forward + backward) compiles
+with fullgraph=True, so with zero graph breaks, and its loss and gradients equal eager's; and
+train.compile=true trains to the same losses as eager (CPU, tiny sizes).
+
+The per-variant tests compile with the aot_eager back-end: dynamo's tracing (where graph breaks
+happen), the fake implementations and autograd registrations of attnlab's custom ops, and
+AOTAutograd's joint graph, without inductor's code generation (a few seconds each). One variant
+goes through inductor as well, and train.compile uses it."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
+from attnlab.model import Transformer
 from attnlab.train.loop import train
 from attnlab.train.metrics import read_metrics
 from test_train import text_file, tiny  # noqa: F401  (the fixture is shared)
+from variants import variant_config
 
 pytestmark = pytest.mark.slow
+
+
+def training_step(model: Transformer, tokens: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Loss and every parameter's gradient of one step; the same random state each call (dropout,
+    sinkhorn's Gumbel noise)."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1)
+    output = model(tokens[:, :-1], targets=tokens[:, 1:])
+    output.loss.backward()
+    return output.loss.detach(), [parameter.grad.clone() for parameter in model.parameters()]
+
+
+def compiled_equals_eager(name: str, backend: str) -> None:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Transformer(variant_config(name)).train()
+    tokens = torch.randint(0, 61, (2, 46), generator=torch.Generator().manual_seed(2))
+    eager_loss, eager_grads = training_step(model, tokens)
+    compiled = torch.compile(model, fullgraph=True, backend=backend)  # any graph break raises
+    loss, grads = training_step(compiled, tokens)
+    torch.testing.assert_close(loss, eager_loss, atol=1e-5, rtol=1e-5)
+    for (parameter_name, _), got, want in zip(model.named_parameters(), grads, eager_grads, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4, msg=lambda m, n=parameter_name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("name", ["full", "local", "routing", "sinkhorn", "nsa"])
+def test_training_step_compiles_whole_and_equals_eager(name, cpu_path):
+    compiled_equals_eager(name, "aot_eager")
+
+
+def test_training_step_through_inductor_equals_eager(monkeypatch):
+    """Routing on the cpu back-end (custom ops, centroid statistics as buffer mutations) through
+    inductor's generated code."""
+    monkeypatch.setattr(torch._inductor.config, "fallback_random", True)
+    compiled_equals_eager("routing", "inductor")
 
 
 def test_compiled_matches_eager(tmp_path, text_file):  # noqa: F811

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from attnlab.config import ModelConfig, config_from_dict, known_presets, load_config
 from attnlab.flops import active_linear_parameters, flops_per_token, keys_per_query, peak_flops
+from attnlab.model import Transformer
+from variants import variant_config
 
 
 def small(**values) -> ModelConfig:
@@ -72,3 +75,17 @@ def test_training_logs_model_flops_and_mfu(tmp_path):
         assert record["model_tflops_per_s"] == pytest.approx(per_step * record["tokens_per_s"] / (
             config.train.batch_size * config.train.seq_len) / 1e12)
         assert record["mfu"] == pytest.approx(record["model_tflops_per_s"] / 0.5)
+
+
+@pytest.mark.parametrize("name", ["full", "local", "routing", "sinkhorn", "nsa"])
+def test_flop_counter_runs_on_every_variant(name, cpu_path):
+    """torch's FlopCounterMode (what profilers and MFU tools use) runs a forward and backward of
+    every attention type on both CPU paths, and counts at least the projections' matmuls."""
+    torch.manual_seed(0)
+    config = variant_config(name)
+    model = Transformer(config).train()
+    tokens = torch.randint(0, config.num_tokens, (2, 33))
+    with FlopCounterMode(display=False) as counter:
+        model(tokens[:, :-1], targets=tokens[:, 1:]).loss.backward()
+    projections = 2 * 2 * 32 * config.depth * 4 * config.dim * config.heads * config.dim_head // 2  # a lower bound
+    assert counter.get_total_flops() > projections

@@ -43,7 +43,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from attnlab.attention.base import Attention, AttentionSpec, KVCache, RowLengths, expand_kv, is_recomputing, write_rows
+from attnlab.attention.base import (
+    Attention,
+    AttentionSpec,
+    KVCache,
+    RowLengths,
+    expand_kv,
+    is_recomputing,
+    select_rows,
+    write_rows,
+)
 from attnlab.attention.kernels import check_backend, choose
 from attnlab.attention.kernels.flex_routing import flex_routed_attention
 from attnlab.attention.kernels.listed_cpu import routed_attention_cpu
@@ -155,9 +164,8 @@ def _routed_chunk(q, k, v, clusters, order, rank, sorted_clusters, positions, wi
     safe = places.clamp(min=0).flatten(-2)  # [B, R, t K]
     own = clusters.gather(-1, query_positions)[..., None]
     allowed = (places >= 0) & (sorted_clusters.gather(-1, safe).view_as(places) == own)
-    index = order.gather(-1, safe)[..., None].expand(-1, -1, -1, q.shape[-1])
-    keys = k.gather(2, index).unflatten(2, places.shape[2:])  # [B, R, t, K, D]
-    values = v.gather(2, index).unflatten(2, places.shape[2:])
+    index = order.gather(-1, safe).view_as(places)  # [B, R, t, K]: the key position at each place
+    keys, values = select_rows(k, index), select_rows(v, index)  # [B, R, t, K, D]
     scores = torch.einsum("brtd,brtkd->brtk", q, keys).float() / math.sqrt(q.shape[-1])
     probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1).to(values.dtype)
     probs = F.dropout(probs, dropout) if dropout else probs
@@ -171,8 +179,7 @@ def _last_of_cluster(q, k, v, clusters, window: int, positions: Tensor) -> Tenso
     key_positions = torch.arange(k.shape[2], device=q.device)
     same = (clusters == clusters.gather(-1, query_positions)) & (key_positions <= query_positions)  # [B, R, S]
     picked = torch.where(same, key_positions, -1).topk(min(window + 1, k.shape[2]), dim=-1).values  # [B, R, K]
-    index = picked.clamp(min=0)[..., None].expand(-1, -1, -1, q.shape[-1])
-    keys, values = k.gather(2, index), v.gather(2, index)  # [B, R, K, D]
+    keys, values = select_rows(k, picked.clamp(min=0)), select_rows(v, picked.clamp(min=0))  # [B, R, K, D]
     scores = torch.einsum("brtd,brkd->brtk", q, keys).float() / math.sqrt(q.shape[-1])
     probs = torch.softmax(scores.masked_fill(picked[:, :, None] < 0, float("-inf")), dim=-1).to(values.dtype)
     return torch.einsum("brtk,brkd->brtd", probs, values)

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor
 
-from attnlab.attention.base import Attention, AttentionSpec, KVCache, RowLengths, expand_kv, write_rows
+from attnlab.attention.base import Attention, AttentionSpec, KVCache, RowLengths, expand_kv, select_rows, write_rows
 from attnlab.attention.kernels import check_backend, choose
 from attnlab.attention.kernels.flex_sinkhorn import flex_bucket_attention
 from attnlab.attention.kernels.listed_cpu import bucket_attention_cpu
@@ -143,20 +143,14 @@ def bucket_attention(
         valid.repeat_interleave(size, dim=-1)[:, :, :, None].expand(-1, -1, -1, size, -1),
         causal.expand(batch, n_heads, n_buckets, -1, -1),
     ), dim=-1)  # [B, H, M, b, (S' + 1) b]
-    queries = _gather_rows(q, query_index[:, None].expand(batch, n_heads, -1, -1))  # [B, H, M, b, D]
-    block_keys, block_values = _gather_rows(keys, key_index), _gather_rows(values, key_index)
+    queries = select_rows(q, query_index[:, None].expand(batch, n_heads, -1, -1))  # [B, H, M, b, D]
+    block_keys, block_values = select_rows(keys, key_index), select_rows(values, key_index)
     scores = torch.einsum("bhmqd,bhmkd->bhmqk", queries, block_keys) / math.sqrt(dim_head) + bias
     probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
     probs = F.dropout(probs, dropout) if dropout else probs
     out = torch.einsum("bhmqk,bhmkd->bhmqd", probs, block_values).flatten(2, 3)  # [B, H, M b, D]
     output_index = (offsets - first_bucket * size + torch.arange(n_new, device=q.device))[:, None]  # [B or 1, 1, T]
-    return out.gather(2, output_index[..., None].expand(batch, n_heads, -1, dim_head))
-
-
-def _gather_rows(x: Tensor, index: Tensor) -> Tensor:
-    """x [B, H, S, D] at index [B, H, M, K] -> [B, H, M, K, D]."""
-    flat = index.flatten(2)[..., None].expand(-1, -1, -1, x.shape[-1])
-    return x.gather(2, flat).unflatten(2, index.shape[2:])
+    return select_rows(out, output_index.expand(batch, n_heads, -1))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -150,6 +150,34 @@ class PrepareResult:
     meta: dict[str, Any]
 
 
+def _tokenize_into(writer: ShardWriter, jobs: Iterator[tuple], tokenizer_dir: Path, workers: int
+                   ) -> tuple[SkipCounter, int]:
+    """Tokenize every job's lines (in order) into `writer`, on `workers` processes; -> the skipped
+    lines and the input bytes read."""
+    skipped = SkipCounter()
+    n_input_bytes = 0
+    if workers == 1:
+        _start_worker(str(tokenizer_dir))
+        results: Iterator = map(_tokenize_batch, jobs)
+        pool = None
+    else:
+        # fork: the workers share the parent's imports; each runs the tokenizers library on one thread
+        pool = multiprocessing.get_context("fork").Pool(workers, _start_worker, (str(tokenizer_dir), True))
+        results = _in_order(pool, jobs, max_in_flight=2 * workers)
+    try:
+        for documents, batch_skipped, n_bytes in results:
+            for reason in batch_skipped.examples:
+                skipped.add(reason)
+            skipped.count += batch_skipped.count - len(batch_skipped.examples)
+            for document in documents:
+                writer.add(document)
+            n_input_bytes += n_bytes
+    finally:
+        if pool is not None:
+            pool.terminate()
+    return skipped, n_input_bytes
+
+
 def prepare_token_shards(
     inputs: list[Path],
     tokenizer_dir: Path,
@@ -179,29 +207,9 @@ def prepare_token_shards(
         stale.unlink()
     workers = workers or min(8, os.cpu_count() or 1)
     writer = ShardWriter(out_dir, dtype, shard_tokens)
-    skipped = SkipCounter()
-    n_input_bytes = 0
     started = time.perf_counter()
-    jobs = _jobs(inputs, batch_lines, skip_bad, dtype.name)
-    if workers == 1:
-        _start_worker(str(tokenizer_dir))
-        results: Iterator = map(_tokenize_batch, jobs)
-        pool = None
-    else:
-        # fork: the workers share the parent's imports; each runs the tokenizers library on one thread
-        pool = multiprocessing.get_context("fork").Pool(workers, _start_worker, (str(tokenizer_dir), True))
-        results = _in_order(pool, jobs, max_in_flight=2 * workers)
-    try:
-        for documents, batch_skipped, n_bytes in results:
-            for reason in batch_skipped.examples:
-                skipped.add(reason)
-            skipped.count += batch_skipped.count - len(batch_skipped.examples)
-            for document in documents:
-                writer.add(document)
-            n_input_bytes += n_bytes
-    finally:
-        if pool is not None:
-            pool.terminate()
+    skipped, n_input_bytes = _tokenize_into(writer, _jobs(inputs, batch_lines, skip_bad, dtype.name), tokenizer_dir,
+                                            workers)
     writer.flush()
     if writer.n_documents == 0:
         raise DataError(f"no documents in {', '.join(map(str, inputs))}")

@@ -69,8 +69,8 @@ def _padded(size: int) -> int:
 
 
 @functools.cache
-def _kernels():
-    """Define the kernels on first use (so importing attnlab does not import triton)."""
+def _forward_kernel():
+    """Defined on first use, so importing attnlab does not import triton."""
     import triton
     import triton.language as tl
 
@@ -122,6 +122,15 @@ def _kernels():
         tl.store(out_ptr + (row + heads)[:, None] * DIM + dims[None, :], output.to(out_ptr.dtype.element_ty),
                  mask=head_ok[:, None] & dim_ok[None, :])
         tl.store(lse_ptr + row + heads, running_max + tl.log(running_sum), mask=head_ok)
+
+    return forward_kernel
+
+
+@functools.cache
+def _backward_kernel():
+    """Defined on first use, so importing attnlab does not import triton."""
+    import triton
+    import triton.language as tl
 
     @triton.jit
     def backward_kernel(
@@ -180,7 +189,7 @@ def _kernels():
         tl.store(grad_q_ptr + (row + heads)[:, None] * DIM + dims[None, :], grad_q.to(grad_q_ptr.dtype.element_ty),
                  mask=row_mask)
 
-    return forward_kernel, backward_kernel
+    return backward_kernel
 
 
 def _sizes(heads_per_group: int, n_selected: int, block: int, dim_head: int, has_gates: bool) -> dict:
@@ -199,7 +208,7 @@ def selected_attention_op(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, vali
                           offset: int, block: int) -> tuple[Tensor, Tensor]:
     """q [B, G, T, R, D] at positions offset..offset+T-1; k, v [B, G, S, D]; indices, valid [B, G, T, n];
     gates [B, G, T, n], or empty [0] for none. -> (output [B, G, T, R, D], log-sum-exp [B, G, T, R])."""
-    forward_kernel, _ = _kernels()
+    forward_kernel = _forward_kernel()
     batch, n_groups, n_queries, heads_per_group, dim_head = q.shape
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     indices, valid = indices.contiguous().to(torch.int32), valid.contiguous().to(torch.int8)
@@ -224,7 +233,7 @@ def _(q, k, v, indices, valid, gates, offset, block):
 def selected_attention_backward(grad_output: Tensor, q: Tensor, k: Tensor, v: Tensor, indices: Tensor,
                                 valid: Tensor, gates: Tensor, output: Tensor, lse: Tensor, offset: int, block: int
                                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    _, backward_kernel = _kernels()
+    backward_kernel = _backward_kernel()
     batch, n_groups, n_queries, heads_per_group, dim_head = q.shape
     q, k, v, output = q.contiguous(), k.contiguous(), v.contiguous(), output.contiguous()
     indices, valid = indices.contiguous().to(torch.int32), valid.contiguous().to(torch.int8)
