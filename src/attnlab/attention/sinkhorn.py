@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from attnlab.attention.base import Attention, AttentionSpec, KVCache, RowLengths, expand_kv, select_rows, write_rows
 from attnlab.attention.kernels import check_backend, choose
@@ -54,6 +55,7 @@ from attnlab.errors import ConfigError
 from attnlab.registry import ATTENTION
 
 OFFERED = ("torch", "cpu", "flex")
+QUERY_CHUNK = 256  # queries whose gathered keys live at once in the reference path
 MASKED = -1e4  # finite "minus infinity" for the sorting matrix: keeps Sinkhorn's gradients finite
 
 # ----------------------------------------------------------------------------------------------
@@ -117,40 +119,41 @@ def bucket_attention(
     [B, H, M, S'] for the buckets holding the queries (from offset // b on, each row's own) ->
     [B, H, T, D]. A query sees the earlier slots of its own bucket and itself, and every slot of its
     bucket's chosen buckets, those scores raised by the bucket's log sorting weight (-inf: no such
-    bucket, hidden)."""
-    batch, n_heads, n_new, dim_head = q.shape
-    size, n_buckets = bucket_size, chosen.shape[2]
+    bucket, hidden). Queries run in chunks of QUERY_CHUNK, each gathering its (S' + 1) b keys;
+    checkpointed when a gradient is needed."""
     offsets = torch.as_tensor(offset, device=q.device).reshape(-1, 1)  # [B or 1, 1]
-    first_bucket = offsets // size
-    buckets = first_bucket + torch.arange(n_buckets, device=q.device)  # [B or 1, M]
+    positions = offsets + torch.arange(q.shape[2], device=q.device)  # [B or 1, T]
+    needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, keys, values, chosen_weights))
+    outputs = []
+    for start in range(0, q.shape[2], QUERY_CHUNK):
+        part = slice(start, start + QUERY_CHUNK)
+        args = (q[:, :, part], keys, values, chosen, chosen_weights, positions[:, part], offsets // bucket_size,
+                bucket_size, dropout)
+        outputs.append(checkpoint(_bucket_chunk, *args, use_reentrant=False) if needs_grad else _bucket_chunk(*args))
+    return torch.cat(outputs, dim=2)
+
+
+def _bucket_chunk(q, keys, values, chosen, chosen_weights, positions, first_bucket, size: int, dropout: float
+                  ) -> Tensor:
+    """A chunk of queries q [B, H, t, D] at positions [B or 1, t] (see bucket_attention)."""
+    batch, n_heads = q.shape[:2]
     slot = torch.arange(size, device=q.device)
-    # query slots past the queries (the last bucket's tail, the first's head) read a real row and
-    # are never returned; key slots past the keys (or a row's own length) are later than every
-    # query of their bucket, so its causal mask hides them
-    query_index = (buckets[..., None] * size + slot - offsets[..., None]).clamp(0, n_new - 1)  # [B or 1, M, b]
-    own_rows = buckets[..., None] * size + slot  # [B or 1, M, b]
-    key_index = torch.cat((
-        (chosen[..., None] * size + slot).flatten(-2),  # [B, H, M, S' b]
-        own_rows[:, None].expand(batch, n_heads, -1, -1),
-    ), dim=-1).clamp(max=keys.shape[2] - 1)  # [B, H, M, (S' + 1) b]
-    valid = chosen_weights.isfinite()  # [B, H, M, S']; a bucket with fewer past buckets has holes
-    bias = torch.cat((
-        torch.where(valid, chosen_weights, 0.0).repeat_interleave(size, dim=-1),
-        chosen_weights.new_zeros(batch, n_heads, n_buckets, size),  # own bucket: no weight
-    ), dim=-1).to(q.dtype)[:, :, :, None]  # [B, H, M, 1, (S' + 1) b]
-    causal = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()  # own bucket: [b, b]
-    visible = torch.cat((
-        valid.repeat_interleave(size, dim=-1)[:, :, :, None].expand(-1, -1, -1, size, -1),
-        causal.expand(batch, n_heads, n_buckets, -1, -1),
-    ), dim=-1)  # [B, H, M, b, (S' + 1) b]
-    queries = select_rows(q, query_index[:, None].expand(batch, n_heads, -1, -1))  # [B, H, M, b, D]
-    block_keys, block_values = select_rows(keys, key_index), select_rows(values, key_index)
-    scores = torch.einsum("bhmqd,bhmkd->bhmqk", queries, block_keys) / math.sqrt(dim_head) + bias
+    bucket = positions // size  # [B or 1, t]
+    row = (bucket - first_bucket)[:, None, :, None].expand(batch, n_heads, -1, chosen.shape[-1])  # [B, H, t, S']
+    picked, weights = chosen.gather(2, row), chosen_weights.gather(2, row)  # each query's bucket's choice
+    valid = weights.isfinite()  # [B, H, t, S']: a bucket with fewer past buckets has holes
+    own = (bucket[..., None] * size + slot)[:, None].expand(batch, n_heads, -1, -1)  # [B, H, t, b]
+    key_positions = torch.cat(((picked[..., None] * size + slot).flatten(-2), own), dim=-1)  # [B, H, t, (S'+1) b]
+    # a key slot past the keys (or a row's own length) lies after the query: its own-bucket mask hides it
+    visible = torch.cat((valid.repeat_interleave(size, dim=-1), own <= positions[:, None, :, None]), dim=-1)
+    bias = torch.cat((torch.where(valid, weights, 0.0).repeat_interleave(size, dim=-1),
+                      weights.new_zeros(own.shape)), dim=-1).to(q.dtype)  # own bucket: no weight
+    index = key_positions.clamp(max=keys.shape[2] - 1)
+    chunk_keys, chunk_values = select_rows(keys, index), select_rows(values, index)  # [B, H, t, (S'+1) b, D]
+    scores = torch.einsum("bhtd,bhtkd->bhtk", q, chunk_keys) / math.sqrt(q.shape[-1]) + bias
     probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
     probs = F.dropout(probs, dropout) if dropout else probs
-    out = torch.einsum("bhmqk,bhmkd->bhmqd", probs, block_values).flatten(2, 3)  # [B, H, M b, D]
-    output_index = (offsets - first_bucket * size + torch.arange(n_new, device=q.device))[:, None]  # [B or 1, 1, T]
-    return select_rows(out, output_index.expand(batch, n_heads, -1))
+    return torch.einsum("bhtk,bhtkd->bhtd", probs, chunk_values)
 
 
 # ----------------------------------------------------------------------------------------------
