@@ -4,9 +4,9 @@ relative to full's, per version), and cached decoding in ms/token of every atten
 
 Both versions are imported in this one process (the earlier one from --old-src, loaded first and
 kept under its module objects), build their models from the same seed, and are timed in turn,
-round by round, so that both see the same machine load; medians are reported. The new version
-decodes twice: with plain nn.Linear products (its default) and with the opt-in column products
-(model/column_products.py; the earlier version took them by itself for models of 8 MB or more).
+round by round, so that both see the same machine load; medians are reported. (At b9d0d73 the
+earlier version decoded models of 8 MB of linear weights or more with its column products W x^T;
+this one uses nn.Linear throughout.)
 
     git worktree add --detach /tmp/previous b9d0d73
     OMP_NUM_THREADS=2 python bench/lean_core_ab.py --old-src /tmp/previous/src --rounds 7
@@ -93,16 +93,11 @@ def measure_training(versions: dict, seq_len: int, rounds: int) -> dict:
 
 
 def measure_decoding(versions: dict, context: int, new_tokens: int, rounds: int) -> dict:
-    column_products = importlib.import_module("attnlab.model.column_products")
     length = context + new_tokens
     models = {}
     for version_name, version in versions.items():
         for name, (kind, kv_heads) in DECODED.items():
             models[version_name, name] = build(version, kind, kv_heads, length).eval()
-            if version_name == "new":
-                columns = build(version, kind, kv_heads, length).eval()
-                column_products.use_column_products(columns)
-                models["new+columns", name] = columns
     tokens = torch.randint(0, 256, (1, length), generator=torch.Generator().manual_seed(2))
     times = {key: [] for key in models}
     for round_ in range(rounds + 1):
@@ -152,11 +147,11 @@ def print_tables(report: dict) -> None:
             print(row)
     decode = report["decode_ms_per_token"]
     print(f"\nCached decoding, median ms/token of {report['rounds']} rounds")
-    print("| attention | old | new (nn.Linear) | new + column products | new / old | new + columns / old |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| attention | old | new | new / old |")
+    print("|---|---:|---:|---:|")
     for name in DECODED:
-        old, new, columns = decode["old " + name], decode["new " + name], decode["new+columns " + name]
-        print(f"| {name} | {old:.2f} | {new:.2f} | {columns:.2f} | {new / old:.3f} | {columns / old:.3f} |")
+        old, new = decode["old " + name], decode["new " + name]
+        print(f"| {name} | {old:.2f} | {new:.2f} | {new / old:.3f} |")
 
 
 if __name__ == "__main__":

@@ -21,13 +21,12 @@ import statistics
 import time
 
 import torch
-from attnlab.model.linear import decoding_products
 
 from attnlab.data.corpus import load_corpus
 from attnlab.data.sampler import eval_windows
 from attnlab.generate.sampling import SamplingConfig, generate
 from attnlab.generate.speculative import speculative_generate
-from attnlab.model.quantize import quantize_weights
+from attnlab.model.quantize import decoding_products, quantize_weights
 from attnlab.train.checkpoint import load_model
 
 

@@ -110,3 +110,12 @@ def test_quantized_nsa_layer_keeps_a_float_cache():
     cache = model.blocks[0].attention.new_cache(2, 16)
     assert {tensor.dtype for tensor in cache.tensors.values()} == {torch.float32}
     assert cache.compressed_keys.dtype == torch.float32
+
+
+def test_decoding_products_names_what_a_model_multiplies_with():
+    from attnlab.model.quantize import decoding_products
+
+    model = nn.Sequential(nn.Linear(16, 16), nn.Sequential(nn.Linear(16, 4)))
+    assert decoding_products(model) == "F.linear"
+    quantize_weights(model[1], "int8")
+    assert decoding_products(model) == "F.linear+int8"

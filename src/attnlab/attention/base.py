@@ -2,7 +2,7 @@
 construction spec, the cache interface, the head projections, rotary positions and the naive
 masked attention that tests use as the oracle.
 
-The contract (DESIGN.md), for every registered variant:
+The contract (docs/attention.md), for every registered variant:
 
     forward(x, cache=None) -> y     cache None: the whole sequence in parallel (training);
                                     cache given: x holds the next T >= 1 tokens, cache updated in place

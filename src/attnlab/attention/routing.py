@@ -26,9 +26,9 @@ O(T * W * D) per chunk of queries; in training each chunk is checkpointed, so th
 O(T * D).
 
 Back-ends (kernels/__init__.py): `cpu`, the listed-key C++ kernel (kernels/listed_cpu.py: one unit
-per cluster, keys read in place, about 3x the speed of a block layout on fused attention at 4096
-tokens); `flex`, a FlexAttention band in sorted order (kernels/flex_routing.py). Both serve whole
-sequences; cached decoding runs the reference path.
+per cluster, keys read in place); `flex`, a FlexAttention band in sorted order
+(kernels/flex_routing.py). Both serve whole sequences (training, and a prefill into an empty cache);
+cached decoding runs the reference path.
 
 Legend: B batch, T queries, S keys (cached + new), H query heads, R routed heads, L local heads,
 G key/value heads, D head width, C clusters, W window, K = W + 1 key slots (itself + W earlier).
@@ -284,6 +284,7 @@ class RoutingAttention(Attention):
         k, v = expand_kv(k, spec.n_heads), expand_kv(v, spec.n_heads)  # [B, H, T, D]
         clusters = self._route(k[:, self.n_local :])  # [B, R, T]
         offset = 0 if cache is None else cache.offset  # [B] per row after a per-row rollback
+        whole = isinstance(offset, int) and offset == 0  # a whole sequence from position 0
         end = None if cache is None else cache.length + x.shape[1]  # per-row rotary offsets' bound
         q, k = self.heads.rotate(q, k, offset, end)
         positions = None  # [B, T] when rows differ in length
@@ -297,7 +298,7 @@ class RoutingAttention(Attention):
             parts.append(local_attention(q[:, local], k[:, local], v[:, local], window, dropout, positions))
         if self.n_routed:
             parts.append(self._routed(q[:, routed], k[:, routed], v[:, routed], clusters, dropout, positions,
-                                      whole=cache is None))
+                                      whole))
         y = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]  # [B, H, T, D]
         return self.heads.merge(y)
 

@@ -129,11 +129,9 @@ def measure_train(
 @torch.no_grad()
 def measure_decode(
     model_values: dict[str, Any], context: int, new_tokens: int, use_cache: bool,
-    device: str = "cpu", dtype: str = "fp32", column_products: bool = False,
+    device: str = "cpu", dtype: str = "fp32",
 ) -> dict[str, Any]:
-    """column_products: decode with the opt-in column products (model/column_products.py)."""
     from attnlab.model import Transformer
-    from attnlab.model.column_products import decoding_products, use_column_products
 
     torch_device = torch.device(device)
     length = context + new_tokens
@@ -142,8 +140,6 @@ def measure_decode(
     model = Transformer(config).to(torch_device).eval()
     if dtype != "fp32":
         model = model.to(DTYPES[dtype])
-    if column_products:
-        use_column_products(model)
     sequence = torch.randint(0, config.num_tokens, (1, length), device=torch_device)
     times = []
     loaded = []  # key/value tokens one query read per layer and step, where the cache reports it (NSA)
@@ -171,7 +167,7 @@ def measure_decode(
         "kind": "decode", "attention": config.attention.kind, "context": context, "cache": use_cache,
         "ms_per_token": median * 1e3, "tokens_per_s": 1 / median, "new_tokens": new_tokens,
         "kv_tokens_loaded": statistics.mean(loaded) if loaded else None,  # paper NSA's Table 4 quantity
-        "products": decoding_products(model, torch_device), **environment(torch_device, dtype),
+        **environment(torch_device, dtype),
     }
 
 

@@ -83,11 +83,10 @@ def train_jobs(values: dict[str, Any], seq_lens: list[int], batch_size: int, ste
 
 
 def decode_jobs(values: dict[str, Any], contexts: list[int], new_tokens: int, uncached: bool, device: str,
-                dtype: str, column_products: bool = False) -> list[Job]:
-    """`attnlab bench decode`: per context, decoding with the cache and (if `uncached`) without it;
-    column_products: with the opt-in column products (model/column_products.py)."""
+                dtype: str) -> list[Job]:
+    """`attnlab bench decode`: per context, decoding with the cache and (if `uncached`) without it."""
     return [("decode", dict(model_values=values, context=c, new_tokens=new_tokens, use_cache=cache, device=device,
-                            dtype=dtype, column_products=column_products))
+                            dtype=dtype))
             for c in contexts for cache in ([True, False] if uncached else [True])]
 
 

@@ -25,8 +25,7 @@ from attnlab.data.tokenizer import Tokenizer
 from attnlab.errors import AttnlabError
 from attnlab.generate.sampling import SamplingConfig, generate
 from attnlab.generate.speculative import CachedLanguageModel, EarlyExitDraft, SpeculativeResult, speculative_generate
-from attnlab.model.column_products import decoding_products, use_column_products
-from attnlab.model.quantize import quantize_weights
+from attnlab.model.quantize import decoding_products, quantize_weights
 from attnlab.model.transformer import Transformer
 from attnlab.train.checkpoint import load_model
 
@@ -53,7 +52,6 @@ class SpeculativeBench:
     repeats: int = 1  # timed runs of each decoder; medians reported
     weights: str = "auto"  # auto, model or ema
     device: str = "cpu"
-    column_products: bool = False  # both models decode with the opt-in column products (model/column_products.py)
 
     def __post_init__(self) -> None:  # worded for `attnlab speculative`, whose flags these fields are
         if self.target is None or (self.draft is None and self.early_exit is None):
@@ -79,7 +77,6 @@ def timed(function: Callable[[], object], device: torch.device) -> tuple[object,
 def load_pair(bench: SpeculativeBench, device: torch.device) -> tuple[Transformer, CachedLanguageModel, str]:
     """(target, draft, the draft's name for the report)."""
     target = load_model(bench.target, device=device, weights=bench.weights)
-    use_column_products(target, bench.column_products)
     if bench.early_exit is not None:
         draft_name = f"early exit after layer {bench.early_exit} of the target"
         return target, EarlyExitDraft(target, bench.early_exit), draft_name
@@ -89,7 +86,6 @@ def load_pair(bench: SpeculativeBench, device: torch.device) -> tuple[Transforme
         raise AttnlabError("draft and target must share a vocabulary (model.num_tokens)")
     if quantize_weights(draft, bench.draft_quantize):
         draft_name += f" ({bench.draft_quantize} weights)"
-    use_column_products(draft, bench.column_products)  # the layers left float
     return target, draft, draft_name
 
 
@@ -219,8 +215,8 @@ def run_speculative_bench(bench: SpeculativeBench) -> dict[str, Any]:
             # one row has nothing to roll back per row: it runs the single-sequence algorithm
             "batch_scheme": "per-row" if results[0].per_row else "shared" if bench.batch_size > 1 else "single row",
         },
-        # which products the models' linear layers multiply with when decoding (model/column_products.py)
-        "products": {"target": decoding_products(target, device), "draft": decoding_products(draft, device)},
+        # which products the models' linear layers multiply with when decoding (model/quantize.py)
+        "products": {"target": decoding_products(target), "draft": decoding_products(draft)},
         "speedup": base_seconds / speculative_seconds,
         # each speculative run against the base run of the same seed just before it: on a shared
         # machine whose speed drifts, the median of these pairs is the steadier figure

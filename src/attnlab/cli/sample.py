@@ -9,7 +9,6 @@ import torch
 
 from attnlab.data.corpus import encode_prompt, tokenizer_for
 from attnlab.generate.sampling import SamplingConfig, stream_text
-from attnlab.model.column_products import use_column_products
 from attnlab.train.checkpoint import load_model
 
 
@@ -27,14 +26,11 @@ def register(subparsers) -> None:
     parser.add_argument("--no-cache", action="store_true", help="recompute the whole prefix each token (slow path)")
     parser.add_argument("--weights", choices=["auto", "model", "ema"], default="auto")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--column-products", action="store_true",
-                        help="decode with the opt-in column products on a CPU (model/column_products.py)")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     model = load_model(args.run, device=args.device, weights=args.weights)
-    use_column_products(model, args.column_products)
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
     tokenizer = tokenizer_for(model.run_config.data)  # None: a byte-level run
     prompt = torch.tensor([encode_prompt(tokenizer, args.prompt)], device=args.device)

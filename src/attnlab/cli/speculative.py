@@ -61,8 +61,6 @@ def register(subparsers) -> None:
         help="int8: the draft's linear layers keep int8 weights (a quarter of the bytes to read per token); the "
         "output distribution is the target's either way (model/quantize.py)",
     )
-    parser.add_argument("--column-products", action="store_true",
-                        help="decode with the opt-in column products on a CPU (model/column_products.py)")
     parser.add_argument("--repeats", type=int, default=1, help="timed runs of each decoder; medians reported")
     parser.add_argument("--weights", choices=["auto", "model", "ema"], default="auto")
     parser.add_argument("--device", default="cpu")
@@ -107,7 +105,6 @@ def run(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
         sampling=SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p),
         seed=args.seed, batch_scheme=args.batch_scheme, repeats=args.repeats, weights=args.weights, device=args.device,
-        column_products=args.column_products,
     )
     report = run_speculative_bench(bench)
     if args.json:

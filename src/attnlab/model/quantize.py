@@ -77,6 +77,14 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+def decoding_products(model: nn.Module) -> str:
+    """How `model`'s linear layers multiply when decoding: "F.linear", "int8" (quantized layers), or
+    both joined by "+" (benchmark records say which ran)."""
+    kinds = {"int8" if isinstance(module, Int8Linear) else "F.linear"
+             for module in model.modules() if isinstance(module, (Int8Linear, nn.Linear))}
+    return "+".join(sorted(kinds)) or "none"
+
+
 def quantize_weights(model: nn.Module, quantization: str = "int8") -> int:
     """Replace every nn.Linear of `model` (in place) by its int8 version; embeddings and norms
     stay float. Returns how many layers were replaced; quantization "none" replaces none."""

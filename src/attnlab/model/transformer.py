@@ -23,6 +23,7 @@ import attnlab.attention  # noqa: F401  (registers the attention variants)
 import attnlab.model.moe  # noqa: F401  (registers the mixture-of-experts feed-forward)
 from attnlab.attention.base import AttentionSpec, KVCache, RotaryEmbedding, RowLengths
 from attnlab.config import ModelConfig
+from attnlab.errors import ConfigError
 from attnlab.model.layers import Chunked, TokenEmbedding
 from attnlab.model.loss import IGNORE_INDEX, chunked_linear_cross_entropy  # IGNORE_INDEX: padding, masked
 from attnlab.model.reversible import reversible_blocks
@@ -110,8 +111,12 @@ class Block(nn.Module):
             rotary=rotary,
         )
         attention_class = ATTENTION.get(config.attention.kind)
-        # a variant named X reads its options from `attention.X`
+        # a variant named X reads its options, of its config_class, from `attention.X`
         variant_config = getattr(config.attention, config.attention.kind, None)
+        expected = attention_class.config_class
+        if variant_config is not None and expected is not None and not isinstance(variant_config, expected):
+            raise ConfigError(f"model.attention.{config.attention.kind} must hold a "
+                              f"{attention_class.config_class.__name__}; add it to AttentionConfig")
         self.attention_norm = make_norm(config)
         self.attention = attention_class(spec, variant_config)
         self.feed_forward_norm = make_norm(config)

@@ -91,10 +91,11 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
 
 
 def upgrade_version_1_config(config: dict[str, Any]) -> dict[str, Any]:
-    """Before back-ends were named, "torch" meant: the compiled CPU kernels where they serve, the
-    torch path elsewhere; that is "auto" now."""
-    for variant in config.get("model", {}).get("attention", {}).values():
-        if isinstance(variant, dict) and variant.get("backend") == "torch":
+    """Before back-ends were named, routing, sinkhorn and NSA's "torch" meant: the compiled CPU
+    kernels where they serve, the torch path elsewhere; "auto" does that now (and on CUDA takes
+    the flex or triton kernels of the same semantics). Local attention's "torch" stays."""
+    for kind, variant in config.get("model", {}).get("attention", {}).items():
+        if kind in ("routing", "sinkhorn", "nsa") and isinstance(variant, dict) and variant.get("backend") == "torch":
             variant["backend"] = "auto"
     return config
 

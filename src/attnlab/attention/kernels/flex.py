@@ -8,7 +8,7 @@ CPU in torch 2.13, and it builds the whole query x key score matrix: for checks 
 The compiled kernels need a head width of at least 16: narrower heads are zero-padded (scores and
 outputs unchanged, the scale taken from the true width). Compiling per shape suits whole
 sequences, not decoding: chunks shorter than `LENGTH_BUCKET` queries on CUDA run on the variants'
-reference paths (kernels/__init__.py: `flex_serves`), so a growing cache never compiles a kernel per
+reference paths (kernels/__init__.py: `serves_call`), so a growing cache never compiles a kernel per
 length.
 
 Block masks are built from each back-end's structure (`tile_block_mask`): which key tiles of

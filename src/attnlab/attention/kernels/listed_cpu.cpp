@@ -7,7 +7,7 @@
 // sinkhorn attention makes one per bucket (L: its chosen buckets, then itself).
 //
 // Tensors are read and written as rows of D floats: the row of token t in (batch, head) bh is
-// data + (start[bh] + t * step) * D (attention/gathered.py's `rows_of`). Nothing is gathered
+// data + (start[bh] + t * step) * D (kernels/listed_cpu.py's `rows_of`). Nothing is gathered
 // into a block layout; keys are copied once per unit into a transposed buffer.
 //
 // Exactness: every score is one fused multiply-add chain over d, every output element one chain
