@@ -89,7 +89,15 @@ def measure_training(versions: dict, seq_len: int, rounds: int) -> dict:
             elapsed = train_step_seconds(model, optimizer, tokens)
             if round_:
                 seconds[key].append(elapsed)
-    return {f"{version} {name}": statistics.median(values) * 1e3 for (version, name), values in seconds.items()}
+    medians = {f"{version} {name}": statistics.median(values) * 1e3 for (version, name), values in seconds.items()}
+    # per round, the new version's speed vs full over the old one's (a paired figure: a slow spell
+    # of the machine within a round touches both versions alike); its median
+    def speed(version: str, name: str, baseline: str, round_: int) -> float:
+        return seconds[version, baseline][round_] / seconds[version, name][round_]
+
+    paired = {name: statistics.median(speed("new", name, baseline, r) / speed("old", name, baseline, r)
+                                      for r in range(rounds)) for name, baseline in BASELINE.items()}
+    return medians, paired
 
 
 def measure_decoding(versions: dict, context: int, new_tokens: int, rounds: int) -> dict:
@@ -116,35 +124,40 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--skip-training", action="store_true")
+    parser.add_argument("--skip-decoding", action="store_true")
     args = parser.parse_args()
     versions = {"old": import_version(args.old_src), "new": import_version(None)}
     report = {"threads": torch.get_num_threads(), "seq_len": args.seq_len, "rounds": args.rounds}
     if not args.skip_training:
-        train = measure_training(versions, args.seq_len, args.rounds)
+        train, paired = measure_training(versions, args.seq_len, args.rounds)
         report["train_step_ms"] = train
+        report["paired_new_over_old"] = paired
         report["speed_over_baseline"] = {
             f"{version} {name}": train[f"{version} {baseline}"] / train[f"{version} {name}"]
             for version in versions for name, baseline in BASELINE.items()}
         print(json.dumps(report), flush=True)
-    report["decode_ms_per_token"] = measure_decoding(versions, args.context, args.new_tokens, args.rounds)
-    print(json.dumps(report), flush=True)
+    if not args.skip_decoding:
+        report["decode_ms_per_token"] = measure_decoding(versions, args.context, args.new_tokens, args.rounds)
+        print(json.dumps(report), flush=True)
     print_tables(report)
 
 
 def print_tables(report: dict) -> None:
     if "train_step_ms" in report:
         print(f"\nTraining step at {report['seq_len']} tokens, median of {report['rounds']} rounds (ms; speed vs full)")
-        print("| attention | old | new | old speed vs full | new speed vs full | new / old ratio |")
-        print("|---|---:|---:|---:|---:|---:|")
+        print("| attention | old | new | old speed vs full | new speed vs full | new / old | paired median |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
         train, speed = report["train_step_ms"], report["speed_over_baseline"]
         for name in TRAINED:
             row = f"| {name} | {train['old ' + name]:.0f} | {train['new ' + name]:.0f} |"
             if name in BASELINE:
                 old, new = speed["old " + name], speed["new " + name]
-                row += f" {old:.2f}x | {new:.2f}x | {new / old:.3f} |"
+                row += f" {old:.2f}x | {new:.2f}x | {new / old:.3f} | {report['paired_new_over_old'][name]:.3f} |"
             else:
-                row += " | | |"
+                row += " | | | |"
             print(row)
+    if "decode_ms_per_token" not in report:
+        return
     decode = report["decode_ms_per_token"]
     print(f"\nCached decoding, median ms/token of {report['rounds']} rounds")
     print("| attention | old | new | new / old |")
