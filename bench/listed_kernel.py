@@ -45,7 +45,7 @@ def main() -> None:
         if path == "kernel":
             y = bucket_attention_cpu(q, k, v, chosen, weights, args.window)[0]
         else:
-            y = sinkhorn.bucket_attention(q, k, v, chosen, weights, 0, args.window)
+            y = sinkhorn.bucket_attention(q, k, v, chosen, weights, args.window)
         torch.autograd.grad(y, (q, k, v, weights), grad)
 
     paths = ("kernel", "torch")

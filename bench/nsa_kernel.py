@@ -46,10 +46,10 @@ def main() -> None:
     with torch.no_grad():  # the selection both paths' selected branch reads
         _, indices, valid, _ = nsa.compressed_branch(q, keys, values, positions, 0, config)
     branches = {  # NativeSparseAttention.forward's branches of a whole sequence, on each layer's back-end
-        "compressed + selection": (lambda layer: layer._compressed(q, keys, values, positions, 0, True, False)[0],
+        "compressed + selection": (lambda layer: layer._compressed(q, keys, values, positions, False)[0],
                                    (q, keys, values)),
-        "selected": (lambda layer: layer._selected(q, k, v, indices, valid, None, positions, 0, True), (q, k, v)),
-        "sliding": (lambda layer: layer._sliding(q, k, v, None, True), (q, k, v)),
+        "selected": (lambda layer: layer._selected(q, k, v, indices, valid, None, positions), (q, k, v)),
+        "sliding": (lambda layer: layer._sliding(q, k, v), (q, k, v)),
     }
     paths = ("kernel", "torch")
     times = {(name, path, part): [] for name in branches for path in paths for part in ("forward", "backward")}

@@ -101,12 +101,16 @@ def test_rollback(name):
         assert cache.length == 20
         resumed = model(c, cache=cache).logits
         expected = model(torch.cat((a, c), dim=1)).logits[:, 20:]
+        torch.testing.assert_close(resumed, expected, atol=1e-5, rtol=1e-5)
+        cache.truncate(6)  # further back than any window or bucket: the storage keeps every position
+        resumed = torch.cat([model(c[:, :4], cache=cache).logits, model(c[:, 4:5], cache=cache).logits], dim=1)
+        expected = model(torch.cat((a[:, :6], c[:, :5]), dim=1)).logits[:, 6:]
     torch.testing.assert_close(resumed, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_per_row_rollback(name):
-    """A cache that rolls rows back to lengths of their own then equals, row by row, the parallel
-    forward of that row's own tokens (a chunk and single tokens); one that cannot says so."""
+    """A cache rolled back to lengths of its own per row then equals, row by row, the parallel
+    forward of that row's own tokens (a chunk and single tokens)."""
     model = make_model(name)
     a, b, c = tokens(3, 20, seed=2), tokens(3, 7, seed=3), tokens(3, 9, seed=4)
     kept = [0, 3, 7]  # tokens of b each row keeps
@@ -114,21 +118,17 @@ def test_per_row_rollback(name):
         cache = model.new_cache(3, 64)
         model(a, cache=cache)
         model(b, cache=cache)
-        if not cache.per_row_rollback:
-            with pytest.raises(NotImplementedError, match="one length only"):
-                cache.truncate_rows(torch.tensor([20, 23, 27]))
-            return
         cache.truncate_rows(torch.tensor([20 + n for n in kept]))
-        assert cache.length == 27 and cache.offset.tolist() == [20, 23, 27]
+        assert cache.length == 27 and cache.lengths.tolist() == [20, 23, 27]
         resumed = torch.cat([model(c[:, :7], cache=cache).logits] + [model(c[:, t : t + 1], cache=cache).logits
                                                                    for t in (7, 8)], dim=1)
-        assert cache.offset.tolist() == [29, 32, 36]
+        assert cache.lengths.tolist() == [29, 32, 36]
         for row, n in enumerate(kept):
             own = torch.cat((a[row], b[row, :n], c[row]))[None]
             expected = model(own).logits[0, 20 + n :]
             torch.testing.assert_close(resumed[row], expected, atol=1e-5, rtol=1e-5)
         cache.truncate(25)  # level again, at a length every row has
-        assert cache.offset == 25
+        assert cache.lengths.tolist() == [25, 25, 25]
         d = tokens(3, 4, seed=5)
         level = torch.cat([model(d[:, :3], cache=cache).logits, model(d[:, 3:], cache=cache).logits], dim=1)
         for row, n in enumerate(kept):
@@ -235,25 +235,15 @@ def test_memory_linear_in_length(sparse_name):
     assert large < 2048 * 2048 // 4, "a tensor close to T x T was built"
 
 
-@pytest.mark.parametrize("per_row", [False, True])
-def test_local_cache_refuses_to_roll_back_past_what_it_keeps(per_row):
-    """A local cache keeps window - 1 + max_rollback tokens: a rollback that would leave a row
-    without the window its next token sees is refused, level or per row."""
-    model = Transformer(variant_config("local", attention={"kind": "local", "local": {"window_size": 8,
-                                                                                     "max_rollback": 2}})).eval()
+def test_cache_refuses_more_than_it_holds(name):
+    """A cache asked beyond its max_len says so in one line, and the forward changes nothing."""
+    model = make_model(name)
     with torch.no_grad():
-        cache = model.new_cache(2, 64)
+        cache = model.new_cache(2, 24)
         model(tokens(2, 20), cache=cache)
-        with pytest.raises(ValueError, match="raise attention.local.max_rollback"):
-            if per_row:
-                cache.truncate_rows(torch.tensor([20, 17]))
-            else:
-                cache.truncate(17)
-        if per_row:  # within max_rollback
-            cache.truncate_rows(torch.tensor([20, 19]))  # rows keep 9 and 8 of the 9 slots
-            cache.truncate(19)  # level again: both hold 8 tokens, so one more can go, not two
-            cache.truncate(18)
-            with pytest.raises(ValueError, match="raise attention.local.max_rollback"):
-                cache.truncate(17)  # would leave the rows without the 7 keys their next token sees
-        else:
-            cache.truncate(18)
+        with pytest.raises(ValueError, match="holds 24 tokens a row"):
+            model(tokens(2, 5), cache=cache)
+        assert cache.length == 20 and cache.lengths.tolist() == [20, 20]
+        with pytest.raises(ValueError, match="cannot truncate"):
+            cache.truncate(21)
+

@@ -17,7 +17,7 @@ def test_flex_bucket_attention_equals_torch(n_tokens, bucket, n_sortcut):
     torch.manual_seed(n_tokens)
     q, k, v = (torch.randn(2, 3, n_tokens, 8) for _ in range(3))
     chosen, weights = sort_buckets(bucket_means(q, bucket), bucket_means(k, bucket), n_sortcut, 3, 0.75, gumbel=False)
-    want = bucket_attention(q, k, v, chosen, weights, 0, bucket)
+    want = bucket_attention(q, k, v, chosen, weights, bucket)
     torch.testing.assert_close(flex_bucket_attention(q, k, v, chosen, weights, bucket), want, atol=1e-5, rtol=1e-5)
 
 

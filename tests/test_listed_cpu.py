@@ -137,7 +137,7 @@ def test_sinkhorn_kernel_equals_the_reference_with_holes():
         if kernel:
             y = bucket_attention_cpu(q, k, v, chosen, weights, size)[0]
         else:
-            y = sinkhorn.bucket_attention(q, k, v, chosen, weights, 0, size)
+            y = sinkhorn.bucket_attention(q, k, v, chosen, weights, size)
         results.append((y, torch.autograd.grad((y * target).sum(), (q, k, v, *means), retain_graph=True)))
     torch.testing.assert_close(results[0][0], results[1][0], atol=1e-5, rtol=1e-5)
     for a, b in zip(results[0][1], results[1][1]):

@@ -53,7 +53,7 @@ def reference(layer: NativeSparseAttention, x: torch.Tensor) -> torch.Tensor:
     """The layer, densely: T x T masks, an explicit overlap matrix for eq. 9, per-query selection."""
     config = layer.config
     batch, length, _ = x.shape
-    q_plain, q, tensors = layer._project(x, 0, None)
+    q_plain, q, tensors = layer._project(x, 0)
     k_cmp, v_cmp = layer._branch(tensors, "cmp")
     block, stride, sel = config.compress_block_size, config.compress_stride, config.selection_block_size
     n_blocks = n_complete_blocks(length, block, stride)
@@ -205,6 +205,7 @@ def test_decode_reports_tokens_loaded():
     with torch.no_grad():
         for t in range(40):
             layer(x[:, t : t + 1], cache=cache)
+            cache.advance(1)  # a layer's cache on its own counts its tokens when told (ModelCache does it)
             counts.append(cache.kv_tokens_loaded)
     for t, count in enumerate(counts):
         n_blocks = n_complete_blocks(t + 1, 4, 4)
@@ -231,22 +232,19 @@ def test_bench_decode_reports_tokens_loaded():
 
 @pytest.mark.parametrize("chunk", [1, 3])
 def test_rows_of_their_own_length_across_query_chunks(chunk):
-    """A cache rolled back to a length per row (truncate_rows) then fed chunks longer than the
-    layer's query chunks: each row equals the layer run on that row's own tokens alone, and the
-    statistic of a level-rows step is withheld while rows differ."""
-    from attnlab.attention.base import RowLengths
-
+    """A cache rolled back to a length per row then fed chunks longer than the layer's query chunks:
+    each row equals the layer run on that row's own tokens alone."""
     layer = make_layer(query_chunk_size=chunk).eval()
     x = torch.randn(3, 40, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     kept = [13, 17, 22]  # each row's tokens after the rollback; blocks of 4 every 2 tokens cut mid-block
     with torch.no_grad():
         cache = layer.new_cache(3, 64)
         layer(x[:, :24], cache=cache)
-        lengths = torch.tensor(kept)
-        cache.truncate_rows(RowLengths(lengths, max(kept)))
+        cache.lengths.copy_(torch.tensor(kept))  # rolled back, row by row
         new = x[:, 24:]  # what each row feeds next, at its own positions
-        got = torch.cat([layer(new[:, :7], cache=cache), layer(new[:, 7:8], cache=cache)], dim=1)
-        assert cache.kv_tokens_loaded is None
+        chunk = layer(new[:, :7], cache=cache)
+        cache.advance(7)
+        got = torch.cat([chunk, layer(new[:, 7:8], cache=cache)], dim=1)
         for row, length in enumerate(kept):
             own = torch.cat((x[row, :length], new[row, :8]))[None]
             torch.testing.assert_close(got[row], layer(own)[0, length:], rtol=1e-9, atol=1e-9)

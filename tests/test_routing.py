@@ -13,6 +13,7 @@ from attnlab.attention.base import naive_attention
 from attnlab.attention.kernels.listed_cpu import routed_attention_cpu
 from attnlab.attention.routing import (
     RoutingAttention,
+    cached_routed_attention,
     commitment_loss,
     routed_attention,
     routing_stats,
@@ -46,13 +47,17 @@ def test_routed_attention_equals_oracle(window, cpu_path):
     clusters = torch.randint(0, 4, (2, 2, 37))
     expected = naive_attention(q, k, v, oracle_mask(clusters, window))
     torch.testing.assert_close(attend(cpu_path, q, k, v, clusters, window), expected, atol=1e-5, rtol=1e-5)
-    # the reference for a chunk through a cache: the last 9 tokens as queries against all keys
-    cached = routed_attention(q[:, :, -9:], k, v, clusters, window)
+    # through a cache's storage (48 positions, the last 11 unfed and holding garbage): a chunk of the
+    # last 9 tokens, and one decoded token at every length (clusters with fewer and more than W
+    # earlier tokens)
+    storage = [torch.cat((x, torch.randn(2, 2, 11, 8)), dim=2) for x in (k, v)]
+    stored_clusters = torch.cat((clusters, torch.randint(0, 4, (2, 2, 11))), dim=2)
+    positions = torch.arange(28, 37).expand(2, -1)
+    cached = cached_routed_attention(q[:, :, -9:], *storage, stored_clusters, positions, window)
     torch.testing.assert_close(cached, expected[:, :, -9:], atol=1e-5, rtol=1e-5)
-    # one decoded token at every length (its own path): clusters with fewer and more than W earlier tokens
     for length in range(1, 38):
-        one = routed_attention(q[:, :, length - 1 : length], k[:, :, :length], v[:, :, :length],
-                               clusters[..., :length], window)
+        one = cached_routed_attention(q[:, :, length - 1 : length], *storage, stored_clusters,
+                                      torch.full((2, 1), length - 1), window)
         torch.testing.assert_close(one, expected[:, :, length - 1 : length], atol=1e-5, rtol=1e-5)
 
 

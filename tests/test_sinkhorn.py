@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from attnlab.attention.base import AttentionSpec
 from attnlab.attention.kernels.cpu import available
@@ -15,6 +16,7 @@ from attnlab.attention.sinkhorn import (
     SinkhornAttention,
     bucket_attention,
     bucket_means,
+    cached_bucket_attention,
     causal_sinkhorn,
     sort_buckets,
 )
@@ -89,10 +91,19 @@ def test_bucket_attention_equals_written_out_scores_with_gradients(path, offset,
     inputs = [x.requires_grad_() for x in (q, keys, values, weights)]
     target = torch.randn(batch, heads, n_new, dim)
     results = []
+
     def cpu_back_end(q, keys, values, chosen, weights, offset, size):
         return bucket_attention_cpu(q, keys, values, chosen, weights, size)[0]
 
-    for function in (cpu_back_end if path == "cpu" else bucket_attention, bucket_attention_reference):
+    def reference(q, keys, values, chosen, weights, offset, size):
+        if offset == 0:
+            return bucket_attention(q, keys, values, chosen, weights, size)
+        # a chunk through a cache: every bucket's choice (the rows before `first` unused)
+        pad = (0, 0, first, 0)
+        positions = (offset + torch.arange(q.shape[2])).expand(q.shape[0], -1)
+        return cached_bucket_attention(q, keys, values, F.pad(chosen, pad), F.pad(weights, pad), positions, size)
+
+    for function in (cpu_back_end if path == "cpu" else reference, bucket_attention_reference):
         y = function(*inputs[:3], chosen, inputs[3], offset, size)
         results.append((y, torch.autograd.grad((y * target).sum(), inputs)))
     torch.testing.assert_close(results[0][0], results[1][0], atol=1e-5, rtol=1e-5)

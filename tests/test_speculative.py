@@ -15,7 +15,6 @@ import torch
 from torch import Tensor
 
 import attnlab.generate.speculative as speculative
-from attnlab.attention.base import causal_mask
 from attnlab.attention.full import FullCache
 from attnlab.generate.sampling import SamplingConfig, generate, probabilities
 from attnlab.generate.speculative import EarlyExitDraft, accept_reject, speculative_generate
@@ -60,10 +59,7 @@ def test_greedy_speculative_equals_greedy_target(pair, batch):
     target, draft = model(logit_scale=8, **target_options), model(logit_scale=8, **draft_options)
     prompt = torch.randint(0, 61, (batch, 9), generator=torch.Generator().manual_seed(batch))
     expected = generate(target, prompt, 32, GREEDY)
-    # auto, and both schemes where both caches roll back per row (every built-in one)
-    schemes = [None, True, False] if target.new_cache(1).per_row_rollback and draft.new_cache(1).per_row_rollback \
-        else [None]
-    for gamma, per_row in itertools.product((1, 5), schemes):
+    for gamma, per_row in itertools.product((1, 5), [None, True, False]):  # auto, and both schemes
         result = speculative_generate(target, draft, prompt, 32, gamma=gamma, sampling=GREEDY, per_row=per_row)
         assert torch.equal(result.tokens, expected), (pair, batch, gamma, per_row)
         assert result.lengths.tolist() == [32] * batch
@@ -185,7 +181,7 @@ def pair() -> tuple[Transformer, Transformer]:
 
 # a window of 3 tokens: the band bites within the 7 tokens of a continuation, and per-row
 # rollbacks shift the kept keys of each row (LocalCache) at every step
-NARROW_LOCAL = {"attention": {"kind": "local", "local": {"window_size": 3, "max_rollback": 4}}}
+NARROW_LOCAL = {"attention": {"kind": "local", "local": {"window_size": 3}}}
 
 
 @pytest.fixture(scope="module")
@@ -272,17 +268,6 @@ def test_quantized_draft_follows_the_target(full_pair):
     assert chi_square_p_value(counts, expected) > 0.01
 
 
-def test_per_row_needs_caches_that_roll_back_per_row(monkeypatch):
-    from attnlab.attention.local import LocalCache
-
-    monkeypatch.setattr(LocalCache, "per_row_rollback", False)  # as a cache with one length for all rows
-    target, draft = tiny("full", seed=0, depth=2), tiny("local", seed=1, depth=1)
-    with pytest.raises(ValueError, match="per-row rollback needs caches"):
-        speculative_generate(target, draft, PROMPT.expand(2, -1), 3, gamma=GAMMA, per_row=True)
-    result = speculative_generate(target, draft, PROMPT.expand(2, -1), 3, gamma=GAMMA)
-    assert not result.per_row
-
-
 def test_accept_always_is_detected(pair, monkeypatch):
     """Accepting every draft token samples the draft, not the target: the test must notice."""
     target, draft = pair
@@ -320,7 +305,7 @@ class RecordingTarget(torch.nn.Module):
         self.records: list[tuple[Tensor, Tensor, Tensor]] = []
 
     def forward(self, tokens, cache=None):
-        offsets = torch.as_tensor(cache.offset).expand(tokens.shape[0]).clone()  # [B] (rows level or not)
+        offsets = cache.lengths.clone()  # [B]
         output = self.target(tokens, cache=cache)
         self.records.append((offsets, tokens.clone(), output.logits.clone()))
         return output
@@ -330,7 +315,7 @@ class RecordingTarget(torch.nn.Module):
         if self.stale_rollback:  # a broken rollback that keeps one token past the committed prefix
             cache.truncate = lambda length: ModelCache.truncate(cache, min(length + 1, cache.length))
             cache.truncate_rows = lambda lengths: ModelCache.truncate_rows(
-                cache, torch.minimum(lengths + 1, torch.as_tensor(cache.offset))
+                cache, torch.minimum(lengths + 1, cache.lengths)
             )
         return cache
 
@@ -390,11 +375,9 @@ def test_per_row_mask_bug_is_detected(monkeypatch):
     prompt = torch.randint(0, 61, (6, 5), generator=torch.Generator().manual_seed(0))
     append = FullCache.append
 
-    def append_level(cache, k, v):
-        keys, values, mask = append(cache, k, v)
-        if mask is not None and mask.dim() == 4:  # per-row bands -> one causal band for all rows
-            mask = causal_mask(k.shape[2], keys.shape[2])
-        return keys, values, mask
+    def append_level(cache, k, v, positions):
+        mask = append(cache, k, v, positions)  # [B, 1, T, L]
+        return mask.any(dim=0, keepdim=True).expand_as(mask)  # every row sees what any row sees
 
     monkeypatch.setattr(FullCache, "append", append_level)
     recording = RecordingTarget(target)
@@ -402,29 +385,17 @@ def test_per_row_mask_bug_is_detected(monkeypatch):
     assert not attended_only_committed_tokens(recording, result.tokens)
 
 
-@pytest.mark.parametrize("bug", ["no shift", "empty slots seen"])
-def test_local_per_row_bugs_are_detected(bug, monkeypatch):
-    """A local cache that rolls rows back without shifting each row's kept keys (so rows append
-    after stale slots), or whose mask lets a row see the empty slots a rollback leaves, is caught."""
-    from attnlab.attention.local import LocalCache
+def test_local_per_row_window_bug_is_detected(monkeypatch):
+    """A local cache whose window follows the longest row rather than each row's own position (so a
+    shorter row reads the rejected draft tokens past its length) is caught."""
+    from attnlab.attention import local
 
-    if bug == "no shift":
-        monkeypatch.setattr(LocalCache, "_drop_per_row", lambda cache, drop, lengths: None)
-    else:
-        band = LocalCache._row_band
-
-        def band_seeing_empty_slots(cache, n_new, n_keys):
-            valid = cache.valid
-            cache.valid = torch.full_like(valid, cache.capacity)
-            try:
-                return band(cache, n_new, n_keys)
-            finally:
-                cache.valid = valid
-
-        monkeypatch.setattr(LocalCache, "_row_band", band_seeing_empty_slots)
-    local = {"attention": {"kind": "local", "local": {"window_size": 6, "max_rollback": 8}}}
-    target = model("local", depth=2, logit_scale=3, **local)
-    draft = model("local", seed=1, depth=1, logit_scale=3, **local)
+    window_positions = local.window_positions
+    monkeypatch.setattr(local, "window_positions", lambda positions, window: window_positions(
+        positions.max(dim=0, keepdim=True).values.expand_as(positions), window))
+    settings = {"attention": {"kind": "local", "local": {"window_size": 6}}}
+    target = model("local", depth=2, logit_scale=3, **settings)
+    draft = model("local", seed=1, depth=1, logit_scale=3, **settings)
     prompt = torch.randint(0, 61, (6, 3), generator=torch.Generator().manual_seed(0))
     recording = RecordingTarget(target)
     result = speculative_generate(recording, draft, prompt, 30, gamma=4, generator=torch.Generator().manual_seed(0),
@@ -433,12 +404,18 @@ def test_local_per_row_bugs_are_detected(bug, monkeypatch):
 
 
 def test_nsa_stale_compressed_blocks_are_detected(monkeypatch):
-    """An NSA cache that, while rows differ, compresses only the blocks no row has completed
-    before (as when rows are level) keeps compressed keys made of a row's rejected draft tokens
-    once the row overwrites them: caught."""
+    """An NSA cache that compresses a block only once (when a row first completes it) keeps
+    compressed keys made of a row's rejected draft tokens once the row overwrites them: caught."""
     from attnlab.attention.nsa import NSACache
 
-    monkeypatch.setattr(NSACache, "first_block_written", lambda cache, rows: cache.n_compressed)
+    compress, done = NSACache.compress, set()
+
+    def compress_once(cache, keys, values, positions, key_network, value_network):
+        if id(cache) not in done:  # only the first cached forward of each layer compresses
+            done.add(id(cache))
+            compress(cache, keys, values, positions, key_network, value_network)
+
+    monkeypatch.setattr(NSACache, "compress", compress_once)
     target, draft = model("nsa", depth=2, logit_scale=3), model("nsa", seed=1, depth=1, logit_scale=3)
     prompt = torch.randint(0, 61, (6, 5), generator=torch.Generator().manual_seed(0))
     recording = RecordingTarget(target)
@@ -612,19 +589,6 @@ def test_speculative_command_with_an_int8_draft(trained_pair, capsys):
     assert report["speculative"]["text"] == report["base"]["text"]  # greedy: token for token
     assert main([*arguments, "--early-exit", "1"]) == 2  # its layers are the target's
     assert "--draft-quantize needs a draft of its own" in capsys.readouterr().err
-
-
-def test_per_row_scheme_refused_for_caches_without_it(trained_pair, monkeypatch, capsys):
-    from attnlab.cli.main import main
-
-    root = trained_pair[0]
-    monkeypatch.setattr(FullCache, "per_row_rollback", False)  # as a local-attention cache
-    code = main([
-        "speculative", "--target", str(root / "target"), "--draft", str(root / "draft"), "--prompt", "def ",
-        "--max-new-tokens", "4", "--batch-size", "2", "--batch-scheme", "per-row",
-    ])
-    assert code == 2
-    assert "--batch-scheme per-row needs caches that roll back per row" in capsys.readouterr().err
 
 
 def test_decoding_past_the_training_length_warns(trained_pair, caplog):

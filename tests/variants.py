@@ -18,7 +18,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "full-learned-positions": dict(position="learned", norm="rmsnorm", feed_forward="swiglu"),
     "full-tied-factorised": dict(tie_embeddings=True, emb_dim=16, ff_chunks=3, kv_heads=None),
     "local-no-positions": dict(position="none", attention={"kind": "local", "local": {"window_size": 5}}),
-    "local": dict(attention={"kind": "local", "local": {"window_size": 8, "max_rollback": 16}}),
+    "local": dict(attention={"kind": "local", "local": {"window_size": 8}}),
     # routing: windows and clusters small enough that length 45 overflows both; layer 0 mixes
     # 1 local head with 3 routed ones (not aligned with the 2 kv groups), layer 1 has 2 and 2
     "routing": dict(attention={"kind": "routing", "routing": {

@@ -34,7 +34,6 @@ PRESET_DIR = Path(__file__).parent / "presets"
 @dataclass(kw_only=True)
 class LocalAttentionConfig:
     window_size: int = 128  # keys visible to a query, itself included
-    max_rollback: int = 64  # cached tokens kept beyond the window so truncate() can go back this far
     backend: Literal["auto", "torch", "flex"] = "auto"  # attention/kernels/__init__.py; flex: GPU (CPU: forward only)
 
 

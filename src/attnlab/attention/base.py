@@ -18,7 +18,6 @@ Dimension legend: B batch, T new tokens, S keys, H query heads, G key/value head
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -50,97 +49,52 @@ class AttentionSpec:
             raise ValueError(f"heads ({self.n_heads}) must be a multiple of kv_heads ({self.n_kv_heads})")
 
 
-class RowLengths:
-    """Lengths of the rows of a batch [B] that differ (after a per-row rollback), shared by every
-    layer of one model's cache. The positions of the next tokens and the masks they need are the
-    same in every layer, so they are built once per forward (`advance`, `causal_mask`, `memo`), not
-    once per layer."""
-
-    def __init__(self, lengths: Tensor, longest: int) -> None:
-        self.lengths = lengths  # [B]
-        self.longest = longest  # max(lengths), known on the host
-        self._next: tuple[int, RowLengths, Tensor, Tensor] | None = None
-        # what a cache type derives from these lengths for the next forward (a mask, a bound),
-        # built by its first layer and read by the others: every layer's rows hold the same tokens
-        self.memo: dict[tuple, object] = {}
-
-    def advance(self, n_new: int) -> tuple[RowLengths, Tensor]:
-        """Feed n_new tokens to every row -> (the lengths after them, their positions [B, T])."""
-        if self._next is None or self._next[0] != n_new:
-            positions = self.lengths[:, None] + torch.arange(n_new, device=self.lengths.device)  # [B, T]
-            self._next = (n_new, RowLengths(self.lengths + n_new, self.longest + n_new), positions)
-        return self._next[1:]
-
-    @property
-    def shortest(self) -> int:
-        """min(lengths), on the host: one device sync per RowLengths, shared by every layer."""
-        if ("shortest",) not in self.memo:
-            self.memo[("shortest",)] = int(self.lengths.min())
-        return self.memo[("shortest",)]
-
-    def causal_mask(self, n_new: int) -> Tensor:
-        """[B, 1, T, S] for the next n_new tokens, S = longest + T: each sees its row's keys up to
-        itself (a cache that keeps every position)."""
-        key = ("causal", n_new)
-        if key not in self.memo:
-            _, positions = self.advance(n_new)
-            keys = torch.arange(self.longest + n_new, device=self.lengths.device)
-            self.memo[key] = (keys <= positions[:, :, None])[:, None]
-        return self.memo[key]
-
-
 class KVCache:
-    """Per-layer decoding state. `length` counts the tokens already fed.
+    """One layer's decoding state, static: storage preallocated to `max_len` tokens and read through
+    masks and gathers, and the tokens fed counted per row in `lengths` ([B], one tensor shared by
+    every layer of a model's cache and advanced by ModelCache after each forward). So a decode step
+    has the same shapes every time, whatever the position: it compiles once. Rolling back
+    (speculative decoding) only changes `lengths`, for all rows or row by row: whatever lies past a
+    row's length is never read, and its next tokens overwrite it.
 
-    A cache with `per_row_rollback` can also roll each row back to its own length
-    (`truncate_rows`); from then on `rows` holds the lengths, `length` is the longest, and the
-    next tokens of each row go to that row's own positions. Speculative decoding uses it to let
-    every row of a batch keep exactly the tokens it accepted."""
+    `prefill` is True during a forward while every row is empty (ModelCache sets it): the layer may
+    then compute the chunk as a whole sequence, on its fastest back-end, and fill its storage from it.
+    """
 
-    length: int = 0
-    rows: RowLengths | None = None  # while rows differ in length; None while they are level
-    per_row_rollback: bool = False
+    def __init__(self, lengths: Tensor, max_len: int) -> None:
+        self.lengths = lengths  # [B] tokens fed per row
+        self.max_len = max_len
+        self.prefill = False
 
-    @property
-    def offset(self) -> int | Tensor:
-        """The position of the next token: an int, or [B] per row after truncate_rows."""
-        return self.length if self.rows is None else self.rows.lengths
+    def positions(self, n_new: int) -> Tensor:
+        """[B, T]: the positions of each row's next n_new tokens."""
+        return self.lengths[:, None] + torch.arange(n_new, device=self.lengths.device)
 
-    def truncate(self, length: int) -> None:
-        """Forget everything after the first `length` tokens, exactly."""
-        raise NotImplementedError
+    def advance(self, n_new: int) -> None:
+        """Count n_new more tokens in every row: ModelCache does it once for all its layers; a layer's
+        cache used on its own needs it after each forward."""
+        self.lengths += n_new
 
-    def truncate_rows(self, rows: RowLengths) -> None:
-        """Forget everything of row b after its first rows.lengths[b] tokens."""
-        raise NotImplementedError(f"{type(self).__name__} rolls back all rows to one length only")
 
-    def _check_truncate(self, length: int) -> None:
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot truncate a cache of length {self.length} to {length}")
+def new_lengths(batch: int, device=None) -> Tensor:
+    """The per-row token counts [B] of an empty cache."""
+    return torch.zeros(batch, dtype=torch.long, device=device)
 
-    def _level_rows(self, length: int) -> bool:
-        """For truncate(length) while rows may differ: refuse a length some row lacks, and make the
-        rows level (rows None). Returns whether they differed."""
-        if self.rows is None:
-            return False
-        if bool((self.rows.lengths < length).any()):
-            raise ValueError(f"cannot truncate rows of lengths {self.rows.lengths.tolist()} to {length}")
-        self.rows = None
-        return True
 
-    def _adopt_rows(self, rows: RowLengths) -> None:
-        """truncate_rows of a cache that keeps every position (rows checked by the caller,
-        ModelCache.truncate_rows, in one device sync for all layers): later tokens are
-        overwritten by the next append, or masked until then."""
-        if rows.longest > self.length:
-            raise ValueError(f"cannot truncate a cache of length {self.length} to rows up to {rows.longest}")
-        self.rows, self.length = rows, rows.longest
+def window_positions(positions: Tensor, window: int) -> tuple[Tensor, Tensor]:
+    """The positions of each query's sliding window, itself last: positions [B, T] -> (index [B, T, W]
+    clamped at 0, valid [B, T, W])."""
+    index = positions[..., None] - torch.arange(window - 1, -1, -1, device=positions.device)
+    return index.clamp(min=0), index >= 0
 
 
 def write_rows(store: Tensor, new: Tensor, positions: Tensor) -> None:
-    """store [B, H, L, ...] at each row's own positions [B, T] <- new [B, H, T, ...], in place."""
-    rows = torch.arange(new.shape[0], device=new.device)[:, None]  # [B, 1]
-    store.transpose(1, 2)[rows, positions] = new.transpose(1, 2)  # b t h ..., written in place
+    """store [B, H, L, ...] at each row's own positions [B, T] <- new [B, H, T, ...], in place. Indexes
+    the storage itself, not a view of it: a compiled step then writes the few rows in place rather
+    than copying the whole storage."""
+    rows = torch.arange(new.shape[0], device=new.device)[:, None, None]  # [B, 1, 1]
+    heads = torch.arange(new.shape[1], device=new.device)[None, :, None]  # [1, H, 1]
+    store.index_put_((rows, heads, positions[:, None, :]), new.to(store.dtype))  # [B, H, T] places
 
 
 def select_rows(x: Tensor, index: Tensor) -> Tensor:
@@ -165,7 +119,6 @@ class RotaryEmbedding(nn.Module):
             raise ValueError("rotary positions need an even head width")
         self.dim_head = dim_head
         self.theta = theta
-        self._row_memo: tuple | None = None  # (offsets [B], (T, dtype), cos, sin) of the last per-row call
         self._build(max_seq_len)
 
     def _build(self, length: int) -> None:
@@ -175,18 +128,16 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos().float(), persistent=False)
         self.register_buffer("sin", angles.sin().float(), persistent=False)
 
-    def forward(self, x: Tensor, offset: int | Tensor, end: int | None = None) -> Tensor:
-        """x [B, H, T, D] at positions offset..offset+T-1 -> rotated x. offset is an int, or a
-        tensor [B] of per-row offsets (a cache after truncate_rows), whose bound `end` (the
-        largest position + 1) must then be given."""
-        cos, sin = self._factors(x, offset, end)
+    def forward(self, x: Tensor, positions: int | Tensor) -> Tensor:
+        """x [B, H, T, D] at positions positions.. (an int: the first of T consecutive ones) or at
+        positions [B, T] (each row's own; the table must hold them: `reserve`) -> rotated x."""
+        cos, sin = self._factors(x, positions)
         return self._rotate(x, cos, sin)
 
-    def rotate_pair(self, q: Tensor, k: Tensor, offset: int | Tensor, end: int | None = None) -> tuple[Tensor, Tensor]:
+    def rotate_pair(self, q: Tensor, k: Tensor, positions: int | Tensor) -> tuple[Tensor, Tensor]:
         """forward(q), forward(k) for queries [B, H, T, D] and keys [B, G, T, D] at the same
-        positions, rotated together: the same values, half the operations (decoding runs this
-        once per layer and token)."""
-        cos, sin = self._factors(q, offset, end)
+        positions, rotated together: the same values, half the operations."""
+        cos, sin = self._factors(q, positions)
         rotated = self._rotate(torch.cat((q, k), dim=1), cos, sin)
         return rotated.split((q.shape[1], k.shape[1]), dim=1)
 
@@ -195,30 +146,19 @@ class RotaryEmbedding(nn.Module):
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
-    def _factors(self, x: Tensor, offset: int | Tensor, end: int | None) -> tuple[Tensor, Tensor]:
-        """cos, sin [T, D/2] (or [B, 1, T, D/2] per row) for x's T positions from offset, in x's dtype."""
+    def _factors(self, x: Tensor, positions: int | Tensor) -> tuple[Tensor, Tensor]:
+        """cos, sin [T, D/2] (or [B, 1, T, D/2] for per-row positions) in x's dtype."""
+        if isinstance(positions, Tensor):  # [B, T]; a cache reserved the table for its max_len
+            return self.cos[positions].to(x.dtype)[:, None], self.sin[positions].to(x.dtype)[:, None]
         length = x.shape[-2]
-        if isinstance(offset, Tensor):
-            if end is None:
-                raise ValueError("per-row rotary offsets need their bound (end)")
-            memo = self._row_memo
-            if memo is not None and memo[0] is offset and memo[1] == (length, x.dtype):
-                return memo[2], memo[3]  # queries and keys, and every layer, share one offset tensor
-            self._reserve(end, x.device)
-            positions = offset[:, None] + torch.arange(length, device=offset.device)  # [B, T]
-            cos = self.cos[positions].to(x.dtype)[:, None]  # [B, 1, T, D/2]
-            sin = self.sin[positions].to(x.dtype)[:, None]
-            self._row_memo = (offset, (length, x.dtype), cos, sin)
-            return cos, sin
-        self._reserve(offset + length, x.device)
-        cos, sin = self.cos[offset : offset + length], self.sin[offset : offset + length]  # [T, D/2]
-        if cos.dtype != x.dtype:
-            cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-        return cos, sin
+        self.reserve(positions + length, x.device)
+        cos, sin = self.cos[positions : positions + length], self.sin[positions : positions + length]  # [T, D/2]
+        return cos.to(x.dtype), sin.to(x.dtype)
 
-    def _reserve(self, end: int, device: torch.device) -> None:
-        """Grow the table to hold positions < end."""
+    def reserve(self, end: int, device: torch.device | None = None) -> None:
+        """Grow the table to hold positions < end (outside any compiled step: caches do it when made)."""
         if end > self.cos.shape[0]:
+            device = device or self.cos.device
             self._build(end)
             self.cos, self.sin = self.cos.to(device), self.sin.to(device)
 
@@ -245,6 +185,20 @@ def overlapping_windows(x: Tensor, size: int, step: int) -> Tensor:
     return torch.cat(parts, dim=-2)
 
 
+def masked_attention(q: Tensor, keys: Tensor, values: Tensor, visible: Tensor) -> Tensor:
+    """Attention of a few queries over a cache's storage, written out: q [B, H, T, D], keys and values
+    [B, G, L, D], visible bool [B, 1, T, L] -> [B, H, T, D]. For decoding: plain products and one
+    softmax, which a compiled step fuses (a fused-attention call costs more than the work here)."""
+    batch, n_heads, n_queries, dim_head = q.shape
+    n_groups = keys.shape[1]
+    grouped = q.reshape(batch, n_groups, n_heads // n_groups * n_queries, dim_head)  # [B, G, R T, D]
+    scores = torch.matmul(grouped, keys.to(q.dtype).transpose(-1, -2)) / math.sqrt(dim_head)  # [B, G, R T, L]
+    scores = scores.view(batch, n_groups, n_heads // n_groups, n_queries, -1)  # [B, G, R, T, L]
+    probs = torch.softmax(scores.masked_fill(~visible[:, :, None], float("-inf")), dim=-1)
+    out = torch.matmul(probs.flatten(2, 3), values.to(q.dtype))  # [B, G, R T, D]
+    return out.view(batch, n_heads, n_queries, dim_head)
+
+
 def naive_attention(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor) -> Tensor:
     """The test oracle: softmax(q k^T / sqrt(D)) v over the keys `allowed` permits.
 
@@ -256,21 +210,6 @@ def naive_attention(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor) -> Tensor:
     scores = scores.masked_fill(~allowed, float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
     return torch.einsum("bhts,bhsd->bhtd", probs, v)
-
-
-@functools.lru_cache(maxsize=64)
-def causal_mask(n_queries: int, n_keys: int, device: torch.device | None = None) -> Tensor:
-    """bool [T, S]: query i (the (S - T + i)-th token) sees keys 0..S-T+i.
-
-    Cached (read-only, the last 64 shapes): every layer of one cached multi-token forward
-    (speculative verification) asks for the same mask, so it is built once per forward rather than
-    once per layer. Built as a normal tensor even under inference_mode, so a later forward with
-    autograd can use it."""
-    with torch.inference_mode(False):
-        offset = n_keys - n_queries
-        query = torch.arange(n_queries, device=device)[:, None]
-        key = torch.arange(n_keys, device=device)[None, :]
-        return key <= query + offset
 
 
 def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, dropout: float) -> Tensor:
@@ -317,18 +256,23 @@ class HeadProjections(nn.Module):
         v = self.to_v(x).unflatten(-1, (-1, dim_head)).transpose(1, 2)  # b t (g d) -> b g t d
         return q, k, v
 
-    def rotate(self, q: Tensor, k: Tensor, offset: int | Tensor, end: int | None = None) -> tuple[Tensor, Tensor]:
-        """Rotary positions for q [B, H, T, D] and k [B, G or H, T, D] at positions offset.. (offset
-        per row [B] with `end` its bound, RotaryEmbedding.forward); unchanged without rotary."""
+    def rotate(self, q: Tensor, k: Tensor, positions: int | Tensor) -> tuple[Tensor, Tensor]:
+        """Rotary positions for q [B, H, T, D] and k [B, G or H, T, D] at `positions` (an int, the
+        first of T, or [B, T]; RotaryEmbedding.forward); unchanged without rotary."""
         if self.spec.rotary is None:
             return q, k
-        return self.spec.rotary.rotate_pair(q, k, offset, end)
+        return self.spec.rotary.rotate_pair(q, k, positions)
 
-    def split(self, x: Tensor, offset: int | Tensor, end: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        """x [B, T, dim] at positions offset.. -> rotated q [B, H, T, D], k [B, G, T, D], and v."""
+    def split(self, x: Tensor, positions: int | Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x [B, T, dim] at `positions` -> rotated q [B, H, T, D], k [B, G, T, D], and v."""
         q, k, v = self.project(x)
-        q, k = self.rotate(q, k, offset, end)
+        q, k = self.rotate(q, k, positions)
         return q, k, v
+
+    def reserve(self, max_len: int, device=None) -> None:
+        """Rotary factors for positions < max_len (a cache of max_len tokens reads them by index)."""
+        if self.spec.rotary is not None:
+            self.spec.rotary.reserve(max_len, device)
 
     def merge(self, y: Tensor) -> Tensor:
         """y [B, H, T, D] -> [B, T, dim]."""
@@ -361,7 +305,9 @@ class Attention(nn.Module):
         """x [B, T, dim] -> [B, T, dim]; with a cache, x holds the next T tokens (cache updated)."""
         raise NotImplementedError
 
-    def new_cache(self, batch: int, max_len: int, device=None, dtype=None) -> KVCache:
+    def new_cache(self, batch: int, max_len: int, device=None, dtype=None, lengths: Tensor | None = None) -> KVCache:
+        """Empty storage for `batch` rows of up to max_len tokens; lengths [B]: the model cache's
+        shared counts (a new zero tensor when None). Reserves the rotary table to max_len."""
         raise NotImplementedError
 
     @staticmethod

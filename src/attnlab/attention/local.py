@@ -21,10 +21,13 @@ from attnlab.attention.base import (
     Attention,
     AttentionSpec,
     KVCache,
-    RowLengths,
     expand_kv,
+    new_lengths,
     overlapping_windows,
     sdpa,
+    select_rows,
+    window_positions,
+    write_rows,
 )
 from attnlab.attention.kernels import check_backend, choose
 from attnlab.attention.kernels.flex_local import flex_local_attention
@@ -33,20 +36,30 @@ from attnlab.errors import ConfigError
 from attnlab.registry import ATTENTION
 
 
-def local_attention(
-    q: Tensor, k: Tensor, v: Tensor, window: int, dropout: float = 0.0, positions: Tensor | None = None
-) -> Tensor:
+def window_attention(q: Tensor, keys: Tensor, values: Tensor, positions: Tensor, window: int,
+                     dropout: float = 0.0) -> Tensor:
+    """Sliding-window attention of queries q [B, H, T, D] at positions [B, T] (each row's own) over
+    a cache's storage keys, values [B, G, L, D]: each query gathers the `window` positions ending at
+    its own (fixed shapes whatever the position: a decode step compiles once). -> [B, H, T, D]."""
+    batch, n_heads, n_queries, dim_head = q.shape
+    n_groups = keys.shape[1]
+    index, valid = window_positions(positions, window)  # [B, T, W]
+    index = index[:, None].expand(-1, n_groups, -1, -1)  # [B, G, T, W]
+    window_keys, window_values = select_rows(keys, index), select_rows(values, index)  # [B, G, T, W, D]
+    grouped = q.reshape(batch, n_groups, n_heads // n_groups, n_queries, dim_head)  # [B, G, R, T, D]
+    scores = torch.einsum("bgrtd,bgtwd->bgrtw", grouped, window_keys.to(q.dtype)) / math.sqrt(dim_head)
+    probs = torch.softmax(scores.masked_fill(~valid[:, None, None], float("-inf")), dim=-1)
+    probs = F.dropout(probs, dropout) if dropout else probs
+    out = torch.einsum("bgrtw,bgtwd->bgrtd", probs, window_values.to(q.dtype))
+    return out.reshape(batch, n_heads, n_queries, dim_head)
+
+
+def local_attention(q: Tensor, k: Tensor, v: Tensor, window: int, dropout: float = 0.0) -> Tensor:
     """Banded causal attention. q [B, H, T, D] are the last T of the S >= T keys k, v [B, G, S, D];
-    query i (key index S - T + i) sees keys S - T + i - window < j <= S - T + i. -> [B, H, T, D].
-    positions [B, T]: the queries' key indices instead, each row's own (rows of a cache that differ
-    in length; what lies past a row's last query is never seen)."""
+    query i (key index S - T + i) sees keys S - T + i - window < j <= S - T + i. -> [B, H, T, D]."""
     batch, n_heads, n_queries, dim_head = q.shape
     n_keys = k.shape[2]
-    if positions is not None:
-        key = torch.arange(n_keys, device=q.device)
-        band = (key <= positions[..., None]) & (key > positions[..., None] - window)  # [B, T, S]
-        return sdpa(q, k, v, mask=band[:, None], causal=False, dropout=dropout)
-    if n_queries == 1:  # decoding: the last `window` keys, no mask needed
+    if n_queries == 1:  # the last `window` keys, no mask needed
         return sdpa(q, k[:, :, -window:], v[:, :, -window:], mask=None, causal=False, dropout=dropout)
     if n_queries < window:  # a short chunk (speculative verification): one band, no block padding
         n_seen = min(n_keys, window - 1 + n_queries)  # the keys the first query still sees, and on
@@ -89,112 +102,14 @@ def local_attention(
 
 
 class LocalCache(KVCache):
-    """Keys and values of the last window - 1 + max_rollback tokens (the capacity C).
+    """Keys and values of every fed token, [B, G, max_len, D]; a query reads the last window of them
+    (window_attention). Keeping every position makes any rollback exact."""
 
-    Rows may have lengths of their own (truncate_rows). The kept keys are then right-aligned per
-    row: slot C - 1 holds each row's last token, slot s the token C - 1 - s before it, and the
-    first C - valid[b] slots of row b hold nothing (masked). A per-row rollback shifts each row
-    right by the tokens it drops, so the next tokens of every row are appended at the same slots."""
-
-    per_row_rollback = True
-
-    def __init__(self, window: int, max_rollback: int) -> None:
-        self.window = window
-        self.capacity = window - 1 + max_rollback
-        self.keys: Tensor | None = None  # [B, G, kept, D]; kept = C once rows differ
-        self.values: Tensor | None = None
-        self.length = 0
-        self.rows = None
-        self.valid: Tensor | None = None  # [B] kept slots holding a token, while rows differ
-
-    def extend(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
-        """Keep the last `capacity` of kept + new keys/values and return them for the T new
-        queries: while rows are level, all of them [B, G, kept+T, D] and no mask (`local_attention`
-        finds the band); while rows differ, the last window - 1 + T slots (all a query can reach)
-        and the mask [B, 1, T, S] of each row's band."""
-        n_new = k.shape[2]
-        if self.keys is not None:
-            k, v = torch.cat((self.keys, k), dim=2), torch.cat((self.values, v), dim=2)
-        self.keys = k[:, :, -self.capacity :].contiguous()
-        self.values = v[:, :, -self.capacity :].contiguous()
-        self.length += n_new
-        if self.rows is None:
-            return k, v, None
-        # rows differ: the slots the new queries can reach (the last window - 1 + T), each row's band
-        n_seen = min(k.shape[2], self.window - 1 + n_new)
-        band_key = ("local band", n_new, n_seen, self.window)
-        band = self.rows.memo.get(band_key)  # every layer's rows hold the same tokens: one mask
-        if band is None:
-            band = self.rows.memo[band_key] = self._row_band(n_new, n_seen)
-        self.rows, _ = self.rows.advance(n_new)
-        self.valid = (self.valid + n_new).clamp(max=self.capacity)
-        return k[:, :, -n_seen:], v[:, :, -n_seen:], band
-
-    def _row_band(self, n_new: int, n_keys: int) -> Tensor:
-        """[B, 1, T, S] over the last S slots: new query t (slot S - T + t) sees the slots of the
-        last `window` tokens up to itself that hold a token of its row (valid: before the T new)."""
-        device = self.valid.device
-        slot = torch.arange(n_keys, device=device)
-        query = n_keys - n_new + torch.arange(n_new, device=device)[:, None]  # [T, 1]
-        band = (slot <= query) & (slot > query - self.window)  # [T, S]
-        held = slot >= (n_keys - n_new - self.valid)[:, None]  # [B, S]
-        return (band & held[:, None, :])[:, None]
-
-    def truncate(self, length: int) -> None:
-        self._check_truncate(length)
-        if self.rows is not None:
-            lengths = self.rows.lengths
-            self._level_rows(length)
-            self._drop_per_row(lengths - length, torch.full_like(lengths, length))
-            # level again: the last slots that hold a token in every row (at least the window the
-            # next token sees, checked above), so a later rollback is checked against real tokens
-            kept = min(length, self.capacity, int(self.valid.min()))
-            self.keys, self.values = self.keys[:, :, self.capacity - kept :], self.values[:, :, self.capacity - kept :]
-            self.valid, self.length = None, length
-            return
-        drop = self.length - length
-        kept = 0 if self.keys is None else self.keys.shape[2]
-        self._check_rollback(kept - drop, min(length, self.window - 1))
-        if drop and self.keys is not None:
-            self.keys, self.values = self.keys[:, :, : kept - drop], self.values[:, :, : kept - drop]
-        self.length = length
-
-    def truncate_rows(self, rows: RowLengths) -> None:
-        """Rows checked against the lengths fed by the caller (ModelCache.truncate_rows)."""
-        if rows.longest > self.length:
-            raise ValueError(f"cannot truncate a cache of length {self.length} to rows up to {rows.longest}")
-        if self.keys is None:  # nothing fed: every row is at 0, level
-            return
-        if self.rows is None:  # level until now: every row holds the same kept slots
-            batch = rows.lengths.shape[0]
-            kept = self.keys.shape[2]
-            if kept < self.capacity:  # right-align to C slots
-                pad = (0, 0, self.capacity - kept, 0)
-                self.keys, self.values = F.pad(self.keys, pad), F.pad(self.values, pad)
-            self.valid = torch.full((batch,), kept, dtype=torch.long, device=rows.lengths.device)
-            current = torch.full_like(rows.lengths, self.length)
-        else:
-            current = self.rows.lengths
-        self._drop_per_row(current - rows.lengths, rows.lengths)
-        self.rows, self.length = rows, rows.longest
-
-    def _drop_per_row(self, drop: Tensor, lengths: Tensor) -> None:
-        """Forget the last drop[b] tokens of row b (rows right-aligned in C slots): each row is
-        shifted right by its drop, a copy of one slice per row (a few times cheaper than a gather)."""
-        self._check_rollback(self.valid - drop, torch.clamp(lengths, max=self.window - 1))
-        keys, values = torch.zeros_like(self.keys), torch.zeros_like(self.values)
-        for row, n_dropped in enumerate(drop.tolist()):
-            keys[row, :, n_dropped:] = self.keys[row, :, : self.capacity - n_dropped]
-            values[row, :, n_dropped:] = self.values[row, :, : self.capacity - n_dropped]
-        self.keys, self.values = keys, values
-        self.valid = self.valid - drop
-
-    def _check_rollback(self, kept: int | Tensor, needed: int | Tensor) -> None:
-        """Each row must keep the keys its next token still sees: its last window - 1 tokens."""
-        short = kept < needed
-        if bool(short.any() if isinstance(short, Tensor) else short):
-            raise ValueError(f"local cache keeps {self.capacity} tokens at most; cannot roll back that far "
-                             "(raise attention.local.max_rollback)")
+    def __init__(self, lengths: Tensor, max_len: int, n_kv_heads: int, dim_head: int, dtype) -> None:
+        super().__init__(lengths, max_len)
+        shape = (lengths.shape[0], n_kv_heads, max_len, dim_head)
+        self.keys = torch.zeros(shape, device=lengths.device, dtype=dtype)
+        self.values = torch.zeros(shape, device=lengths.device, dtype=dtype)
 
 
 OFFERED = ("torch", "flex")
@@ -216,19 +131,23 @@ class LocalAttention(Attention):
 
     def forward(self, x: Tensor, cache: LocalCache | None = None) -> Tensor:
         dropout = self.spec.dropout if self.training else 0.0
-        if cache is None:
-            q, k, v = self.heads.split(x, 0)  # q [B, H, T, D], k v [B, G, T, D]
-        else:
-            q, k, v = self.heads.split(x, cache.offset, cache.length + x.shape[1])
-            k, v, row_mask = cache.extend(k, v)  # [B, G, kept + T, D]
-            if row_mask is not None:  # rows of different lengths: each its own band
-                return self.heads.merge(sdpa(q, k, v, mask=row_mask, causal=False, dropout=dropout))
-        # flex serves chunks at any position (its band ends where the keys do)
-        if choose(self.config.backend, OFFERED, q, whole=True, dropout=dropout) == "flex":
-            y = flex_local_attention(q, k, v, self.config.window_size)
-        else:
-            y = local_attention(q, k, v, self.config.window_size, dropout)
-        return self.heads.merge(y)
+        window = self.config.window_size
+        if cache is None or cache.prefill:  # a whole sequence
+            positions = 0 if cache is None else cache.positions(x.shape[1])
+            q, k, v = self.heads.split(x, positions)  # q [B, H, T, D], k v [B, G, T, D]
+            if cache is not None:
+                write_rows(cache.keys, k, positions)
+                write_rows(cache.values, v, positions)
+            if choose(self.config.backend, OFFERED, q, whole=True, dropout=dropout) == "flex":
+                return self.heads.merge(flex_local_attention(q, k, v, window))
+            return self.heads.merge(local_attention(q, k, v, window, dropout))
+        positions = cache.positions(x.shape[1])  # [B, T]
+        q, k, v = self.heads.split(x, positions)
+        write_rows(cache.keys, k, positions)
+        write_rows(cache.values, v, positions)
+        return self.heads.merge(window_attention(q, cache.keys, cache.values, positions, window, dropout))
 
-    def new_cache(self, batch: int, max_len: int, device=None, dtype=None) -> LocalCache:
-        return LocalCache(self.config.window_size, self.config.max_rollback)
+    def new_cache(self, batch: int, max_len: int, device=None, dtype=None, lengths: Tensor | None = None) -> LocalCache:
+        lengths = new_lengths(batch, device) if lengths is None else lengths
+        self.heads.reserve(max_len, lengths.device)
+        return LocalCache(lengths, max_len, self.spec.n_kv_heads, self.spec.dim_head, dtype)

@@ -54,10 +54,18 @@ from einops import rearrange
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from attnlab.attention.base import Attention, AttentionSpec, KVCache, RowLengths, overlapping_windows, write_rows
+from attnlab.attention.base import (
+    Attention,
+    AttentionSpec,
+    KVCache,
+    new_lengths,
+    overlapping_windows,
+    select_rows,
+    write_rows,
+)
 from attnlab.attention.kernels import check_backend, choose, nsa_cpu, nsa_flex, nsa_triton
 from attnlab.attention.kernels.flex_local import flex_local_attention
-from attnlab.attention.local import local_attention
+from attnlab.attention.local import local_attention, window_attention
 from attnlab.config import NSAAttentionConfig
 from attnlab.errors import ConfigError
 from attnlab.registry import ATTENTION
@@ -304,64 +312,42 @@ def compress(keys: Tensor, first: int, count: int, block: int, stride: int, netw
 
 
 class NSACache(KVCache):
-    """Keys and values of every fed token (selection may pick any block), unrotated keys for the
-    compression network, and the compressed keys/values of the blocks completed so far.
+    """Keys and values of every fed token (selection may pick any block), [B, G, L, D] per name (L:
+    max_len in whole selection blocks), unrotated keys for the compression network, and the
+    compressed key and value of every compression block, [B, G, N, D]. A forward compresses again
+    each block its new tokens fall in (from the storage, after writing them), so a complete block's
+    compressed key is always of its row's own tokens; an incomplete block is never seen (a query
+    sees a block once its last token is at or before it)."""
 
-    Rows may have lengths of their own (truncate_rows): row b's tokens sit at positions
-    0..rows.lengths[b]-1, and whatever lies past them (rejected draft tokens) stays until
-    overwritten, unseen: the compressed branch, the selection and the window look only at or
-    before each query's own position. While rows differ, a forward compresses again, for every
-    row, each block that a new token of any row falls in (`first_block_written`): a block's
-    compressed key is then always made of the tokens a row holds by the time one of its queries
-    sees the block."""
-
-    per_row_rollback = True
-
-    def __init__(self, names: list[str], shape: tuple[int, int, int, int], max_blocks: int, config, device, dtype):
-        batch, n_groups, max_len, dim_head = shape
-        self.tensors = {name: torch.zeros(shape, device=device, dtype=dtype) for name in names}
-        self.compressed_keys = torch.zeros(batch, n_groups, max(1, max_blocks), dim_head, device=device, dtype=dtype)
+    def __init__(self, lengths: Tensor, max_len: int, names: list[str], n_groups: int, dim_head: int,
+                 config: NSAAttentionConfig, dtype) -> None:
+        super().__init__(lengths, max_len)
+        block = config.selection_block_size
+        shape = (lengths.shape[0], n_groups, -(-max_len // block) * block, dim_head)
+        self.tensors = {name: torch.zeros(shape, device=lengths.device, dtype=dtype) for name in names}
+        n_blocks = max(1, n_complete_blocks(max_len, config.compress_block_size, config.compress_stride))
+        self.compressed_keys = torch.zeros(*shape[:2], n_blocks, dim_head, device=lengths.device, dtype=dtype)
         self.compressed_values = torch.zeros_like(self.compressed_keys)
         self.config = config
-        self.length = 0
-        self.n_compressed = 0
-        self.kv_tokens_loaded: int | None = None  # keys/values one query read in the last single-token step
+        self.kv_tokens_loaded: int | None = None  # keys/values row 0's query read in the last one-token step
 
-    def append(self, new: dict[str, Tensor]) -> dict[str, Tensor]:
-        """Store new [B, G, T, D] per name (each row at its own positions while rows differ);
-        return everything so far, [B, G, S, D] per name (S = the longest row's length)."""
-        n_new = next(iter(new.values())).shape[2]
-        start, end = self.length, self.length + n_new
-        max_len = next(iter(self.tensors.values())).shape[2]
-        if end > max_len:
-            raise ValueError(f"cache holds {max_len} tokens; {end} were fed")
-        if self.rows is None:
-            for name, value in new.items():
-                self.tensors[name][:, :, start:end] = value
-        else:
-            self.rows, positions = self.rows.advance(n_new)  # shared by the layers
-            for name, value in new.items():
-                write_rows(self.tensors[name], value, positions)
-        self.length = end
-        return {name: tensor[:, :, :end] for name, tensor in self.tensors.items()}
+    def append(self, new: dict[str, Tensor], positions: Tensor) -> None:
+        """Store new [B, G, T, D] per name at positions [B, T]."""
+        for name, value in new.items():
+            write_rows(self.tensors[name], value, positions)
 
-    def first_block_written(self, rows: RowLengths) -> int:
-        """The first compressed block a forward from per-row lengths `rows` writes a token into,
-        in any row: the first whose last token lies at or after the shortest row's length."""
-        first_end = rows.shortest - (self.config.compress_block_size - 1)  # a block's last token >= shortest
-        return max(0, -(-first_end // self.config.compress_stride))
-
-    def truncate(self, length: int) -> None:
-        self._check_truncate(length)
-        self._level_rows(length)  # every block complete within `length` is then every row's own
-        self.length = length
-        self.n_compressed = min(
-            self.n_compressed,
-            n_complete_blocks(length, self.config.compress_block_size, self.config.compress_stride),
-        )
-
-    def truncate_rows(self, rows: RowLengths) -> None:
-        self._adopt_rows(rows)
+    def compress(self, keys: Tensor, values: Tensor, positions: Tensor, key_network: nn.Module,
+                 value_network: nn.Module) -> None:
+        """Compress again every block a token at positions [B, T] falls in, from the stored keys and
+        values [B, G, L, D] (eq. 7)."""
+        block, stride = self.config.compress_block_size, self.config.compress_stride
+        first = torch.div(positions - block + stride, stride, rounding_mode="floor").clamp(min=0)  # ceil((p-l+1)/d)
+        blocks = (first[..., None] + torch.arange(block // stride, device=positions.device)).flatten(1)  # [B, T u]
+        blocks = blocks.clamp(max=self.compressed_keys.shape[2] - 1)
+        rows = blocks[..., None] * stride + torch.arange(block, device=positions.device)  # [B, T u, l]
+        rows = rows.clamp(max=keys.shape[2] - 1)[:, None].expand(-1, keys.shape[1], -1, -1)  # [B, G, T u, l]
+        write_rows(self.compressed_keys, key_network(select_rows(keys, rows)), blocks)
+        write_rows(self.compressed_values, value_network(select_rows(values, rows)), blocks)
 
 
 @ATTENTION.register("nsa")
@@ -406,16 +392,16 @@ class NativeSparseAttention(Attention):
             if self.config.separate_branch_kv:
                 state_dict[prefix + "branch_kv.weight"] = fused[2 * width :].clone()
 
-    def _project(self, x: Tensor, offset: int | Tensor, end: int | None) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-        """x [B, T, dim] at positions offset.. (an int, or [B] per row with `end` their bound) ->
-        query without and with rotary [B, H, T, D], per-branch keys/values [B, G, T, D]."""
+    def _project(self, x: Tensor, positions: int | Tensor) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        """x [B, T, dim] at `positions` (an int, the first of T, or [B, T]) -> query without and with
+        rotary [B, H, T, D], per-branch keys/values [B, G, T, D]."""
         q, k, v = self.heads.project(x)
-        rotated_q, rotated_k = self.heads.rotate(q, k, offset, end)
+        rotated_q, rotated_k = self.heads.rotate(q, k, positions)
         if not self.config.separate_branch_kv:
             return q, rotated_q, {"k_cmp": k, "v": v, "k": rotated_k}
         own = rearrange(self.branch_kv(x), "b t (n g d) -> n b g t d", n=4, d=self.spec.dim_head)
-        _, k_slc = self.heads.rotate(q, own[0], offset, end)
-        _, k_win = self.heads.rotate(q, own[2], offset, end)
+        _, k_slc = self.heads.rotate(q, own[0], positions)
+        _, k_win = self.heads.rotate(q, own[2], positions)
         return q, rotated_q, {"k_cmp": k, "v_cmp": v, "k_slc": k_slc, "v_slc": own[1], "k_win": k_win,
                               "v_win": own[3]}
 
@@ -425,103 +411,96 @@ class NativeSparseAttention(Attention):
             return (tensors["k_cmp"] if branch == "cmp" else tensors["k"]), tensors["v"]
         return tensors[f"k_{branch}"], tensors[f"v_{branch}"]
 
-    def forward(self, x: Tensor, cache: NSACache | None = None) -> Tensor:
-        config = self.config
-        rows = None if cache is None else cache.rows  # lengths of their own per row, or None (level)
-        offset = 0 if cache is None else cache.length  # the longest row's, when rows differ
-        n_queries = x.shape[1]
-        n_keys = offset + n_queries
-        if rows is None:
-            positions = torch.arange(offset, n_keys, device=x.device)  # [T]
-        else:
-            _, positions = rows.advance(n_queries)  # [B, T]: each row's own
-        q_plain, q, new = self._project(x, offset if rows is None else rows.lengths, n_keys)
-        tensors = new if cache is None else cache.append(new)  # [B, G, S, D] each
-        whole = rows is None and offset == 0  # a whole sequence from position 0 (training, prefill)
+    def _with_memory(self, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+        """The memory slot before compressed keys, values [B, G, N, D] -> [B, G, 1 + N, D] each."""
+        memory = self.memory.to(keys.dtype)[:, None, :, None].expand(-1, keys.shape[0], -1, -1, -1)  # [2, B, G, 1, D]
+        return torch.cat((memory[0], keys), dim=2), torch.cat((memory[1], values.to(keys.dtype)), dim=2)
 
-        all_k, all_v = self._compressed_keys(tensors, cache, rows, n_keys)  # [B, G, 1 + N, D]
-        # the selection scores need a gradient only for straight-through top-k in training
-        straight_through = config.use_diff_topk and torch.is_grad_enabled() and q_plain.requires_grad
-        out_cmp, indices, valid, score = self._compressed(q_plain, all_k, all_v, positions, offset, whole,
-                                                          straight_through)
-        gates = (1 + score - score.detach()).to(q.dtype) if straight_through else None  # exactly 1 forward
-
-        k_slc, v_slc = self._branch(tensors, "slc")
-        out_slc = self._selected(q, k_slc, v_slc, indices, valid, gates, positions, offset, whole)
-
-        # sliding branch: keys of the last window - 1 + T tokens (of the shortest row's, when rows differ)
-        k_win, v_win = self._branch(tensors, "win")
-        first = max(0, (offset if rows is None else rows.shortest) - (config.sliding_window_size - 1))
-        window_positions = None if rows is None else positions - first  # [B, T] key indices in the slice
-        out_win = self._sliding(q, k_win[:, :, first:], v_win[:, :, first:], window_positions, whole)
-
-        if cache is not None and n_queries == 1:  # row 0's count, kept while rows are level
-            cache.kv_tokens_loaded = (None if rows is not None else kv_tokens_loaded(
-                config, offset, all_k.shape[2] - 1, indices[0, 0, 0], valid[0, 0, 0]))
-
+    def _gated_sum(self, x: Tensor, out_cmp: Tensor, out_slc: Tensor, out_win: Tensor) -> Tensor:
+        """Eq. 5: the branches [B, H, T, D] under per-head sigmoid gates of x [B, T, dim] -> [B, T, dim]."""
         gate = rearrange(torch.sigmoid(self.to_gates(x)), "b t (h c) -> c b h t 1", c=3)  # [3, B, H, T, 1]
         return self.heads.merge(gate[0] * out_cmp + gate[1] * out_slc + gate[2] * out_win)
 
-    def _compressed_keys(self, tensors: dict[str, Tensor], cache: NSACache | None, rows: RowLengths | None,
-                         n_keys: int) -> tuple[Tensor, Tensor]:
-        """The memory slot and the compressed keys/values of every block complete by the last query,
-        [B, G, 1 + N, D] each; a cache compresses only the blocks it has not compressed yet (while
-        rows differ, from their lengths before this forward, also every block a new token fell in)."""
-        block, stride = self.config.compress_block_size, self.config.compress_stride
+    def forward(self, x: Tensor, cache: NSACache | None = None) -> Tensor:
+        if cache is not None and not cache.prefill:
+            return self._cached(x, cache)
+        config, n_tokens = self.config, x.shape[1]  # a whole sequence (training, or a prefill into an empty cache)
+        q_plain, q, tensors = self._project(x, 0 if cache is None else cache.positions(n_tokens))
         k_cmp, v_cmp = self._branch(tensors, "cmp")
-        n_blocks = n_complete_blocks(n_keys, block, stride)
-        if cache is None:
-            compressed_k = compress(k_cmp, 0, n_blocks, block, stride, self.compress_keys)
-            compressed_v = compress(v_cmp, 0, n_blocks, block, stride, self.compress_values)
-        else:
-            first = cache.n_compressed if rows is None else min(cache.n_compressed, cache.first_block_written(rows))
-            if n_blocks > first:
-                count = n_blocks - first
-                cache.compressed_keys[:, :, first:n_blocks] = compress(k_cmp, first, count, block, stride,
-                                                                       self.compress_keys)
-                cache.compressed_values[:, :, first:n_blocks] = compress(v_cmp, first, count, block, stride,
-                                                                         self.compress_values)
-                cache.n_compressed = n_blocks
-            compressed_k = cache.compressed_keys[:, :, :n_blocks]
-            compressed_v = cache.compressed_values[:, :, :n_blocks]
-        memory = self.memory.to(k_cmp.dtype)[:, None, :, None].expand(-1, k_cmp.shape[0], -1, -1, -1)  # [2, B, G, 1, D]
-        all_k = torch.cat((memory[0], compressed_k.to(k_cmp.dtype)), dim=2)
-        all_v = torch.cat((memory[1], compressed_v.to(k_cmp.dtype)), dim=2)
-        return all_k, all_v
+        n_blocks = n_complete_blocks(n_tokens, config.compress_block_size, config.compress_stride)
+        compressed_k = compress(k_cmp, 0, n_blocks, config.compress_block_size, config.compress_stride,
+                                self.compress_keys)
+        compressed_v = compress(v_cmp, 0, n_blocks, config.compress_block_size, config.compress_stride,
+                                self.compress_values)
+        if cache is not None:
+            cache.append(tensors, cache.positions(n_tokens))
+            cache.compressed_keys[:, :, :n_blocks] = compressed_k
+            cache.compressed_values[:, :, :n_blocks] = compressed_v
+        all_k, all_v = self._with_memory(compressed_k.to(q.dtype), compressed_v)  # [B, G, 1 + N, D]
+        # the selection scores need a gradient only for straight-through top-k in training
+        straight_through = config.use_diff_topk and torch.is_grad_enabled() and q_plain.requires_grad
+        positions = torch.arange(n_tokens, device=x.device)  # [T]
+        out_cmp, indices, valid, score = self._compressed(q_plain, all_k, all_v, positions, straight_through)
+        gates = (1 + score - score.detach()).to(q.dtype) if straight_through else None  # exactly 1 forward
+        out_slc = self._selected(q, *self._branch(tensors, "slc"), indices, valid, gates, positions)
+        out_win = self._sliding(q, *self._branch(tensors, "win"))
+        return self._gated_sum(x, out_cmp, out_slc, out_win)
 
-    # -- back-ends: one semantics, tested against the reference (tests/test_nsa_kernels.py)
+    def _cached(self, x: Tensor, cache: NSACache) -> Tensor:
+        """The next T tokens x [B, T, dim] of each row, at its own positions, through the static
+        storage: fixed shapes whatever the position (a decode step compiles once)."""
+        config = self.config
+        positions = cache.positions(x.shape[1])  # [B, T]
+        q_plain, q, tensors = self._project(x, positions)
+        cache.append(tensors, positions)
+        stored = cache.tensors
+        k_cmp, v_cmp = self._branch(stored, "cmp")
+        cache.compress(k_cmp, v_cmp, positions, self.compress_keys, self.compress_values)
+        all_k, all_v = self._with_memory(cache.compressed_keys.to(q.dtype), cache.compressed_values)
+        n_selection = k_cmp.shape[2] // config.selection_block_size
+        out_cmp, indices, valid, _ = compressed_attention_chunk(q_plain, all_k, all_v, positions, config, n_selection)
+        k_slc, v_slc = self._branch(stored, "slc")
+        blocked = (store.view(*store.shape[:2], n_selection, config.selection_block_size, store.shape[-1])
+                   for store in (k_slc, v_slc))  # [B, G, M, l', D]: a view of the storage
+        grouped = rearrange(q, "b (g r) t d -> b g t r d", g=k_slc.shape[1])
+        out_slc = rearrange(_selected_chunk(grouped, *blocked, indices, valid, None, positions,
+                                            config.selection_block_size), "b g t r d -> b (g r) t d")
+        k_win, v_win = self._branch(stored, "win")
+        out_win = window_attention(q, k_win, v_win, positions, config.sliding_window_size)
+        if x.shape[1] == 1 and not torch.compiler.is_compiling():  # the paper's Table 4 count, row 0
+            n_visible = n_complete_blocks(int(positions[0, 0]) + 1, config.compress_block_size, config.compress_stride)
+            cache.kv_tokens_loaded = kv_tokens_loaded(config, int(positions[0, 0]), n_visible, indices[0, 0, 0],
+                                                      valid[0, 0, 0])
+        return self._gated_sum(x, out_cmp, out_slc, out_win)
 
-    def _compressed(self, q, keys, values, positions, offset: int, whole: bool, straight_through: bool):
+    # -- back-ends of a whole sequence: one semantics, tested against the reference (tests/test_nsa_kernels.py)
+
+    def _compressed(self, q, keys, values, positions, straight_through: bool):
         """-> output [B, H, T, D], indices, valid and selection scores [B, G, T, n]."""
         config = self.config
         heads_per_group = q.shape[1] // keys.shape[1]
-        if choose(config.backend, OFFERED, q, whole) == "cpu" and nsa_cpu.fits(0, heads_per_group):
+        if choose(config.backend, OFFERED, q, True) == "cpu" and nsa_cpu.fits(0, heads_per_group):
             out, blocks, score = nsa_cpu.compressed_attention(
                 q, keys, values, config.compress_block_size, config.compress_stride, config.selection_block_size,
                 config.num_selected, straight_through)
             return out, blocks.clamp(min=0), blocks >= 0, score
-        return compressed_branch(q, keys, values, positions, offset, config)
+        return compressed_branch(q, keys, values, positions, 0, config)
 
-    def _selected(self, q, k, v, indices, valid, gates, positions, offset: int, whole: bool) -> Tensor:
-        """positions [T], or [B, T] per row (rows of a cache that differ in length: the reference)."""
+    def _selected(self, q, k, v, indices, valid, gates, positions) -> Tensor:
         config, block = self.config, self.config.selection_block_size
-        backend = choose(config.backend, OFFERED, q, whole) if positions.dim() == 1 else "torch"
+        backend = choose(config.backend, OFFERED, q, True)
         if backend == "triton":
-            return nsa_triton.selected_attention(q, k, v, indices, valid, gates, offset, block)
+            return nsa_triton.selected_attention(q, k, v, indices, valid, gates, 0, block)
         if backend == "flex" and gates is None:  # flex has no per-block value gates
             self._check_flex(q)
-            return nsa_flex.selected_attention(q, k, v, indices, valid, offset, block)
+            return nsa_flex.selected_attention(q, k, v, indices, valid, 0, block)
         if backend == "cpu" and nsa_cpu.fits(indices.shape[-1], q.shape[1] // k.shape[1]):
             return nsa_cpu.selected_attention(q, k, v, torch.where(valid, indices, -1), block, gates)
         return selected_attention(q, k, v, indices, valid, gates, positions, block, config.query_chunk_size)
 
-    def _sliding(self, q, k, v, positions: Tensor | None, whole: bool) -> Tensor:
-        """positions [B, T]: each row's query key indices (rows that differ in length), else the
-        queries are the last T keys."""
+    def _sliding(self, q, k, v) -> Tensor:
         window = self.config.sliding_window_size
-        if positions is not None:
-            return local_attention(q, k, v, window, positions=positions)
-        backend = choose(self.config.backend, OFFERED, q, whole)
+        backend = choose(self.config.backend, OFFERED, q, True)
         if backend == "flex":
             self._check_flex(q)
             return flex_local_attention(q, k, v, window)
@@ -534,14 +513,14 @@ class NativeSparseAttention(Attention):
         if q.device.type == "cpu" and torch.is_grad_enabled() and q.requires_grad:
             raise ConfigError("nsa backend=flex has no backward on CPU; train with backend=torch (flex: inference)")
 
-    def new_cache(self, batch: int, max_len: int, device=None, dtype=None) -> NSACache:
+    def new_cache(self, batch: int, max_len: int, device=None, dtype=None, lengths: Tensor | None = None) -> NSACache:
         names = (["k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win"] if self.config.separate_branch_kv
                  else ["k_cmp", "k", "v"])
         if dtype is None:
             dtype = self.memory.dtype  # a float parameter, also when the projections are int8 (model/quantize.py)
-        shape = (batch, self.spec.n_kv_heads, max_len, self.spec.dim_head)
-        max_blocks = n_complete_blocks(max_len, self.config.compress_block_size, self.config.compress_stride)
-        return NSACache(names, shape, max_blocks, self.config, device, dtype)
+        lengths = new_lengths(batch, device) if lengths is None else lengths
+        self.heads.reserve(max_len, lengths.device)
+        return NSACache(lengths, max_len, names, self.spec.n_kv_heads, self.spec.dim_head, self.config, dtype)
 
 
 def kv_tokens_loaded(config: NSAAttentionConfig, position: int, n_blocks: int, indices: Tensor, valid: Tensor) -> int:

@@ -17,7 +17,7 @@ cluster. Departures from the paper and from the public implementation, all delib
 - With grouped key/value heads, keys and values are shared as usual; each query head routes on its
   group's key with its own centroids.
 
-The reference path (`routed_attention`): tokens are sorted stably by cluster, so each cluster is
+The reference path of a whole sequence (`routed_attention`): tokens are sorted stably by cluster, so each cluster is
 one contiguous run in time order; a token's keys are then the W + 1 places of that order ending at
 its own, those of its own cluster. Which places a token reads depends only on its rank within its
 cluster (how many earlier tokens share it), a causal quantity, so its row of scores has the same
@@ -27,8 +27,9 @@ O(T * D).
 
 Back-ends (kernels/__init__.py): `cpu`, the listed-key C++ kernel (kernels/listed_cpu.py: one unit
 per cluster, keys read in place); `flex`, a FlexAttention band in sorted order
-(kernels/flex_routing.py). Both serve whole sequences (training, and a prefill into an empty cache);
-cached decoding runs the reference path.
+(kernels/flex_routing.py). Both serve whole sequences (training, and a prefill into an empty cache).
+Decoding through the cache (`cached_routed_attention`) finds each query's W + 1 keys by a top-k of
+positions over the static storage: the same shapes at every step.
 
 Legend: B batch, T queries, S keys (cached + new), H query heads, R routed heads, L local heads,
 G key/value heads, D head width, C clusters, W window, K = W + 1 key slots (itself + W earlier).
@@ -47,16 +48,16 @@ from attnlab.attention.base import (
     Attention,
     AttentionSpec,
     KVCache,
-    RowLengths,
     expand_kv,
     is_recomputing,
+    new_lengths,
     select_rows,
     write_rows,
 )
 from attnlab.attention.kernels import check_backend, choose
 from attnlab.attention.kernels.flex_routing import flex_routed_attention
 from attnlab.attention.kernels.listed_cpu import routed_attention_cpu
-from attnlab.attention.local import local_attention
+from attnlab.attention.local import local_attention, window_attention
 from attnlab.config import RoutingAttentionConfig
 from attnlab.errors import ConfigError
 from attnlab.registry import ATTENTION
@@ -130,21 +131,12 @@ def ema_centroids(centroids: Tensor, sums: Tensor, counts: Tensor, decay: float)
     return torch.where(counts[..., None] > 0, moved, centroids)
 
 
-def routed_attention(
-    q: Tensor, k: Tensor, v: Tensor, clusters: Tensor, window: int, dropout: float = 0.0,
-    positions: Tensor | None = None,
-) -> Tensor:
+def routed_attention(q: Tensor, k: Tensor, v: Tensor, clusters: Tensor, window: int, dropout: float = 0.0) -> Tensor:
     """The reference path: each query sees itself and the last `window` earlier tokens of its cluster.
 
-    q [B, R, T, D] are the last T of the S keys k, v [B, R, S, D] (keys rotated), clusters [B, R, S]
-    -> [B, R, T, D]. positions [B, T]: the queries' own positions instead (rows of a cache that
-    differ in length; what a row holds past its last query is a later position, so it never sorts
-    among the W + 1 places before a query of its cluster)."""
+    q, k, v [B, R, T, D] (keys rotated), clusters [B, R, T] of a whole sequence -> [B, R, T, D]."""
     n_queries, n_keys = q.shape[2], k.shape[2]
-    if positions is None:
-        positions = torch.arange(n_keys - n_queries, n_keys, device=q.device).expand(q.shape[0], -1)
-    if n_queries == 1:  # one decoded token: the last W + 1 positions of its cluster, no sort
-        return _last_of_cluster(q, k, v, clusters, window, positions)
+    positions = torch.arange(n_queries, device=q.device).expand(q.shape[0], -1)  # [B, T]
     order = torch.sort(clusters, dim=-1, stable=True).indices  # [B, R, S]: each cluster a run, in time order
     rank = torch.empty_like(order).scatter_(-1, order, torch.arange(n_keys, device=q.device).expand_as(order))
     layout = (order, rank, clusters.gather(-1, order))  # and each token's place in it, the sorted clusters
@@ -172,17 +164,22 @@ def _routed_chunk(q, k, v, clusters, order, rank, sorted_clusters, positions, wi
     return torch.einsum("brtk,brtkd->brtd", probs, values)
 
 
-def _last_of_cluster(q, k, v, clusters, window: int, positions: Tensor) -> Tensor:
-    """One query per row at positions [B, 1]: attention over the last W + 1 positions of its cluster
-    at or before it (a top-k of their positions, cheaper than sorting the cache every token)."""
-    query_positions = positions[:, None, :].expand(-1, clusters.shape[1], -1)  # [B, R, 1]
-    key_positions = torch.arange(k.shape[2], device=q.device)
-    same = (clusters == clusters.gather(-1, query_positions)) & (key_positions <= query_positions)  # [B, R, S]
-    picked = torch.where(same, key_positions, -1).topk(min(window + 1, k.shape[2]), dim=-1).values  # [B, R, K]
-    keys, values = select_rows(k, picked.clamp(min=0)), select_rows(v, picked.clamp(min=0))  # [B, R, K, D]
-    scores = torch.einsum("brtd,brkd->brtk", q, keys).float() / math.sqrt(q.shape[-1])
-    probs = torch.softmax(scores.masked_fill(picked[:, :, None] < 0, float("-inf")), dim=-1).to(values.dtype)
-    return torch.einsum("brtk,brkd->brtd", probs, values)
+def cached_routed_attention(q: Tensor, keys: Tensor, values: Tensor, clusters: Tensor, positions: Tensor,
+                            window: int) -> Tensor:
+    """Queries q [B, R, T, D] at positions [B, T] (each row's own) over a cache's storage keys, values
+    [B, R, L, D] and clusters [B, R, L]: each attends to the last W + 1 positions of its cluster at or
+    before it, found by a top-k of their positions (fixed shapes whatever the position: a decode step
+    compiles once; positions past a row's length are later than its queries, so never among them)."""
+    query_positions = positions[:, None, :].expand(-1, clusters.shape[1], -1)  # [B, R, T]
+    own = clusters.gather(-1, query_positions)  # [B, R, T]
+    key_positions = torch.arange(keys.shape[2], device=q.device)
+    same = (clusters[:, :, None, :] == own[..., None]) & (key_positions <= query_positions[..., None])  # [B, R, T, L]
+    picked = torch.where(same, key_positions, -1).topk(min(window + 1, keys.shape[2]), dim=-1).values  # [B, R, T, K]
+    index = picked.clamp(min=0)
+    chosen_keys, chosen_values = select_rows(keys, index), select_rows(values, index)  # [B, R, T, K, D]
+    scores = torch.einsum("brtd,brtkd->brtk", q, chosen_keys.to(q.dtype)).float() / math.sqrt(q.shape[-1])
+    probs = torch.softmax(scores.masked_fill(picked < 0, float("-inf")), dim=-1).to(q.dtype)
+    return torch.einsum("brtk,brtkd->brtd", probs, chosen_values.to(q.dtype))
 
 
 def local_heads_of_layer(n_local_heads: int | tuple[int, ...], layer_index: int) -> int:
@@ -199,50 +196,22 @@ def local_heads_of_layer(n_local_heads: int | tuple[int, ...], layer_index: int)
 
 
 class RoutingCache(KVCache):
-    """Keys, values (per query head) and routed-head clusters of every fed position, preallocated.
+    """Keys, values (per query head) and routed-head clusters of every fed position, [B, H, L, D] and
+    [B, R, L]. Keeping every position (rather than only the last window of each cluster) makes any
+    rollback exact, and costs no more than the per-cluster windows would with the default
+    n_clusters = max_seq_len / window (C windows of W hold max_seq_len tokens)."""
 
-    Deliberate choice: keeping every position (rather than only the last window of each cluster)
-    makes truncate() exact for any length, and costs no more than the per-cluster windows would
-    with the default n_clusters = max_seq_len / window (C windows of W hold max_seq_len tokens).
-    Rows may have lengths of their own (truncate_rows), as in the full-attention cache: row b's
-    tokens sit at positions 0..rows.lengths[b]-1, and what lies past them is never attended to.
-    """
-
-    per_row_rollback = True
-
-    def __init__(self, batch: int, n_heads: int, n_routed: int, dim_head: int, max_len: int, device, dtype) -> None:
+    def __init__(self, lengths: Tensor, max_len: int, n_heads: int, n_routed: int, dim_head: int, dtype) -> None:
+        super().__init__(lengths, max_len)
+        batch, device = lengths.shape[0], lengths.device
         self.keys = torch.zeros(batch, n_heads, max_len, dim_head, device=device, dtype=dtype)
         self.values = torch.zeros_like(self.keys)
         self.clusters = torch.zeros(batch, n_routed, max_len, device=device, dtype=torch.long)
-        self.length = 0
-        self.rows = None
-        self.positions: Tensor | None = None  # [B, T] of the last append's tokens, while rows differ
 
-    def append(self, k: Tensor, v: Tensor, clusters: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Store k, v [B, H, T, D], clusters [B, R, T]; return everything so far (length S, the
-        longest row's). While rows differ, `positions` holds each new token's own position."""
-        start, end = self.length, self.length + k.shape[2]
-        if end > self.keys.shape[2]:
-            raise ValueError(f"cache holds {self.keys.shape[2]} tokens; {end} were fed")
-        if self.rows is None:
-            self.keys[:, :, start:end] = k
-            self.values[:, :, start:end] = v
-            self.clusters[:, :, start:end] = clusters
-        else:
-            self.rows, self.positions = self.rows.advance(k.shape[2])  # shared by the layers
-            for store, new in ((self.keys, k), (self.values, v), (self.clusters, clusters)):
-                write_rows(store, new, self.positions)
-        self.length = end
-        return self.keys[:, :, :end], self.values[:, :, :end], self.clusters[:, :, :end]
-
-    def truncate(self, length: int) -> None:
-        self._check_truncate(length)
-        if self._level_rows(length):
-            self.positions = None
-        self.length = length  # later slots are overwritten by the next append
-
-    def truncate_rows(self, rows: RowLengths) -> None:
-        self._adopt_rows(rows)
+    def append(self, k: Tensor, v: Tensor, clusters: Tensor, positions: Tensor) -> None:
+        """Store k, v [B, H, T, D] and clusters [B, R, T] at positions [B, T]."""
+        for store, new in ((self.keys, k), (self.values, v), (self.clusters, clusters)):
+            write_rows(store, new, positions)
 
 
 @ATTENTION.register("routing")
@@ -283,22 +252,23 @@ class RoutingAttention(Attention):
         q, k, v = self.heads.project(x)  # q [B, H, T, D], k v [B, G, T, D]
         k, v = expand_kv(k, spec.n_heads), expand_kv(v, spec.n_heads)  # [B, H, T, D]
         clusters = self._route(k[:, self.n_local :])  # [B, R, T]
-        offset = 0 if cache is None else cache.offset  # [B] per row after a per-row rollback
-        whole = isinstance(offset, int) and offset == 0  # a whole sequence from position 0
-        end = None if cache is None else cache.length + x.shape[1]  # per-row rotary offsets' bound
-        q, k = self.heads.rotate(q, k, offset, end)
-        positions = None  # [B, T] when rows differ in length
-        if cache is not None:
-            k, v, clusters = cache.append(k, v, clusters)  # [B, H, S, D], clusters [B, R, S]
-            k, v = k.to(q.dtype), v.to(q.dtype)
-            positions = cache.positions if cache.rows is not None else None
+        positions = 0 if cache is None else cache.positions(x.shape[1])  # [B, T] through a cache
+        q, k = self.heads.rotate(q, k, positions)
         local, routed = slice(None, self.n_local), slice(self.n_local, None)
-        parts = []
-        if self.n_local:  # each row's own band of the last W tokens when rows differ
-            parts.append(local_attention(q[:, local], k[:, local], v[:, local], window, dropout, positions))
+        if cache is not None:
+            cache.append(k, v, clusters, positions)
+            if not cache.prefill:  # a chunk after earlier tokens: read them from the storage
+                parts = [window_attention(q[:, local], cache.keys[:, local], cache.values[:, local], positions, window)
+                         ] if self.n_local else []
+                if self.n_routed:
+                    parts.append(cached_routed_attention(q[:, routed], cache.keys[:, routed], cache.values[:, routed],
+                                                         cache.clusters, positions, window))
+                return self.heads.merge(torch.cat(parts, dim=1) if len(parts) > 1 else parts[0])
+        parts = []  # a whole sequence (training, or a prefill into an empty cache)
+        if self.n_local:
+            parts.append(local_attention(q[:, local], k[:, local], v[:, local], window, dropout))
         if self.n_routed:
-            parts.append(self._routed(q[:, routed], k[:, routed], v[:, routed], clusters, dropout, positions,
-                                      whole))
+            parts.append(self._routed(q[:, routed], k[:, routed], v[:, routed], clusters, dropout))
         y = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]  # [B, H, T, D]
         return self.heads.merge(y)
 
@@ -321,14 +291,14 @@ class RoutingAttention(Attention):
             self.last_clusters = clusters
         return clusters
 
-    def _routed(self, q, k, v, clusters, dropout: float, positions: Tensor | None, whole: bool) -> Tensor:
-        """Routed heads q, k, v [B, R, T or S, D] -> [B, R, T, D] on the chosen back-end."""
-        backend = choose(self.config.backend, OFFERED, q, whole, dropout)
+    def _routed(self, q, k, v, clusters, dropout: float) -> Tensor:
+        """Routed heads of a whole sequence q, k, v [B, R, T, D] -> [B, R, T, D] on the chosen back-end."""
+        backend = choose(self.config.backend, OFFERED, q, True, dropout)
         if backend == "cpu":
             return routed_attention_cpu(q, k, v, clusters, self.config.window_size)[0]
-        if backend == "flex" and whole:
+        if backend == "flex":
             return flex_routed_attention(q, k, v, clusters, self.config.window_size)
-        return routed_attention(q, k, v, clusters, self.config.window_size, dropout, positions)
+        return routed_attention(q, k, v, clusters, self.config.window_size, dropout)
 
     @torch.no_grad()
     def update_centroids(self) -> None:
@@ -348,9 +318,11 @@ class RoutingAttention(Attention):
         """Called once per optimiser step by the training loop (train/loop.py)."""
         self.update_centroids()
 
-    def new_cache(self, batch: int, max_len: int, device=None, dtype=None) -> RoutingCache:
-        spec = self.spec
-        return RoutingCache(batch, spec.n_heads, self.n_routed, spec.dim_head, max_len, device, dtype)
+    def new_cache(self, batch: int, max_len: int, device=None, dtype=None,
+                  lengths: Tensor | None = None) -> RoutingCache:
+        lengths = new_lengths(batch, device) if lengths is None else lengths
+        self.heads.reserve(max_len, lengths.device)
+        return RoutingCache(lengths, max_len, self.spec.n_heads, self.n_routed, self.spec.dim_head, dtype)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -28,8 +28,9 @@ buckets and itself, T * (n_sortcut + 1) * bucket_size scores per head; the sorti
 Back-ends (kernels/__init__.py), for whole sequences: `cpu`, the listed-key C++ kernel
 (kernels/listed_cpu.py: one unit per bucket lists its chosen buckets' tokens, then its own, with
 the log sorting weight as a per-key bias that gets its gradient directly, and no scores kept for
-the backward); `flex`, a FlexAttention bucket mask (kernels/flex_sinkhorn.py). Cached decoding runs
-the reference path.
+the backward); `flex`, a FlexAttention bucket mask (kernels/flex_sinkhorn.py). Decoding through the
+cache (`cached_bucket_attention`) sorts every bucket of the static storage and gathers each query's
+keys: the same shapes at every step.
 
 Legend: B batch, T tokens, H query heads, G key/value heads, D head width, N buckets, M buckets
 holding queries, b bucket size, S n_sortcut, L local heads.
@@ -45,11 +46,19 @@ from einops import rearrange
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from attnlab.attention.base import Attention, AttentionSpec, KVCache, RowLengths, expand_kv, select_rows, write_rows
+from attnlab.attention.base import (
+    Attention,
+    AttentionSpec,
+    KVCache,
+    expand_kv,
+    new_lengths,
+    select_rows,
+    write_rows,
+)
 from attnlab.attention.kernels import check_backend, choose
 from attnlab.attention.kernels.flex_sinkhorn import flex_bucket_attention
 from attnlab.attention.kernels.listed_cpu import bucket_attention_cpu
-from attnlab.attention.local import local_attention
+from attnlab.attention.local import local_attention, window_attention
 from attnlab.config import SinkhornAttentionConfig
 from attnlab.errors import ConfigError
 from attnlab.registry import ATTENTION
@@ -110,36 +119,34 @@ def sort_buckets(
     return chosen, weights.masked_fill(~chosen_valid, float("-inf"))
 
 
-def bucket_attention(
-    q: Tensor, keys: Tensor, values: Tensor, chosen: Tensor, chosen_weights: Tensor, offset: int | Tensor,
-    bucket_size: int, dropout: float = 0.0,
-) -> Tensor:
-    """The reference path. q [B, H, T, D] at positions offset..offset+T-1 (offset an int, or [B] when
-    rows differ in length); keys, values [B, H, S, D] at positions 0..; chosen, chosen_weights
-    [B, H, M, S'] for the buckets holding the queries (from offset // b on, each row's own) ->
-    [B, H, T, D]. A query sees the earlier slots of its own bucket and itself, and every slot of its
-    bucket's chosen buckets, those scores raised by the bucket's log sorting weight (-inf: no such
-    bucket, hidden). Queries run in chunks of QUERY_CHUNK, each gathering its (S' + 1) b keys;
-    checkpointed when a gradient is needed."""
-    offsets = torch.as_tensor(offset, device=q.device).reshape(-1, 1)  # [B or 1, 1]
-    positions = offsets + torch.arange(q.shape[2], device=q.device)  # [B or 1, T]
+def bucket_attention(q: Tensor, keys: Tensor, values: Tensor, chosen: Tensor, chosen_weights: Tensor,
+                     bucket_size: int, dropout: float = 0.0) -> Tensor:
+    """The reference path of a whole sequence: q, keys, values [B, H, T, D]; chosen, chosen_weights
+    [B, H, N, S'] -> [B, H, T, D]. A query sees the earlier slots of its own bucket and itself, and
+    every slot of its bucket's chosen buckets, those scores raised by the bucket's log sorting weight
+    (-inf: no such bucket, hidden). Queries run in chunks of QUERY_CHUNK, each gathering its
+    (S' + 1) b keys; checkpointed when a gradient is needed."""
+    positions = torch.arange(q.shape[2], device=q.device).expand(q.shape[0], -1)  # [B, T]
     needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, keys, values, chosen_weights))
     outputs = []
     for start in range(0, q.shape[2], QUERY_CHUNK):
-        part = slice(start, start + QUERY_CHUNK)
-        args = (q[:, :, part], keys, values, chosen, chosen_weights, positions[:, part], offsets // bucket_size,
-                bucket_size, dropout)
-        outputs.append(checkpoint(_bucket_chunk, *args, use_reentrant=False) if needs_grad else _bucket_chunk(*args))
+        args = (q[:, :, start : start + QUERY_CHUNK], keys, values, chosen, chosen_weights,
+                positions[:, start : start + QUERY_CHUNK], bucket_size, dropout)
+        outputs.append(checkpoint(cached_bucket_attention, *args, use_reentrant=False) if needs_grad
+                       else cached_bucket_attention(*args))
     return torch.cat(outputs, dim=2)
 
 
-def _bucket_chunk(q, keys, values, chosen, chosen_weights, positions, first_bucket, size: int, dropout: float
-                  ) -> Tensor:
-    """A chunk of queries q [B, H, t, D] at positions [B or 1, t] (see bucket_attention)."""
+def cached_bucket_attention(q: Tensor, keys: Tensor, values: Tensor, chosen: Tensor, chosen_weights: Tensor,
+                            positions: Tensor, size: int, dropout: float = 0.0) -> Tensor:
+    """Queries q [B, H, t, D] at positions [B, t] (each row's own) over keys, values [B, H, L, D]
+    (a whole sequence, or a cache's storage), with every bucket's choice chosen, chosen_weights
+    [B, H, N, S'] (see bucket_attention): each query gathers its (S' + 1) b keys, fixed shapes
+    whatever the position (positions past a row's length lie after its queries: masked)."""
     batch, n_heads = q.shape[:2]
     slot = torch.arange(size, device=q.device)
-    bucket = positions // size  # [B or 1, t]
-    row = (bucket - first_bucket)[:, None, :, None].expand(batch, n_heads, -1, chosen.shape[-1])  # [B, H, t, S']
+    bucket = positions // size  # [B, t]
+    row = bucket[:, None, :, None].expand(batch, n_heads, -1, chosen.shape[-1])  # [B, H, t, S']
     picked, weights = chosen.gather(2, row), chosen_weights.gather(2, row)  # each query's bucket's choice
     valid = weights.isfinite()  # [B, H, t, S']: a bucket with fewer past buckets has holes
     own = (bucket[..., None] * size + slot)[:, None].expand(batch, n_heads, -1, -1)  # [B, H, t, b]
@@ -150,10 +157,10 @@ def _bucket_chunk(q, keys, values, chosen, chosen_weights, positions, first_buck
                       weights.new_zeros(own.shape)), dim=-1).to(q.dtype)  # own bucket: no weight
     index = key_positions.clamp(max=keys.shape[2] - 1)
     chunk_keys, chunk_values = select_rows(keys, index), select_rows(values, index)  # [B, H, t, (S'+1) b, D]
-    scores = torch.einsum("bhtd,bhtkd->bhtk", q, chunk_keys) / math.sqrt(q.shape[-1]) + bias
+    scores = torch.einsum("bhtd,bhtkd->bhtk", q, chunk_keys.to(q.dtype)) / math.sqrt(q.shape[-1]) + bias
     probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
     probs = F.dropout(probs, dropout) if dropout else probs
-    return torch.einsum("bhtk,bhtkd->bhtd", probs, chunk_values)
+    return torch.einsum("bhtk,bhtkd->bhtd", probs, chunk_values.to(q.dtype))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -162,69 +169,32 @@ def _bucket_chunk(q, keys, values, chosen, chosen_weights, positions, first_buck
 
 class SinkhornCache(KVCache):
     """Per position: rotated keys and values, and the unrotated queries and keys that bucket
-    summaries are made of; plus the summaries of finished buckets, computed once each.
+    summaries are made of, [B, H, L, D] (L: max_len in whole buckets); and the summary of every
+    bucket, [B, H, N, D]. A forward summarises again each bucket its new tokens fall in (from the
+    storage, after writing them), so a finished bucket's summary is always of its row's own tokens;
+    an unfinished bucket's is never read (bucket n sorts on buckets before n only)."""
 
-    Rows may have lengths of their own (truncate_rows): each row's tokens are then written at its
-    own positions, and after each append the summaries of every bucket that any row's new tokens
-    reach are computed again for all rows. A row only ever reads the summaries of buckets it has
-    finished (the sort of bucket n depends on buckets before n only), and the last append that
-    touched such a bucket in that row finished it and so summarised it from the row's own tokens."""
-
-    per_row_rollback = True
-
-    def __init__(self, batch: int, n_heads: int, dim_head: int, max_len: int, bucket_size: int, device, dtype):
-        max_len = math.ceil(max_len / bucket_size) * bucket_size  # whole buckets, for bucket views
-        shape = (batch, n_heads, max_len, dim_head)
-        self.keys = torch.zeros(shape, device=device, dtype=dtype)  # rotated, for attention
+    def __init__(self, lengths: Tensor, max_len: int, n_heads: int, dim_head: int, bucket_size: int, dtype) -> None:
+        super().__init__(lengths, max_len)
+        n_buckets = math.ceil(max_len / bucket_size)
+        shape = (lengths.shape[0], n_heads, n_buckets * bucket_size, dim_head)
+        self.keys = torch.zeros(shape, device=lengths.device, dtype=dtype)  # rotated, for attention
         self.values = torch.zeros_like(self.keys)
         self.raw_queries = torch.zeros_like(self.keys)  # before rotary, for bucket summaries
         self.raw_keys = torch.zeros_like(self.keys)
-        n_buckets = max_len // bucket_size
-        self.query_means = torch.zeros(batch, n_heads, n_buckets, dim_head, device=device, dtype=dtype)
+        self.query_means = torch.zeros(*shape[:2], n_buckets, shape[-1], device=lengths.device, dtype=dtype)
         self.key_means = torch.zeros_like(self.query_means)
-        self.bucket_size, self.n_summarised, self.length = bucket_size, 0, 0
-        self.rows = None
-        self.positions: Tensor | None = None  # [B, T] of the last append's tokens, while rows differ
+        self.bucket_size = bucket_size
 
-    def append(self, k: Tensor, v: Tensor, raw_q: Tensor, raw_k: Tensor) -> None:
-        start, end = self.length, self.length + k.shape[2]
-        if end > self.keys.shape[2]:
-            raise ValueError(f"cache holds {self.keys.shape[2]} tokens; {end} were fed")
-        stores = ((self.keys, k), (self.values, v), (self.raw_queries, raw_q), (self.raw_keys, raw_k))
-        if self.rows is not None:
-            first = self.rows.shortest // self.bucket_size  # the first bucket a row writes to
-            self.rows, self.positions = self.rows.advance(k.shape[2])  # shared by the layers
-            for store, new in stores:
-                write_rows(store, new, self.positions)
-            self.length = end
-            self._summarise(first, end // self.bucket_size)
-            return
-        for store, new in stores:
-            store[:, :, start:end] = new
-        self.length = end
-        finished = end // self.bucket_size
-        if finished > self.n_summarised:  # summarise newly finished buckets, once
-            self._summarise(self.n_summarised, finished)
-            self.n_summarised = finished
-
-    def _summarise(self, first: int, end: int) -> None:
-        """Bucket means of buckets first..end-1 (every row)."""
-        if end <= first:
-            return
-        span = slice(first * self.bucket_size, end * self.bucket_size)
-        self.query_means[:, :, first:end] = bucket_means(self.raw_queries[:, :, span], self.bucket_size)
-        self.key_means[:, :, first:end] = bucket_means(self.raw_keys[:, :, span], self.bucket_size)
-
-    def truncate(self, length: int) -> None:
-        self._check_truncate(length)
-        if self._level_rows(length):  # level again: every bucket before length is finished in every row
-            self.positions = None
-            self.n_summarised = length // self.bucket_size
-        self.length = length  # later slots are overwritten by the next append
-        self.n_summarised = min(self.n_summarised, length // self.bucket_size)
-
-    def truncate_rows(self, rows: RowLengths) -> None:
-        self._adopt_rows(rows)
+    def append(self, k: Tensor, v: Tensor, raw_q: Tensor, raw_k: Tensor, positions: Tensor) -> None:
+        """Store the new tokens [B, H, T, D] at positions [B, T]; summarise their buckets again."""
+        for store, new in ((self.keys, k), (self.values, v), (self.raw_queries, raw_q), (self.raw_keys, raw_k)):
+            write_rows(store, new, positions)
+        bucket = positions // self.bucket_size  # [B, T]
+        rows = bucket[..., None] * self.bucket_size + torch.arange(self.bucket_size, device=bucket.device)  # [B, T, b]
+        rows = rows[:, None].expand(-1, k.shape[1], -1, -1)  # [B, H, T, b]
+        for means, raw in ((self.query_means, self.raw_queries), (self.key_means, self.raw_keys)):
+            write_rows(means, select_rows(raw, rows).mean(dim=3), bucket)  # [B, H, T, D] at each bucket
 
 
 @ATTENTION.register("sinkhorn")
@@ -253,56 +223,52 @@ class SinkhornAttention(Attention):
     def forward(self, x: Tensor, cache: SinkhornCache | None = None) -> Tensor:
         spec, local, size = self.spec, self.n_local, self.config.bucket_size
         dropout = spec.dropout if self.training else 0.0
-        offset = 0 if cache is None else cache.offset  # [B] per row after a per-row rollback
-        n_new = x.shape[1]
         raw_q, raw_k, v = self.heads.project(x)  # [B, H, T, D], [B, G, T, D] x 2
         raw_k, v = expand_kv(raw_k, spec.n_heads), expand_kv(v, spec.n_heads)
-        q, k = self.heads.rotate(raw_q, raw_k, offset, None if cache is None else cache.length + n_new)
-        if cache is None:
-            query_means, key_means = bucket_means(raw_q, size), bucket_means(raw_k, size)  # [B, H, N, D]
-            keys, values = k, v
-        else:
-            cache.append(k, v, raw_q, raw_k)
-            n_buckets = math.ceil(cache.length / size)
-            query_means, key_means = cache.query_means[:, :, :n_buckets], cache.key_means[:, :, :n_buckets]
-            keys, values = cache.keys[:, :, : n_buckets * size], cache.values[:, :, : n_buckets * size]
-            keys, values = keys.to(q.dtype), values.to(q.dtype)
-        positions = None if cache is None or cache.rows is None else cache.positions  # [B, T] when rows differ
-        parts = []
-        if local:  # each row's own band of the last bucket_size tokens when rows differ
-            seen = slice(0, n_new if cache is None else cache.length)  # fed tokens (the cache is bucket-padded)
-            parts.append(local_attention(q[:, :local], keys[:, :local, seen], values[:, :local, seen], size, dropout,
-                                         positions))
+        positions = 0 if cache is None else cache.positions(x.shape[1])  # [B, T] through a cache
+        q, k = self.heads.rotate(raw_q, raw_k, positions)
+        if cache is not None:
+            cache.append(k, v, raw_q, raw_k, positions)
+            if not cache.prefill:  # a chunk after earlier tokens: read them from the storage
+                return self.heads.merge(self._cached(q, cache, positions))
+        parts = []  # a whole sequence (training, or a prefill into an empty cache)
+        if local:
+            parts.append(local_attention(q[:, :local], k[:, :local], v[:, :local], size, dropout))
         if local < spec.n_heads:
-            parts.append(self._sorted(q[:, local:], keys[:, local:], values[:, local:], query_means[:, local:],
-                                      key_means[:, local:], offset, dropout))
-        y = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]  # [B, H, T, D]
-        return self.heads.merge(y)
+            query_means, key_means = bucket_means(raw_q[:, local:], size), bucket_means(raw_k[:, local:], size)
+            parts.append(self._sorted(q[:, local:], k[:, local:], v[:, local:], query_means, key_means, dropout))
+        return self.heads.merge(torch.cat(parts, dim=1) if len(parts) > 1 else parts[0])  # [B, H, T, D] merged
 
-    def _sorted(self, q, keys, values, query_means, key_means, offset, dropout) -> Tensor:
-        """q [B, H', T, D] at positions offset..; keys, values [B, H', >= offset+T (bucket-padded), D].
-        offset is an int, or [B] when rows differ in length."""
+    def _cached(self, q: Tensor, cache: SinkhornCache, positions: Tensor) -> Tensor:
+        """Queries q [B, H, T, D] at positions [B, T] over the cache's storage -> [B, H, T, D]."""
+        config, local, size = self.config, self.n_local, self.config.bucket_size
+        parts = []
+        if local:
+            parts.append(window_attention(q[:, :local], cache.keys[:, :local], cache.values[:, :local], positions,
+                                          size))
+        if local < self.spec.n_heads:
+            chosen, weights = sort_buckets(cache.query_means[:, local:], cache.key_means[:, local:], config.n_sortcut,
+                                           config.sinkhorn_iter, config.temperature, gumbel=False)
+            parts.append(cached_bucket_attention(q[:, local:], cache.keys[:, local:], cache.values[:, local:], chosen,
+                                                 weights, positions, size))
+        return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+
+    def _sorted(self, q, k, v, query_means, key_means, dropout) -> Tensor:
+        """Sorted heads of a whole sequence q, k, v [B, H', T, D] -> [B, H', T, D], on the chosen back-end."""
         config, size = self.config, self.config.bucket_size
         chosen, weights = sort_buckets(
             query_means, key_means, config.n_sortcut, config.sinkhorn_iter, config.temperature,
             gumbel=self.training,
         )
-        if isinstance(offset, Tensor):  # each row's own buckets: as many as T tokens can span
-            n_spanned = (q.shape[2] + size - 2) // size + 1
-            first = offset // size
-            index = (first[:, None] + torch.arange(n_spanned, device=q.device)).clamp(max=chosen.shape[2] - 1)
-            index = index[:, None, :, None].expand(-1, chosen.shape[1], -1, chosen.shape[3])  # [B, H', M, S']
-            return bucket_attention(q, keys, values, chosen.gather(2, index), weights.gather(2, index), offset, size,
-                                    dropout)
-        chosen, weights = chosen[:, :, offset // size :], weights[:, :, offset // size :]  # buckets with queries
-        n_tokens = q.shape[2]
-        backend = choose(config.backend, OFFERED, q, whole=offset == 0, dropout=dropout)
+        backend = choose(config.backend, OFFERED, q, whole=True, dropout=dropout)
         if backend == "cpu":
-            return bucket_attention_cpu(q, keys[:, :, :n_tokens], values[:, :, :n_tokens], chosen, weights, size)[0]
-        if backend == "flex" and offset == 0:
-            return flex_bucket_attention(q, keys[:, :, :n_tokens], values[:, :, :n_tokens], chosen, weights, size)
-        return bucket_attention(q, keys, values, chosen, weights, offset, size, dropout)  # [B, H', T, D]
+            return bucket_attention_cpu(q, k, v, chosen, weights, size)[0]
+        if backend == "flex":
+            return flex_bucket_attention(q, k, v, chosen, weights, size)
+        return bucket_attention(q, k, v, chosen, weights, size, dropout)
 
-    def new_cache(self, batch: int, max_len: int, device=None, dtype=None) -> SinkhornCache:
-        spec = self.spec
-        return SinkhornCache(batch, spec.n_heads, spec.dim_head, max_len, self.config.bucket_size, device, dtype)
+    def new_cache(self, batch: int, max_len: int, device=None, dtype=None,
+                  lengths: Tensor | None = None) -> SinkhornCache:
+        lengths = new_lengths(batch, device) if lengths is None else lengths
+        self.heads.reserve(max_len, lengths.device)
+        return SinkhornCache(lengths, max_len, self.spec.n_heads, self.spec.dim_head, self.config.bucket_size, dtype)

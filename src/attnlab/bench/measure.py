@@ -81,8 +81,9 @@ def environment(device: torch.device, dtype: str) -> dict[str, Any]:
 
 def measure_train(
     model_values: dict[str, Any], seq_len: int, batch_size: int, steps: int, warmup: int,
-    device: str = "cpu", dtype: str = "fp32",
+    device: str = "cpu", dtype: str = "fp32", compile: bool = False,
 ) -> dict[str, Any]:
+    """compile: decode with the model's compiled step (its compilation is the first, untimed token)."""
     from attnlab.model import Transformer
 
     torch_device = torch.device(device)
@@ -129,8 +130,9 @@ def measure_train(
 @torch.no_grad()
 def measure_decode(
     model_values: dict[str, Any], context: int, new_tokens: int, use_cache: bool,
-    device: str = "cpu", dtype: str = "fp32",
+    device: str = "cpu", dtype: str = "fp32", compile: bool = False,
 ) -> dict[str, Any]:
+    """compile: decode with the model's compiled step (its compilation is the first, untimed token)."""
     from attnlab.model import Transformer
 
     torch_device = torch.device(device)
@@ -140,6 +142,8 @@ def measure_decode(
     model = Transformer(config).to(torch_device).eval()
     if dtype != "fp32":
         model = model.to(DTYPES[dtype])
+    if compile:
+        model.compile_decoding()
     sequence = torch.randint(0, config.num_tokens, (1, length), device=torch_device)
     times = []
     loaded = []  # key/value tokens one query read per layer and step, where the cache reports it (NSA)
@@ -165,7 +169,7 @@ def measure_decode(
     median = statistics.median(times[1:] if len(times) > 1 else times)
     return {
         "kind": "decode", "attention": config.attention.kind, "context": context, "cache": use_cache,
-        "ms_per_token": median * 1e3, "tokens_per_s": 1 / median, "new_tokens": new_tokens,
+        "ms_per_token": median * 1e3, "tokens_per_s": 1 / median, "new_tokens": new_tokens, "compiled": compile,
         "kv_tokens_loaded": statistics.mean(loaded) if loaded else None,  # paper NSA's Table 4 quantity
         **environment(torch_device, dtype),
     }

@@ -52,6 +52,7 @@ class SpeculativeBench:
     repeats: int = 1  # timed runs of each decoder; medians reported
     weights: str = "auto"  # auto, model or ema
     device: str = "cpu"
+    compile: bool = False  # both models decode with compiled steps (Transformer.compile_decoding)
 
     def __post_init__(self) -> None:  # worded for `attnlab speculative`, whose flags these fields are
         if self.target is None or (self.draft is None and self.early_exit is None):
@@ -77,6 +78,8 @@ def timed(function: Callable[[], object], device: torch.device) -> tuple[object,
 def load_pair(bench: SpeculativeBench, device: torch.device) -> tuple[Transformer, CachedLanguageModel, str]:
     """(target, draft, the draft's name for the report)."""
     target = load_model(bench.target, device=device, weights=bench.weights)
+    if bench.compile:
+        target.compile_decoding()
     if bench.early_exit is not None:
         draft_name = f"early exit after layer {bench.early_exit} of the target"
         return target, EarlyExitDraft(target, bench.early_exit), draft_name
@@ -86,6 +89,8 @@ def load_pair(bench: SpeculativeBench, device: torch.device) -> tuple[Transforme
         raise AttnlabError("draft and target must share a vocabulary (model.num_tokens)")
     if quantize_weights(draft, bench.draft_quantize):
         draft_name += f" ({bench.draft_quantize} weights)"
+    if bench.compile:
+        draft.compile_decoding()
     return target, draft, draft_name
 
 
@@ -118,13 +123,9 @@ def warn_beyond_training(model, name: str, length: int) -> bool:
     return True
 
 
-def rollback_scheme(batch_scheme: str, target: CachedLanguageModel, draft: CachedLanguageModel) -> bool | None:
-    """speculative_generate's per_row for a batch scheme (None: auto), checked against the caches."""
-    per_row = {"auto": None, "per-row": True, "shared": False}[batch_scheme]
-    if per_row and not all(getattr(model.new_cache(1), "per_row_rollback", False) for model in (target, draft)):
-        raise AttnlabError("--batch-scheme per-row needs caches that roll back per row (per_row_rollback) in "
-                           "both models; use auto or shared")
-    return per_row
+def rollback_scheme(batch_scheme: str) -> bool | None:
+    """speculative_generate's per_row for a batch scheme (None: auto)."""
+    return {"auto": None, "per-row": True, "shared": False}[batch_scheme]
 
 
 @dataclass
@@ -178,7 +179,7 @@ def run_speculative_bench(bench: SpeculativeBench) -> dict[str, Any]:
     prompt = build_prompt(bench, target, tokenizer)  # [B, T]
     warn_beyond_training(target, "target", prompt.shape[1] + bench.max_new_tokens)
     warn_beyond_training(draft, "draft", prompt.shape[1] + bench.max_new_tokens)
-    per_row = rollback_scheme(bench.batch_scheme, target, draft)
+    per_row = rollback_scheme(bench.batch_scheme)
     timings = time_decoders(bench, target, draft, prompt, per_row, device)
 
     base_seconds = statistics.median(timings.base_seconds)

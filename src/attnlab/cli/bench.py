@@ -35,6 +35,7 @@ def register(subparsers) -> None:
             sub.add_argument("--context", type=int, nargs="+", default=[64, 256, 1024])
             sub.add_argument("--new-tokens", type=int, default=16, help="tokens timed per context (median)")
             sub.add_argument("--no-uncached", action="store_true", help="skip the no-cache baseline")
+            sub.add_argument("--compile", action="store_true", help="cached decoding with the compiled step")
         sub.set_defaults(func=run)
 
     suite = kinds.add_parser("suite", help="every registered attention over a range of lengths: report and plots")
@@ -57,7 +58,8 @@ def run(args: argparse.Namespace) -> int:
         if args.bench_kind == "train":
             jobs = train_jobs(values, args.seq_len, args.batch_size, args.steps, args.warmup, args.device, args.dtype)
         else:
-            jobs = decode_jobs(values, args.context, args.new_tokens, not args.no_uncached, args.device, args.dtype)
+            jobs = decode_jobs(values, args.context, args.new_tokens, not args.no_uncached, args.device, args.dtype,
+                               args.compile)
         for result in run_jobs(jobs, args.threads):
             results.append(result)
             print(json.dumps(result), flush=True)

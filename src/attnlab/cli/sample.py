@@ -26,6 +26,8 @@ def register(subparsers) -> None:
     parser.add_argument("--no-cache", action="store_true", help="recompute the whole prefix each token (slow path)")
     parser.add_argument("--weights", choices=["auto", "model", "ema"], default="auto")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--compile", action="store_true",
+                        help="decode with a compiled step (torch.compile; CUDA graphs on a GPU)")
     parser.set_defaults(func=run)
 
 
@@ -36,7 +38,8 @@ def run(args: argparse.Namespace) -> int:
     prompt = torch.tensor([encode_prompt(tokenizer, args.prompt)], device=args.device)
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
     sys.stdout.write(args.prompt)
-    pieces = stream_text(model, prompt, args.max_new_tokens, sampling, not args.no_cache, generator, tokenizer)
+    pieces = stream_text(model, prompt, args.max_new_tokens, sampling, not args.no_cache, generator, tokenizer,
+                         args.compile)
     for piece in pieces:
         sys.stdout.write(piece)
         sys.stdout.flush()

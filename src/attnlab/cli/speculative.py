@@ -53,14 +53,16 @@ def register(subparsers) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--batch-scheme", choices=["auto", "per-row", "shared"], default="auto",
-        help="how rows of a batch roll back: per-row (each to its own length; every built-in cache), shared "
-        "(all to the shortest committed prefix; any cache), auto (per-row where both models can)",
+        help="how rows of a batch roll back: per-row (each to its own length), shared (all to the shortest "
+        "committed prefix), auto (per-row for batches > 1)",
     )
     parser.add_argument(
         "--draft-quantize", choices=list(QUANTIZATIONS), default="none",
         help="int8: the draft's linear layers keep int8 weights (a quarter of the bytes to read per token); the "
         "output distribution is the target's either way (model/quantize.py)",
     )
+    parser.add_argument("--compile", action="store_true",
+                        help="both models decode with compiled steps (torch.compile; CUDA graphs on a GPU)")
     parser.add_argument("--repeats", type=int, default=1, help="timed runs of each decoder; medians reported")
     parser.add_argument("--weights", choices=["auto", "model", "ema"], default="auto")
     parser.add_argument("--device", default="cpu")
@@ -105,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
         sampling=SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p),
         seed=args.seed, batch_scheme=args.batch_scheme, repeats=args.repeats, weights=args.weights, device=args.device,
+        compile=args.compile,
     )
     report = run_speculative_bench(bench)
     if args.json:

@@ -109,13 +109,17 @@ def stream(
     sampling: SamplingConfig | None = None,
     use_cache: bool = True,
     generator: torch.Generator | None = None,
+    compile: bool = False,
 ) -> Iterator[tuple[Tensor, Tensor]]:
     """Yield (next tokens [B], the logits they were drawn from [B, V]) one step at a time.
 
     With the cache, the prompt is fed once and each step feeds one token; without it, each step
     re-runs the model on the whole sequence (the slow path, kept as a check of the cache).
+    compile: decode with the model's compiled step (Transformer.compile_decoding; made once).
     """
     sampling = sampling or SamplingConfig()
+    if compile and use_cache and model._compiled_step is None:
+        model.compile_decoding()
     with eval_mode(model):
         sequence = prompt
         cache = model.new_cache(prompt.shape[0], prompt.shape[1] + max_new_tokens) if use_cache else None
@@ -136,9 +140,10 @@ def generate(
     sampling: SamplingConfig | None = None,
     use_cache: bool = True,
     generator: torch.Generator | None = None,
+    compile: bool = False,
 ) -> Tensor:
-    """prompt [B, T] -> [B, T + max_new_tokens]."""
-    new = [token for token, _ in stream(model, prompt, max_new_tokens, sampling, use_cache, generator)]
+    """prompt [B, T] -> [B, T + max_new_tokens]; compile: as in `stream`."""
+    new = [token for token, _ in stream(model, prompt, max_new_tokens, sampling, use_cache, generator, compile)]
     if not new:
         return prompt
     return torch.cat((prompt, torch.stack(new, dim=1)), dim=1)
@@ -152,13 +157,14 @@ def stream_text(
     use_cache: bool = True,
     generator: torch.Generator | None = None,
     tokenizer: Tokenizer | None = None,
+    compile: bool = False,
 ) -> Iterator[str]:
     """The text of row 0's new tokens, piece by piece as they are drawn (prompt [1, T]): each token's
     bytes (its own for a byte-level model, the tokenizer's otherwise) decoded as UTF-8 incrementally,
     so a character split over tokens comes out whole. A tokenized model stops at its end token (it
     is trained with one); the last piece flushes what is left (possibly "")."""
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    for token, _ in stream(model, prompt, max_new_tokens, sampling, use_cache, generator):
+    for token, _ in stream(model, prompt, max_new_tokens, sampling, use_cache, generator, compile):
         token_id = int(token[0])
         if tokenizer is not None and token_id == tokenizer.eos_id:
             break  # the document ends here

@@ -22,10 +22,9 @@ the output equals greedy decoding of the target.
 
 Batches (a departure from both papers, which describe one sequence). Rows accept different
 numbers of tokens. Two schemes keep every row exact; speculative_generate picks per-row rollback
-for batches > 1 when both models' caches support it (every built-in attention type), else the
-shared window.
+for batches > 1 (every cache counts its tokens per row), the shared window on request.
 
-Per-row rollback (caches with per_row_rollback, KVCache.truncate_rows): after each step, row b's
+Per-row rollback (ModelCache.truncate_rows): after each step, row b's
 target cache is cut to its committed length L_b minus one and its draft cache to L_b minus one or
 two, so every row drafts gamma tokens from its own length at the next step. The next forwards
 write each row's tokens at that row's own positions (per-row rotary offsets), and a per-row mask
@@ -33,7 +32,7 @@ hides whatever lies past a row's length (its rejected draft tokens, until overwr
 is then exactly the single-sequence algorithm. A row that has stopped stays frozen: it still
 takes part in the batched forwards, but commits nothing more.
 
-Shared window (any cache): a cache is truncated to one length for all rows. So:
+Shared window: a cache is truncated to one length for all rows. So:
   - every row keeps all of its committed tokens (accepted drafts and the corrected/bonus token);
   - both caches are truncated to the shortest committed prefix, so no row's cache holds a token
     that row did not commit (never a rejected draft token, never another row's token);
@@ -65,7 +64,7 @@ from torch import Tensor, nn
 
 from attnlab.generate.sampling import SamplingConfig, probabilities, sample_from
 from attnlab.model.modes import eval_mode
-from attnlab.model.transformer import ModelCache, ModelOutput, Transformer, token_positions
+from attnlab.model.transformer import ModelCache, ModelOutput, Transformer, new_model_cache, token_positions
 
 log = logging.getLogger(__name__)
 
@@ -143,24 +142,31 @@ class EarlyExitDraft(nn.Module):
 
     def forward(self, tokens: Tensor, cache: ModelCache | None = None) -> ModelOutput:
         """tokens [B, T] -> ModelOutput(logits [B, T, V]), as Transformer.forward without a loss."""
+        if cache is not None:
+            cache.begin(tokens.shape[1])
+        output = self.run(tokens, cache)
+        if cache is not None:
+            cache.end(tokens.shape[1])
+        return output
+
+    def run(self, tokens: Tensor, cache: ModelCache | None) -> ModelOutput:
         target = self.target
         x = target.token_embedding(tokens)  # [B, T, dim]
         if target.position_embedding is not None:
             x = x + target.position_embedding(token_positions(cache, tokens.shape[1], tokens.device))
         for index, block in enumerate(target.blocks[: self.n_layers]):
             x = block(x, None if cache is None else cache.layers[index])
+        if cache is not None:
+            cache.lengths += tokens.shape[1]
         x = target.norm(x)
         if target.head_project is not None:
             x = target.head_project(x)
         return ModelOutput(logits=target.head(x))  # [B, T, V]
 
     def new_cache(self, batch_size: int, max_len: int | None = None, device=None, dtype=None) -> ModelCache:
-        parameter = next(self.target.parameters())
-        max_len = max_len or self.target.config.max_seq_len
-        device = device or parameter.device
-        dtype = dtype or parameter.dtype
-        blocks = self.target.blocks[: self.n_layers]
-        return ModelCache([block.attention.new_cache(batch_size, max_len, device, dtype) for block in blocks], max_len)
+        layers = [block.attention for block in self.target.blocks[: self.n_layers]]
+        return new_model_cache(self.target, layers, batch_size,
+                               max_len or self.target.config.max_seq_len, device, dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -228,7 +234,7 @@ class _Decoding:
 
 def _decode_shared_window(state: _Decoding) -> None:
     """Decode until every row stops, both caches cut to the shortest committed prefix after each
-    step (any cache; the module docstring, "Shared window"). Stopped rows keep decoding; their output
+    step (the module docstring, "Shared window"). Stopped rows keep decoding; their output
     is cut afterwards."""
     target, draft, target_cache, draft_cache = state.target, state.draft, state.target_cache, state.draft_cache
     gamma, sampling, generator = state.gamma, state.sampling, state.generator
@@ -283,7 +289,7 @@ def _decode_shared_window(state: _Decoding) -> None:
 
 def _decode_per_row(state: _Decoding) -> None:
     """Decode until every row stops, each row's caches rolled back to its own committed length
-    (caches with per_row_rollback; the module docstring, "Per-row rollback"). A stopped row is
+    (the module docstring, "Per-row rollback"). A stopped row is
     frozen: it still takes part in the forwards, but commits nothing more."""
     target, draft, target_cache, draft_cache = state.target, state.draft, state.target_cache, state.draft_cache
     gamma, sampling, generator = state.gamma, state.sampling, state.generator
@@ -381,12 +387,7 @@ def speculative_generate(
         lengths=torch.full((batch,), prompt_length, dtype=torch.long, device=device),
         goal=goal, prompt_length=prompt_length, end_token=end_token,
     )
-    can_split = all(getattr(cache, "per_row_rollback", False) for cache in (target_cache, draft_cache))
-    if per_row and not can_split:
-        raise ValueError(
-            "per-row rollback needs caches that support it (per_row_rollback) in both models"
-        )
-    per_row = can_split and batch > 1 if per_row is None else per_row
+    per_row = batch > 1 if per_row is None else per_row
     with eval_mode(target, draft):  # each module's own mode restored afterwards (model/modes.py)
         # the prompt minus its last token; the last one opens the first window
         if prompt_length > 1:

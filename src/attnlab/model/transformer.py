@@ -12,6 +12,7 @@ Legend: B batch, T tokens, V vocabulary, dim model width.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 
@@ -21,13 +22,16 @@ from torch import Tensor, nn
 
 import attnlab.attention  # noqa: F401  (registers the attention variants)
 import attnlab.model.moe  # noqa: F401  (registers the mixture-of-experts feed-forward)
-from attnlab.attention.base import AttentionSpec, KVCache, RotaryEmbedding, RowLengths
+from attnlab.attention.base import AttentionSpec, KVCache, RotaryEmbedding, new_lengths
 from attnlab.config import ModelConfig
 from attnlab.errors import ConfigError
 from attnlab.model.layers import Chunked, TokenEmbedding
 from attnlab.model.loss import IGNORE_INDEX, chunked_linear_cross_entropy  # IGNORE_INDEX: padding, masked
 from attnlab.model.reversible import reversible_blocks
 from attnlab.registry import ATTENTION, FEED_FORWARD, NORM
+
+log = logging.getLogger(__name__)
+DECODE_GRAPH_LIMIT = 256  # compiled decode steps kept (one per model, cache layout and chunk length)
 
 
 @dataclass
@@ -39,51 +43,75 @@ class ModelOutput:
 
 
 class ModelCache:
-    """One KVCache per layer, advanced together."""
+    """One KVCache per layer, all counting their tokens in one tensor `lengths` [B] (each row's own
+    count: speculative decoding rolls rows back to lengths of their own). The host keeps the longest
+    and shortest row's count beside it, for checks outside any compiled step."""
 
-    def __init__(self, layers: list[KVCache], max_len: int) -> None:
+    def __init__(self, layers: list[KVCache], lengths: Tensor, max_len: int) -> None:
         self.layers = layers
+        self.lengths = lengths  # [B], shared by every layer
         self.max_len = max_len
-
-    @property
-    def length(self) -> int:
-        """Tokens fed (the longest row's, after truncate_rows)."""
-        return self.layers[0].length
-
-    @property
-    def offset(self) -> int | Tensor:
-        """The position of the next token: an int, or [B] per row after truncate_rows."""
-        return self.layers[0].offset
+        self.length = 0  # the longest row's count, on the host
+        self.shortest = 0
 
     @property
     def per_row_rollback(self) -> bool:
-        """Whether every layer can roll rows back to lengths of their own (truncate_rows)."""
-        return all(layer.per_row_rollback for layer in self.layers)
+        """Every attention type's cache rolls rows back to lengths of their own (truncate_rows)."""
+        return True
+
+    def positions(self, n_new: int) -> Tensor:
+        """[B, T]: the positions of each row's next n_new tokens."""
+        return self.lengths[:, None] + torch.arange(n_new, device=self.lengths.device)
+
+    def begin(self, n_new: int) -> None:
+        """Before a forward of n_new tokens: refuse more than max_len, and tell the layers whether every
+        row is empty (a prefill: each may compute it as a whole sequence)."""
+        if self.length + n_new > self.max_len:
+            raise ValueError(f"the cache holds {self.max_len} tokens a row; {self.length} fed and {n_new} more asked "
+                             "(make a larger cache: new_cache(batch, max_len))")
+        for layer in self.layers:
+            layer.prefill = self.length == 0
+
+    def end(self, n_new: int) -> None:
+        """After that forward (whose layers wrote n_new tokens a row): count them."""
+        for layer in self.layers:
+            layer.prefill = False
+        self.length += n_new
+        self.shortest += n_new
 
     def truncate(self, length: int) -> None:
-        for layer in self.layers:
-            layer.truncate(length)
+        """Forget everything of every row after its first `length` tokens, exactly."""
+        if not 0 <= length <= self.shortest:
+            raise ValueError(f"cannot truncate rows of lengths {self.shortest}..{self.length} to {length}")
+        self.lengths.fill_(length)
+        self.length = self.shortest = length
 
     def truncate_rows(self, lengths: Tensor) -> None:
         """Roll row b back to its first lengths[b] tokens (speculative decoding's per-row rollback)."""
-        offset = self.offset
-        longest, invalid = torch.stack((lengths.max(), ((lengths < 0) | (lengths > offset)).any())).tolist()
+        invalid, longest, shortest = torch.stack((((lengths < 0) | (lengths > self.lengths)).any(), lengths.max(),
+                                                  lengths.min())).tolist()
         if invalid:
-            current = offset if isinstance(offset, int) else offset.tolist()
-            raise ValueError(f"cannot truncate rows of lengths {current} to {lengths.tolist()}")
-        rows = RowLengths(lengths.to(dtype=torch.long), longest)  # one object for every layer
-        for layer in self.layers:
-            layer.truncate_rows(rows)
+            raise ValueError(f"cannot truncate rows of lengths {self.lengths.tolist()} to {lengths.tolist()}")
+        self.lengths.copy_(lengths)
+        self.length, self.shortest = longest, shortest
+
+
+def new_model_cache(model: nn.Module, attention_layers: list[nn.Module], batch_size: int, max_len: int, device=None,
+                    dtype=None) -> ModelCache:
+    """A ModelCache over these attention layers of `model`, their counts in one shared tensor; device and
+    dtype by default those of the model's first parameter (an embedding: float also when quantized)."""
+    parameter = next(model.parameters())
+    lengths = new_lengths(batch_size, device or parameter.device)
+    dtype = dtype or parameter.dtype
+    layers = [layer.new_cache(batch_size, max_len, lengths.device, dtype, lengths=lengths)
+              for layer in attention_layers]
+    return ModelCache(layers, lengths, max_len)
 
 
 def token_positions(cache: ModelCache | None, n_tokens: int, device: torch.device) -> Tensor:
-    """Positions of the next n_tokens fed through `cache` (from 0 without one): [T], or [B, T]
-    when its rows differ in length (learned position embeddings look them up)."""
-    steps = torch.arange(n_tokens, device=device)
-    if cache is None:
-        return steps
-    offset = cache.offset
-    return offset + steps if isinstance(offset, int) else offset[:, None] + steps
+    """Positions of the next n_tokens: [T] from 0 without a cache, [B, T] each row's own through one
+    (learned position embeddings look them up)."""
+    return torch.arange(n_tokens, device=device) if cache is None else cache.positions(n_tokens)
 
 
 def make_norm(config: ModelConfig) -> nn.Module:
@@ -152,6 +180,7 @@ class Transformer(nn.Module):
         if config.tie_embeddings:
             self.head.weight = self.token_embedding.embed.weight
         self._aux_modules: list[nn.Module] | None = None  # modules reporting aux_losses, found on first use
+        self._compiled_step = None  # compile_decoding()
         self.apply(self._init_weights)
         for name, parameter in self.named_parameters():
             if name.endswith(("to_out.weight", "down.weight")):  # GPT-2: scale residual projections
@@ -171,22 +200,68 @@ class Transformer(nn.Module):
         cache: ModelCache | None = None,
         loss_mask: Tensor | None = None,
     ) -> ModelOutput:
-        """tokens [B, T]; targets [B, T] (next tokens) for the loss; loss_mask [B, T] (0 = ignore)."""
-        offset = 0 if cache is None else cache.length  # the longest row's, when rows differ
+        """tokens [B, T]; targets [B, T] (next tokens) for the loss; loss_mask [B, T] (0 = ignore).
+        With a cache: tokens are each row's next T tokens. A chunk after earlier tokens runs the
+        compiled decode step once compile_decoding() made one."""
+        if cache is None:
+            return self.run(tokens, targets, None, loss_mask)
+        n_tokens = tokens.shape[1]
+        if self.position_embedding is not None and cache.length + n_tokens > self.config.max_seq_len:
+            raise ValueError(f"learned positions stop at max_seq_len={self.config.max_seq_len}; "
+                             f"got position {cache.length + n_tokens - 1}")
+        cache.begin(n_tokens)
+        if cache.length == 0 or self._compiled_step is None:  # a prefill stays eager
+            output = self.run(tokens, targets, cache, loss_mask)
+        else:
+            output = self._compiled_decode(tokens, targets, cache, loss_mask)
+        cache.end(n_tokens)
+        return output
+
+    def _compiled_decode(self, tokens, targets, cache, loss_mask) -> ModelOutput:
+        """The compiled step; where torch.compile fails on this machine (before running anything),
+        one warning and eager decoding from then on."""
+        try:
+            return self._compiled_step(tokens, targets, cache, loss_mask)
+        except torch._dynamo.exc.TorchDynamoException as error:
+            log.warning("compiled decoding failed, decoding eagerly: %s", str(error).splitlines()[0])
+            self._compiled_step = None
+            return self.run(tokens, targets, cache, loss_mask)
+
+    def compile_decoding(self, mode: str | None = None, backend: str = "inductor") -> bool:
+        """Compile the cached forward of a chunk after earlier tokens (a decode step, a speculative
+        verification): one graph per chunk length, fullgraph (the static caches give it the same
+        shapes at every position, so it never recompiles per token); on CUDA with CUDA graphs
+        ("reduce-overhead") unless `mode` says otherwise. Prefill stays eager. Returns False, with
+        one warning, where torch.compile cannot serve this device."""
+        device = next(self.parameters()).device
+        # dynamo keeps the graphs of `run` for every model and chunk length under one code object:
+        # room for many models (a target and its draft, evaluation copies) before it gives up
+        config = torch._dynamo.config
+        config.recompile_limit = max(config.recompile_limit, DECODE_GRAPH_LIMIT)
+        config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, DECODE_GRAPH_LIMIT)
+        try:
+            mode = mode or ("reduce-overhead" if device.type == "cuda" and backend == "inductor" else None)
+            self._compiled_step = torch.compile(self.run, fullgraph=True, dynamic=False, mode=mode, backend=backend)
+        except Exception as error:  # noqa: BLE001 - any failure: decode eagerly, and say so once
+            log.warning("compiled decoding unavailable on %s, decoding eagerly: %s", device.type, error)
+            self._compiled_step = None
+        return self._compiled_step is not None
+
+    def run(self, tokens: Tensor, targets: Tensor | None, cache: ModelCache | None, loss_mask: Tensor | None
+            ) -> ModelOutput:
+        """The forward itself (`forward` adds the cache's host bookkeeping): tensors in, tensors out,
+        traceable whole by torch.compile."""
         n_tokens = tokens.shape[1]
         x = self.token_embedding(tokens)  # [B, T, dim]
         if self.position_embedding is not None:
-            if offset + n_tokens > self.config.max_seq_len:
-                raise ValueError(
-                    f"learned positions stop at max_seq_len={self.config.max_seq_len}; "
-                    f"got position {offset + n_tokens - 1}"
-                )
             x = x + self.position_embedding(token_positions(cache, n_tokens, tokens.device))  # [T] or [B, T]
         if self.config.reversible:  # two-stream reversible residuals (model/reversible.py)
             x = reversible_blocks(self.blocks, x, None if cache is None else cache.layers)
         else:
             for index, block in enumerate(self.blocks):
                 x = block(x, None if cache is None else cache.layers[index])
+        if cache is not None:
+            cache.lengths += n_tokens  # every layer has written its tokens
         x = self.norm(x)
         if self.head_project is not None:
             x = self.head_project(x)
@@ -230,13 +305,10 @@ class Transformer(nn.Module):
         return {name: sum(values) / len(values) for name, values in totals.items()}
 
     def new_cache(self, batch_size: int, max_len: int | None = None, device=None, dtype=None) -> ModelCache:
-        """An empty cache for incremental decoding of up to `max_len` tokens (default max_seq_len)."""
-        parameter = next(self.parameters())
-        max_len = max_len or self.config.max_seq_len
-        device = device or parameter.device
-        dtype = dtype or parameter.dtype
-        layers = [block.attention.new_cache(batch_size, max_len, device, dtype) for block in self.blocks]
-        return ModelCache(layers, max_len)
+        """An empty cache for incremental decoding of up to `max_len` tokens a row (default max_seq_len),
+        its storage preallocated."""
+        return new_model_cache(self, [block.attention for block in self.blocks], batch_size,
+                               max_len or self.config.max_seq_len, device, dtype)
 
     def num_parameters(self) -> int:
         """Distinct parameters (a tied matrix counted once)."""

@@ -87,6 +87,7 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
         )
     if state["format_version"] == 1:
         state["config"] = upgrade_version_1_config(state["config"])
+    state["config"] = drop_retired_options(state["config"])
     return state
 
 
@@ -97,6 +98,13 @@ def upgrade_version_1_config(config: dict[str, Any]) -> dict[str, Any]:
     for kind, variant in config.get("model", {}).get("attention", {}).items():
         if kind in ("routing", "sinkhorn", "nsa") and isinstance(variant, dict) and variant.get("backend") == "torch":
             variant["backend"] = "auto"
+    return drop_retired_options(config)
+
+
+def drop_retired_options(config: dict[str, Any]) -> dict[str, Any]:
+    """Options a saved config may hold that attnlab no longer has: local attention's max_rollback
+    (its static cache keeps every position, so any rollback is exact)."""
+    config.get("model", {}).get("attention", {}).get("local", {}).pop("max_rollback", None)
     return config
 
 

@@ -1,0 +1,98 @@
+"""Cached decoding of every attention type, eager and with the compiled decode step
+(Transformer.compile_decoding), side by side in one process: tokens/s at two prompt lengths, the
+compiled step's speed-up, and how much a token's cost grows from the short prompt to the long one.
+
+Each model decodes --new-tokens tokens with top-k sampling after a random prompt, eager and compiled
+in turn, round by round (the compiled step's compilation happens in an untimed warm-up round);
+medians of the per-round medians.
+
+    OMP_NUM_THREADS=2 python bench/compiled_decoding.py --context 256 4096 --new-tokens 128 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from attnlab.bench.measure import model_config
+from attnlab.generate.sampling import SamplingConfig, probabilities, sample_from
+from attnlab.model import Transformer
+
+MODEL = dict(dim=256, depth=4, heads=4, dim_head=64)
+WINDOW = dict(local={"window_size": 64}, routing={"window_size": 64}, sinkhorn={"bucket_size": 64},
+              nsa={"sliding_window_size": 64, "compress_block_size": 16, "compress_stride": 8,
+                   "selection_block_size": 16, "num_selected": 4})
+KV_HEADS = {"nsa": 2}  # NSA shares its selection over a key/value group
+SAMPLING = SamplingConfig(top_k=26)
+
+
+def build(kind: str, max_len: int, compiled: bool) -> Transformer:
+    values = {**MODEL, "kv_heads": KV_HEADS.get(kind), "max_seq_len": max_len, "attention": {"kind": kind, **WINDOW}}
+    torch.manual_seed(0)
+    model = Transformer(model_config(values)).eval()
+    if compiled:
+        model.compile_decoding()
+    return model
+
+
+@torch.inference_mode()
+def ms_per_token(model: Transformer, prompt: torch.Tensor, new_tokens: int, seed: int) -> float:
+    """Median ms of one sampled token (forward and draw) after the prompt."""
+    generator = torch.Generator().manual_seed(seed)
+    cache = model.new_cache(prompt.shape[0], prompt.shape[1] + new_tokens)
+    logits = model(prompt, cache=cache).logits[:, -1]
+    times = []
+    for _ in range(new_tokens):
+        started = time.perf_counter()
+        token = sample_from(probabilities(logits, SAMPLING), generator)
+        logits = model(token[:, None], cache=cache).logits[:, -1]
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1e3
+
+
+def measure(kinds: list[str], contexts: list[int], new_tokens: int, rounds: int) -> dict:
+    models = {(kind, context, compiled): build(kind, context + new_tokens, compiled)
+              for kind in kinds for context in contexts for compiled in (False, True)}
+    prompts = {context: torch.randint(0, 256, (1, context), generator=torch.Generator().manual_seed(context))
+               for context in contexts}
+    times = {key: [] for key in models}
+    for round_ in range(rounds + 1):  # round 0 warms up (and compiles)
+        for (kind, context, compiled), model in models.items():
+            elapsed = ms_per_token(model, prompts[context], new_tokens, seed=round_)
+            if round_:
+                times[kind, context, compiled].append(elapsed)
+    return {f"{kind} {context} {'compiled' if compiled else 'eager'}": statistics.median(values)
+            for (kind, context, compiled), values in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--attention", nargs="+", default=["full", "local", "routing", "sinkhorn", "nsa"])
+    parser.add_argument("--context", type=int, nargs="+", default=[256, 4096])
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    medians = measure(args.attention, args.context, args.new_tokens, args.rounds)
+    print(json.dumps({"threads": torch.get_num_threads(), "new_tokens": args.new_tokens, "rounds": args.rounds,
+                      "ms_per_token": medians}), flush=True)
+    short, long = args.context[0], args.context[-1]
+    print(f"\nms/token (tokens/s), top-k {SAMPLING.top_k}, median of {args.rounds} rounds")
+    print(f"| attention | eager {short} | compiled {short} | speed-up | eager {long} | compiled {long} | speed-up "
+          f"| compiled growth {short} -> {long} |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for kind in args.attention:
+        cells = []
+        for context in (short, long):
+            eager, compiled = medians[f"{kind} {context} eager"], medians[f"{kind} {context} compiled"]
+            cells += [f"{eager:.2f} ({1e3 / eager:.0f})", f"{compiled:.2f} ({1e3 / compiled:.0f})",
+                      f"{eager / compiled:.2f}x"]
+        growth = medians[f"{kind} {long} compiled"] / medians[f"{kind} {short} compiled"]
+        print(f"| {kind} | " + " | ".join(cells) + f" | {growth:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

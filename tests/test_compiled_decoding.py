@@ -1,0 +1,113 @@
+"""Compiled decoding (Transformer.compile_decoding): for every attention type, the compiled decode
+steps give the eager logits over a prefill, one-token steps, multi-token chunks and rollbacks
+(level and per row); after warm-up, hundreds of decode steps compile nothing new (the static
+caches give every step the same shapes); speculative decoding and generate() run on it.
+
+The per-variant tests compile with the aot_eager back-end (dynamo's tracing, where graph breaks
+and recompiles happen, without inductor's code generation); one goes through inductor."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from attnlab.generate.sampling import SamplingConfig, generate
+from attnlab.generate.speculative import speculative_generate
+from attnlab.model import Transformer
+from variants import variant_config
+
+pytestmark = pytest.mark.slow
+NAMES = ["full", "local", "routing", "sinkhorn", "nsa"]
+
+
+def twins(name: str, backend: str = "aot_eager", **overrides) -> tuple[Transformer, Transformer]:
+    """The same model twice, in eval mode: eager, and with compiled decoding."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    eager = Transformer(variant_config(name, max_seq_len=512, **overrides)).eval()
+    compiled = Transformer(variant_config(name, max_seq_len=512, **overrides)).eval()
+    compiled.load_state_dict(eager.state_dict())
+    assert compiled.compile_decoding(backend=backend)
+    return eager, compiled
+
+
+def decode(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
+    """Prefill, one-token steps, a 5-token chunk, a rollback of all rows, steps, a per-row rollback,
+    a chunk and steps again -> every step's logits, concatenated [B, *, V]."""
+    cache = model.new_cache(tokens.shape[0], 300)
+    logits = [model(tokens[:, :20], cache=cache).logits]
+    for position in range(20, 26):
+        logits.append(model(tokens[:, position : position + 1], cache=cache).logits)
+    logits.append(model(tokens[:, 26:31], cache=cache).logits)
+    cache.truncate(24)
+    for position in range(24, 27):
+        logits.append(model(tokens[:, position : position + 1], cache=cache).logits)
+    cache.truncate_rows(torch.tensor([25, 22]))
+    logits.append(model(tokens[:, 30:35], cache=cache).logits)
+    logits.append(model(tokens[:, 35:36], cache=cache).logits)
+    return torch.cat(logits, dim=1)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_compiled_decoding_equals_eager_and_never_recompiles(name):
+    eager, compiled = twins(name)
+    tokens = torch.randint(0, 61, (2, 300), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(decode(compiled, tokens), decode(eager, tokens), atol=1e-5, rtol=1e-5)
+        cache = compiled.new_cache(2, 300)  # a new cache of the same size: the graphs already made serve it
+        compiled(tokens[:, :10], cache=cache)
+        compiled(tokens[:, 10:11], cache=cache)
+        graphs = counters["stats"]["unique_graphs"]
+        for position in range(11, 267):  # 256 decode steps
+            compiled(tokens[:, position : position + 1], cache=cache)
+    assert counters["stats"]["unique_graphs"] == graphs, "a decode step compiled again"
+
+
+def test_compiled_decoding_through_inductor():
+    """Routing's decode step (top-k over the cluster storage) in inductor's generated code: one-token
+    steps, a level and a per-row rollback (one graph)."""
+    eager, compiled = twins("routing", backend="inductor")
+    tokens = torch.randint(0, 61, (2, 40), generator=torch.Generator().manual_seed(2))
+
+    def steps(model: Transformer) -> torch.Tensor:
+        cache = model.new_cache(2, 64)
+        logits = [model(tokens[:, :20], cache=cache).logits]
+        logits += [model(tokens[:, p : p + 1], cache=cache).logits for p in range(20, 30)]
+        cache.truncate(25)
+        cache.truncate_rows(torch.tensor([25, 21]))
+        logits += [model(tokens[:, p : p + 1], cache=cache).logits for p in range(30, 36)]
+        return torch.cat(logits, dim=1)
+
+    with torch.no_grad():
+        torch.testing.assert_close(steps(compiled), steps(eager), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("batch, n_samples", [(1, 600), (4, 1200)])
+def test_compiled_speculative_sampling_follows_the_target(batch, n_samples):
+    """Chi-square: speculative decoding with both models compiled samples the target's distribution
+    (per-row rollback at batch 4)."""
+    from test_speculative import chi_square_p_value, exact_distribution, sampled_counts, tiny
+
+    torch._dynamo.reset()
+    target, draft = tiny("full", seed=0, depth=2), tiny("local", seed=1, depth=1)
+    _, expected = exact_distribution(target, SamplingConfig())
+    assert target.compile_decoding(backend="aot_eager") and draft.compile_decoding(backend="aot_eager")
+    counts = sampled_counts(target, draft, batch, n_samples, SamplingConfig(), seed=batch, per_row=batch > 1)
+    assert chi_square_p_value(counts, expected) > 0.01
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_speculative_and_generate_on_compiled_models(batch):
+    """Greedy speculative decoding with both models compiled equals the target's greedy decoding,
+    per-row and shared rollback (the sampled distribution is the eager one's: the steps are)."""
+    target, compiled_target = twins("nsa", depth=2)
+    draft, compiled_draft = twins("local", depth=1)
+    prompt = torch.randint(0, 61, (batch, 9), generator=torch.Generator().manual_seed(batch))
+    greedy = SamplingConfig(temperature=0.0)
+    expected = generate(target, prompt, 24, greedy)
+    assert torch.equal(generate(compiled_target, prompt, 24, greedy), expected)
+    for per_row in (True, False):
+        result = speculative_generate(compiled_target, compiled_draft, prompt, 24, gamma=4, sampling=greedy,
+                                      per_row=per_row)
+        assert torch.equal(result.tokens, expected), per_row
