@@ -64,6 +64,7 @@ from attnlab.train.distributed import STRATEGY, SingleProcess, local_device
 from attnlab.train.ema import WeightEMA
 from attnlab.train.metrics import Metrics, open_metrics
 from attnlab.train.optim import build_optimizer, learning_rate
+from attnlab.train.portable import copy_tokenizer, write_weights_file
 
 log = logging.getLogger(__name__)
 
@@ -257,6 +258,7 @@ def prepare(config: RunConfig, resume: str | bool | None, command_line: list[str
     if strategy.is_main:
         config.run_dir.mkdir(parents=True, exist_ok=True)
         write_run_info(config, config.run_dir, command_line)
+        copy_tokenizer(corpus, config.run_dir)  # a portable run: sample and export without the shards
 
     model = Transformer(config.model).to(device)
     if initial_weights is not None:
@@ -488,6 +490,8 @@ def train(
     finally:
         progress.close()
         run.metrics.close()
+    if run.strategy.is_main:
+        write_weights_file(config.run_dir)  # RUN/model.safetensors: the latest weights alone
     run.strategy.close()
     return TrainResult(run_dir=config.run_dir, step=run.step, interrupted=interrupted, last_eval=run.last_eval)
 
