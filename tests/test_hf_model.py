@@ -178,7 +178,7 @@ def test_native_export_refuses_what_transformers_lacks(tmp_path, capsys):
     assert not (tmp_path / "hf").exists()
 
 
-@pytest.mark.parametrize("damage", ["truncated", "no-checkpoint", "not-a-checkpoint"])
+@pytest.mark.parametrize("damage", ["truncated", "no-checkpoint", "not-a-checkpoint", "corrupt-tokenizer"])
 def test_export_of_missing_or_corrupt_run_files_is_refused(tmp_path, capsys, damage):
     run_dir = write_run(tmp_path / "run", random_model(variant_config("nsa")))
     checkpoint = checkpoint_path(run_dir, 3)
@@ -186,8 +186,11 @@ def test_export_of_missing_or_corrupt_run_files_is_refused(tmp_path, capsys, dam
         checkpoint.write_bytes(checkpoint.read_bytes()[:2000])
     elif damage == "no-checkpoint":
         checkpoint.unlink()
-    else:
+    elif damage == "not-a-checkpoint":
         torch.save({"weights": torch.zeros(3)}, checkpoint)
+    else:  # the run's own tokenizer copy, cut short
+        (run_dir / "tokenizer").mkdir()
+        (run_dir / "tokenizer" / "tokenizer.json").write_text('{"version": "1.0", "model": {')
     assert main(["export", str(run_dir), "--out", str(tmp_path / "hf")]) == 2
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and error.startswith("attnlab export: error:")

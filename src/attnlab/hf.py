@@ -1,5 +1,11 @@
-"""Hugging Face checkpoints: export an attnlab model as a Llama (or, with a mixture of experts, a
-Qwen2-MoE) checkpoint; import such a checkpoint as an attnlab run.
+"""Hugging Face checkpoints: export an attnlab model as a folder transformers loads, natively where
+transformers has the architecture (Llama; Qwen2-MoE for a mixture of experts; Mistral for local
+attention), as attnlab's own model type (hf_model.py) otherwise; import a Llama or Qwen2-MoE
+checkpoint as an attnlab run.
+
+attnlab's own type needs no correspondence: its config.json carries the whole model config and its
+weights keep attnlab's names (under `model.`), beside a modeling_attnlab.py that imports the classes.
+The native correspondences follow.
 
 A dense, full-attention attnlab model with RMSNorm, rotary positions, SwiGLU and bias-free linears
 (MiniMind's architecture, grouped-query attention and tied embeddings allowed) computes exactly
@@ -15,6 +21,9 @@ compares logits both ways:
     blocks.i.feed_forward.inner.gate / up / down               mlp.gate_proj / up_proj / down_proj
         down(silu(gate(x)) * up(x))                                down(silu(gate(x)) * up(x))
     norm, head (tied: the embedding matrix)                    model.norm, lm_head (tie_word_embeddings)
+
+Mistral is Llama with a sliding window: a query sees the last `sliding_window` keys, itself included,
+as attnlab's local attention sees `window_size` (attention/local.py).
 
 Rotary positions need no permutation of the query and key rows: attnlab's RotaryEmbedding splits a
 head into halves x1, x2 and returns (x1 cos - x2 sin, x2 cos + x1 sin), which is HF's
@@ -321,14 +330,20 @@ def find_tokenizer(run_dir: Path, run_config: RunConfig | None) -> Path | None:
 
 
 def special_token_ids(tokenizer_dir: Path | None) -> dict[str, int | None]:
-    """bos/eos/pad ids named by a tokenizer folder's special_tokens_map.json, for config.json."""
+    """bos/eos/pad ids named by a tokenizer folder's special_tokens_map.json, for config.json.
+    ConversionError when the folder's files cannot be read (checked before anything is written)."""
     ids: dict[str, int | None] = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
-    if tokenizer_dir is None or not (tokenizer_dir / "special_tokens_map.json").is_file():
+    if tokenizer_dir is None:
         return ids
     from tokenizers import Tokenizer as BackendTokenizer
 
-    tokenizer = BackendTokenizer.from_file(str(tokenizer_dir / TOKENIZER_FILE))
-    special_map = json.loads((tokenizer_dir / "special_tokens_map.json").read_text())
+    special_file = tokenizer_dir / "special_tokens_map.json"
+    try:
+        tokenizer = BackendTokenizer.from_file(str(tokenizer_dir / TOKENIZER_FILE))
+        special_map = json.loads(special_file.read_text()) if special_file.is_file() else {}
+    except Exception as error:  # a truncated or foreign file: the parsers' errors vary
+        reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+        raise ConversionError(f"the tokenizer in {tokenizer_dir} cannot be read ({reason})") from error
     for role in ("bos", "eos", "pad"):
         token = special_map.get(f"{role}_token")
         token = token.get("content") if isinstance(token, dict) else token
@@ -444,6 +459,7 @@ def export_model(
     tokenizer_dir = Path(tokenizer_dir) if tokenizer_dir is not None else None
     if tokenizer_dir is not None and not (tokenizer_dir / TOKENIZER_FILES[0]).is_file():
         raise ConversionError(f"no {TOKENIZER_FILES[0]} in the tokenizer folder {tokenizer_dir}")
+    special_ids = special_token_ids(tokenizer_dir)  # the tokenizer is read before anything is written
     state = {name: value.detach().cpu() for name, value in model.state_dict().items()}
     tensors = attnlab_tensors(state, config) if architecture == ATTNLAB else native_tensors(state, config)
     out_dir = Path(out_dir)
@@ -452,7 +468,7 @@ def export_model(
     tensors = {name: value.to(DTYPES[dtype]).contiguous().clone() for name, value in tensors.items()}
     save_file(tensors, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
     write_tokenizer_files(out_dir, tokenizer_dir, config.num_tokens)
-    write_configs(out_dir, architecture, config, dtype, special_token_ids(tokenizer_dir))
+    write_configs(out_dir, architecture, config, dtype, special_ids)
     log.info("exported %d tensors to %s (%s, %s)", len(tensors), out_dir, architecture, dtype)
     return out_dir
 
