@@ -182,7 +182,7 @@ def exported_for_lm_eval(run: str | Path, weights: str, device: str):
         export_model(source, folder, tokenizer_dir=tokenizer_dir, model_type="attnlab", overwrite=True)
         if not (Path(folder) / TOKENIZER_FILES[0]).is_file():
             raise DataError(f"{run} has no tokenizer, which lm-eval needs to encode its tasks")
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device).eval()
+        model = AutoModelForCausalLM.from_pretrained(folder).to(device).eval()  # float32, as exported
         tokenizer = AutoTokenizer.from_pretrained(folder)
     return model, tokenizer, source.checkpoint_step
 
