@@ -120,6 +120,13 @@ def test_lm_eval_runs_local_tasks_on_a_sparse_model(tmp_path, capsys):
     assert results["attnlab_continuation"]["acc,none"] == pytest.approx(np.mean([greedy for _, greedy in scored]))
 
 
+def test_metrics_are_printed_with_their_standard_errors_where_there_are_some():
+    from attnlab.cli.eval import format_metrics
+
+    metrics = {"acc": 0.75, "acc_stderr": 0.25, "bits_per_byte": 3.5, "bits_per_byte_stderr": "N/A"}
+    assert format_metrics(metrics) == "acc 0.7500 ± 0.2500, bits_per_byte 3.5000"
+
+
 @pytest.mark.slow  # a name not in --include-path is looked for among lm-eval's own tasks: indexing them takes seconds
 def test_unknown_task_names_are_one_line(tmp_path, capsys):
     pytest.importorskip("lm_eval")

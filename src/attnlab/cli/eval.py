@@ -67,8 +67,19 @@ def run_benchmarks(args: argparse.Namespace) -> int:
         return 0
     print(f"{args.run} (step {report['step']}), lm-eval:")
     for task, metrics in report["results"].items():
-        shown = [f"{name} {value:.4f}" + (f" ± {metrics[name + '_stderr']:.4f}" if name + "_stderr" in metrics else "")
-                 for name, value in metrics.items() if not name.endswith("_stderr")]
-        print(f"  {task}: {', '.join(shown)}")
+        print(f"  {task}: {format_metrics(metrics)}")
     print(f"results: {report['path']}")
     return 0
+
+
+def format_metrics(metrics: dict[str, object]) -> str:
+    """"acc 0.7500 ± 0.2500, ...": each metric with its standard error where lm-eval gives a number
+    (it writes "N/A" where it has none, e.g. for bits per byte)."""
+    shown = []
+    for name, value in metrics.items():
+        if name.endswith("_stderr"):
+            continue
+        error = metrics.get(f"{name}_stderr")
+        text = f"{name} {value:.4f}" if isinstance(value, (int, float)) else f"{name} {value}"
+        shown.append(text + (f" ± {error:.4f}" if isinstance(error, (int, float)) else ""))
+    return ", ".join(shown)
