@@ -149,6 +149,23 @@ def test_full_split_counts_every_target_once(length):
         assert window[: count + 1].tolist() == data[row * 32 : row * 32 + count + 1].tolist()
 
 
+def test_full_split_of_padded_documents_is_every_document_once(tmp_path):
+    from attnlab.data.pretrain import load_token_corpus
+    from attnlab.data.shards import prepare_token_shards
+    from attnlab.data.tokenizer import train_tokenizer
+
+    texts = [f"document {index}: " + "word " * (index % 11) for index in range(40)]
+    corpus = tmp_path / "documents.jsonl"
+    corpus.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    train_tokenizer([corpus], vocab_size=290, out_dir=tmp_path / "tokenizer")
+    prepare_token_shards([corpus], tmp_path / "tokenizer", tmp_path / "shards", workers=1)
+    validation = load_token_corpus(DataConfig(source="tokens", path=str(tmp_path / "shards"), val_fraction=0.25)).val
+    samples = full_split(validation, seq_len=8)
+    assert samples.tokens.shape[0] == validation.n_documents == 10
+    lengths = [len(validation.text_tokens(index)) for index in range(validation.n_documents)]
+    assert samples.loss_mask.sum(dim=1).tolist() == [min(length, 7) + 1 for length in lengths]  # text + EOS
+
+
 def test_full_evaluation_equals_the_mean_over_every_target(tmp_path, capsys):
     model = Transformer(variant_config("local", num_tokens=256)).eval()
     data = np.random.default_rng(1).integers(0, 256, size=150).astype(np.uint8)
