@@ -6,6 +6,9 @@ natively as Mistral; bad input is refused in one line and nothing is written."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -211,3 +214,23 @@ def test_export_into_an_existing_folder_needs_force(tmp_path, capsys):
     tokens = tokens_of(61, (1, 20))
     with torch.no_grad():
         assert (load_exported(tmp_path / "hf")(tokens).logits - model(tokens).logits).abs().max() < TOLERANCE
+
+
+def test_import_attnlab_registers_the_type_once_transformers_is_imported(tmp_path):
+    """`import attnlab` does not import transformers (seconds that train or sample need not pay),
+    and registers the model type as soon as transformers is imported: no trust_remote_code then."""
+    write_run(tmp_path / "run", random_model(variant_config("sinkhorn")))
+    main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "hf")])
+    (tmp_path / "hf" / "modeling_attnlab.py").unlink()  # only the registered classes can load it now
+    script = (
+        "import sys, attnlab\n"
+        "assert 'transformers' not in sys.modules\n"
+        "from transformers import AutoModelForCausalLM\n"
+        f"model = AutoModelForCausalLM.from_pretrained({str(tmp_path / 'hf')!r})\n"
+        "print(type(model).__name__)\n"
+    )
+    source = str(Path(__file__).parent.parent / "src")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": source})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "AttnlabForCausalLM"
