@@ -6,6 +6,10 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+# Hugging Face libraries (transformers, datasets, lm-eval) read these when imported: tests never reach
+# the network (every model, tokenizer and task is a local folder the test writes)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
 
 

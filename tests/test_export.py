@@ -218,7 +218,7 @@ def test_byte_level_export_maps_bytes_to_ids(tmp_path):
 
 
 @pytest.mark.parametrize("override, named", [
-    ("model.attention.kind=local", "attention.kind=local"),
+    ("model.attention.kind=routing", "attention.kind=routing"),  # local attention is Mistral (test_hf_model.py)
     ("model.norm=layernorm", "norm=layernorm"),
     ("model.feed_forward=gelu", "feed_forward=gelu"),
     ("model.position=learned", "position=learned"),
@@ -249,13 +249,14 @@ def test_an_option_unknown_to_the_exporter_is_refused_unless_at_its_default():
         check_exportable(Extended(**values, logit_softcap=30.0))
 
 
-def test_cli_refuses_a_local_attention_run_in_one_line(tmp_path, capsys):
-    config = load_config("demo", ["model.norm=rmsnorm", "model.feed_forward=swiglu", "model.attention.kind=local",
+def test_cli_refuses_a_native_export_of_a_routing_run_in_one_line(tmp_path, capsys):
+    """--model-type native refuses what Llama lacks (the default, auto, writes attnlab's own type)."""
+    config = load_config("demo", ["model.norm=rmsnorm", "model.feed_forward=swiglu", "model.attention.kind=routing",
                                   "model.dim=32", "model.depth=1", "model.heads=2", "model.dim_head=16"]).model
     run_dir = write_run(tmp_path / "run", Transformer(config))
-    assert main(["export", str(run_dir), "--out", str(tmp_path / "hf")]) == 2
+    assert main(["export", str(run_dir), "--out", str(tmp_path / "hf"), "--model-type", "native"]) == 2
     error = capsys.readouterr().err
-    assert error.count("\n") == 1 and "no Hugging Face Llama equivalent: attention.kind=local" in error
+    assert error.count("\n") == 1 and "no Hugging Face Llama equivalent: attention.kind=routing" in error
     assert not (tmp_path / "hf").exists()  # nothing written
 
 

@@ -4,11 +4,18 @@
     config = attnlab.load_config("demo", overrides=["train.max_steps=100"])
     model = attnlab.Transformer(config.model)
     model = attnlab.load_model("runs/demo")          # a run directory or a checkpoint file
+
+Importing attnlab registers its model type with transformers' AutoConfig and AutoModelForCausalLM
+(when transformers is installed, as soon as it is imported: attnlab/transformers_hook.py), so a folder
+from `attnlab export` loads with `AutoModelForCausalLM.from_pretrained(folder)`.
 """
 
 from attnlab.config import RunConfig, load_config
 from attnlab.model import ModelOutput, Transformer
 from attnlab.train.checkpoint import load_model
+from attnlab.transformers_hook import register_with_transformers
 
 __all__ = ["ModelOutput", "RunConfig", "Transformer", "load_config", "load_model"]
 __version__ = "0.1.0"
+
+register_with_transformers()

@@ -1,5 +1,11 @@
-"""Hugging Face checkpoints: export an attnlab model as a Llama (or, with a mixture of experts, a
-Qwen2-MoE) checkpoint; import such a checkpoint as an attnlab run.
+"""Hugging Face checkpoints: export an attnlab model as a folder transformers loads, natively where
+transformers has the architecture (Llama; Qwen2-MoE for a mixture of experts; Mistral for local
+attention), as attnlab's own model type (hf_model.py) otherwise; import a Llama or Qwen2-MoE
+checkpoint as an attnlab run.
+
+attnlab's own type needs no correspondence: its config.json carries the whole model config and its
+weights keep attnlab's names (under `model.`), beside a modeling_attnlab.py that imports the classes.
+The native correspondences follow.
 
 A dense, full-attention attnlab model with RMSNorm, rotary positions, SwiGLU and bias-free linears
 (MiniMind's architecture, grouped-query attention and tied embeddings allowed) computes exactly
@@ -15,6 +21,9 @@ compares logits both ways:
     blocks.i.feed_forward.inner.gate / up / down               mlp.gate_proj / up_proj / down_proj
         down(silu(gate(x)) * up(x))                                down(silu(gate(x)) * up(x))
     norm, head (tied: the embedding matrix)                    model.norm, lm_head (tie_word_embeddings)
+
+Mistral is Llama with a sliding window: a query sees the last `sliding_window` keys, itself included,
+as attnlab's local attention sees `window_size` (attention/local.py).
 
 Rotary positions need no permutation of the query and key rows: attnlab's RotaryEmbedding splits a
 head into halves x1, x2 and returns (x1 cos - x2 sin, x2 cos + x1 sin), which is HF's
@@ -63,6 +72,19 @@ TORCH_WEIGHTS_FILE = "pytorch_model.bin"
 TOKENIZER_FILES = (TOKENIZER_FILE, "tokenizer_config.json", "special_tokens_map.json")
 RUN_TOKENIZER_DIR = TOKENIZER_FOLDER  # where a run keeps its tokenizer files: `tokenizer_for` reads them there
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+GENERATION_CONFIG_FILE = "generation_config.json"
+ATTNLAB = "attnlab"  # the architecture name of attnlab's own model type (hf_model.py)
+# `--model-type`: auto = native where transformers has the architecture (Llama, Qwen2-MoE, Mistral),
+# attnlab's own type otherwise; native = refuse rather than use attnlab's type; attnlab = always attnlab's
+MODEL_TYPES = ("auto", "native", ATTNLAB)
+MODELING_FILE = "modeling_attnlab.py"
+MODELING_SOURCE = '''"""attnlab's model type for transformers (`trust_remote_code=True`). The classes are attnlab's own:
+attnlab must be installed where this folder is loaded (pip install attnlab); this file only names them."""
+
+from attnlab.hf_model import AttnlabConfig, AttnlabForCausalLM
+
+__all__ = ["AttnlabConfig", "AttnlabForCausalLM"]
+'''
 Tensors = dict[str, torch.Tensor]  # a state dict: parameter name -> tensor
 
 # The ModelConfig fields export knows: mapped to HF, checked below, or without effect on the logits
@@ -81,15 +103,18 @@ KNOWN_MODEL_OPTIONS = frozenset({
 
 
 def hf_family(config: ModelConfig) -> str:
-    """The Hugging Face architecture a model exports as: Llama, or Qwen2-MoE for a mixture of experts."""
-    return "Qwen2-MoE" if config.feed_forward == "moe" else "Llama"
+    """The transformers architecture a model exports as natively: Llama, Qwen2-MoE for a mixture of
+    experts, Mistral (Llama with a sliding window) for local attention."""
+    if config.feed_forward == "moe":
+        return "Qwen2-MoE"
+    return "Mistral" if config.attention.kind == "local" else "Llama"
 
 
 def hf_incompatibilities(config: ModelConfig) -> list[str]:
     """Why `config` has no Hugging Face equivalent; empty when it has one."""
     family = hf_family(config)
     reasons = []
-    if config.attention.kind != "full":
+    if config.attention.kind not in ("full", "local") or (config.attention.kind == "local" and family != "Mistral"):
         reasons.append(f"attention.kind={config.attention.kind} ({family} attends to every earlier token)")
     if config.norm != "rmsnorm":
         reasons.append(f"norm={config.norm} ({family} uses RMSNorm without bias)")
@@ -243,6 +268,45 @@ def qwen2_moe_config(config: ModelConfig, dtype: str, special_ids: dict[str, int
     }
 
 
+def mistral_config(config: ModelConfig, dtype: str, special_ids: dict[str, int | None]) -> dict[str, Any]:
+    """config.json of the MistralForCausalLM equivalent to a local-attention `config`: Llama's layers
+    with a sliding window, in which a query sees the last `sliding_window` keys, itself included:
+    attnlab's window_size (attention/local.py). max_rollback and the back-end change no logits."""
+    hf = llama_config(config, dtype, special_ids)
+    for llama_only in ("attention_bias", "mlp_bias"):
+        del hf[llama_only]
+    return {**hf, "architectures": ["MistralForCausalLM"], "model_type": "mistral",
+            "sliding_window": config.attention.local.window_size}
+
+
+def attnlab_config(config: ModelConfig, dtype: str, special_ids: dict[str, int | None]) -> dict[str, Any]:
+    """config.json of attnlab's own model type (hf_model.py), for any model: the whole resolved model
+    config, the usual names mirrored for tools that read config.json, and `auto_map` naming the
+    classes in the folder's modeling_attnlab.py for `trust_remote_code=True`."""
+    return {
+        "architectures": ["AttnlabForCausalLM"],
+        "model_type": ATTNLAB,
+        "auto_map": {"AutoConfig": "modeling_attnlab.AttnlabConfig",
+                     "AutoModelForCausalLM": "modeling_attnlab.AttnlabForCausalLM"},
+        "attnlab_model": config_to_dict(config),
+        "vocab_size": config.num_tokens,
+        "hidden_size": config.dim,
+        "num_hidden_layers": config.depth,
+        "num_attention_heads": config.heads,
+        "num_key_value_heads": config.n_kv_heads,
+        "head_dim": config.dim_head,
+        "max_position_embeddings": config.max_seq_len,
+        "tie_word_embeddings": config.tie_embeddings,
+        "use_cache": True,
+        "torch_dtype": dtype,
+        **special_ids,
+    }
+
+
+CONFIG_WRITERS = {"Llama": llama_config, "Qwen2-MoE": qwen2_moe_config, "Mistral": mistral_config,
+                  ATTNLAB: attnlab_config}
+
+
 # --------------------------------------------------------------------------------------------
 # Export
 
@@ -260,19 +324,26 @@ def find_tokenizer(run_dir: Path, run_config: RunConfig | None) -> Path | None:
         if (folder / TOKENIZER_FILES[0]).is_file():
             return folder
     if tokenized:
-        raise ConversionError(f"the tokenizer of {run_dir} is not in {candidates[1]}; pass --tokenizer DIR")
+        looked = " and no ".join(str(folder / TOKENIZER_FILES[0]) for folder in candidates)
+        raise ConversionError(f"the tokenizer of {run_dir} is missing: no {looked}; pass --tokenizer DIR")
     return None
 
 
 def special_token_ids(tokenizer_dir: Path | None) -> dict[str, int | None]:
-    """bos/eos/pad ids named by a tokenizer folder's special_tokens_map.json, for config.json."""
+    """bos/eos/pad ids named by a tokenizer folder's special_tokens_map.json, for config.json.
+    ConversionError when the folder's files cannot be read (checked before anything is written)."""
     ids: dict[str, int | None] = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
-    if tokenizer_dir is None or not (tokenizer_dir / "special_tokens_map.json").is_file():
+    if tokenizer_dir is None:
         return ids
     from tokenizers import Tokenizer as BackendTokenizer
 
-    tokenizer = BackendTokenizer.from_file(str(tokenizer_dir / TOKENIZER_FILE))
-    special_map = json.loads((tokenizer_dir / "special_tokens_map.json").read_text())
+    special_file = tokenizer_dir / "special_tokens_map.json"
+    try:
+        tokenizer = BackendTokenizer.from_file(str(tokenizer_dir / TOKENIZER_FILE))
+        special_map = json.loads(special_file.read_text()) if special_file.is_file() else {}
+    except Exception as error:  # a truncated or foreign file: the parsers' errors vary
+        reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+        raise ConversionError(f"the tokenizer in {tokenizer_dir} cannot be read ({reason})") from error
     for role in ("bos", "eos", "pad"):
         token = special_map.get(f"{role}_token")
         token = token.get("content") if isinstance(token, dict) else token
@@ -306,27 +377,21 @@ def _prepare_out_dir(out_dir: Path, overwrite: bool) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
 
 
-def export_model(
-    model: Transformer,
-    out_dir: str | Path,
-    dtype: str = "float32",
-    tokenizer_dir: str | Path | None = None,
-    overwrite: bool = False,
-) -> Path:
-    """Write `model` as a Hugging Face Llama (or Qwen2-MoE) checkpoint: model.safetensors,
-    config.json and, when given, the tokenizer files of `tokenizer_dir` (a 256-token model without
-    one gets the byte tokenizer). Raises ConversionError, before writing anything, for
-    architectures HF lacks."""
-    from safetensors.torch import save_file
+def choose_architecture(config: ModelConfig, model_type: str = "auto") -> str:
+    """What a model exports as (`--model-type`, MODEL_TYPES): its native transformers architecture
+    (hf_family) when there is one, else attnlab's own model type; `native` refuses instead."""
+    if model_type not in MODEL_TYPES:
+        raise ConversionError(f"model type {model_type!r} is not one of {', '.join(MODEL_TYPES)}")
+    if model_type == ATTNLAB:
+        return ATTNLAB
+    if model_type == "native":
+        check_exportable(config)
+    return ATTNLAB if hf_incompatibilities(config) else hf_family(config)
 
-    config = model.config
-    check_exportable(config)
-    if dtype not in DTYPES:
-        raise ConversionError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-    tokenizer_dir = Path(tokenizer_dir) if tokenizer_dir is not None else None
-    if tokenizer_dir is not None and not (tokenizer_dir / TOKENIZER_FILES[0]).is_file():
-        raise ConversionError(f"no {TOKENIZER_FILES[0]} in the tokenizer folder {tokenizer_dir}")
-    state = {name: value.detach().cpu() for name, value in model.state_dict().items()}
+
+def native_tensors(state: Tensors, config: ModelConfig) -> Tensors:
+    """attnlab weights renamed as the native architecture's (weight_names, moe_tensors); a weight with
+    no counterpart is refused rather than dropped."""
     names = weight_names(config)
     tensors = {theirs: state[ours] for ours, theirs in names}
     used = {ours for ours, _ in names} | ({"head.weight"} if config.tie_embeddings else set())
@@ -338,24 +403,73 @@ def export_model(
     unmapped = sorted(set(state) - used)
     if unmapped:  # a weight HF has no place for (a future option): refuse rather than drop it
         raise ConversionError(f"weights with no {hf_family(config)} counterpart: {', '.join(unmapped[:5])}")
+    return tensors
+
+
+def attnlab_tensors(state: Tensors, config: ModelConfig) -> Tensors:
+    """attnlab's own weights and saved buffers (routing centroids) under `model.`, as AttnlabForCausalLM
+    holds them; a tied head is the embedding, stored once (transformers ties it again on loading)."""
+    return {f"model.{name}": value for name, value in state.items()
+            if not (config.tie_embeddings and name == "head.weight")}
+
+
+def write_tokenizer_files(out_dir: Path, tokenizer_dir: Path | None, num_tokens: int) -> None:
+    """The tokenizer's files; a 256-token model without one gets the byte tokenizer."""
+    if tokenizer_dir is not None:
+        for name in TOKENIZER_FILES:
+            if (tokenizer_dir / name).is_file():
+                shutil.copyfile(tokenizer_dir / name, out_dir / name)
+    elif num_tokens == 256:
+        write_byte_tokenizer(out_dir)
+    else:
+        log.warning("no tokenizer found for a %d-token model: exported without tokenizer files", num_tokens)
+
+
+def write_configs(out_dir: Path, architecture: str, config: ModelConfig, dtype: str,
+                  special_ids: dict[str, int | None]) -> None:
+    """config.json, generation_config.json (the special tokens generate() stops at and pads with)
+    and, for attnlab's own type, the modeling_attnlab.py that config.json's auto_map names."""
+    hf_config = CONFIG_WRITERS[architecture](config, dtype, special_ids)
+    (out_dir / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
+    generation = {name: value for name, value in special_ids.items() if value is not None}
+    (out_dir / GENERATION_CONFIG_FILE).write_text(json.dumps(generation, indent=2) + "\n")
+    if architecture == ATTNLAB:
+        (out_dir / MODELING_FILE).write_text(MODELING_SOURCE)
+
+
+def export_model(
+    model: Transformer,
+    out_dir: str | Path,
+    dtype: str = "float32",
+    tokenizer_dir: str | Path | None = None,
+    overwrite: bool = False,
+    model_type: str = "auto",
+) -> Path:
+    """Write `model` as a Hugging Face folder: model.safetensors, config.json, generation_config.json
+    and, when given, the tokenizer files of `tokenizer_dir` (a 256-token model without one gets the
+    byte tokenizer). The architecture is native where transformers has one (Llama, Qwen2-MoE,
+    Mistral), attnlab's own model type otherwise (`model_type`, see MODEL_TYPES). Raises
+    ConversionError before writing anything."""
+    from safetensors.torch import save_file
+
+    config = model.config
+    architecture = choose_architecture(config, model_type)
+    if dtype not in DTYPES:
+        raise ConversionError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    tokenizer_dir = Path(tokenizer_dir) if tokenizer_dir is not None else None
+    if tokenizer_dir is not None and not (tokenizer_dir / TOKENIZER_FILES[0]).is_file():
+        raise ConversionError(f"no {TOKENIZER_FILES[0]} in the tokenizer folder {tokenizer_dir}")
+    special_ids = special_token_ids(tokenizer_dir)  # the tokenizer is read before anything is written
+    state = {name: value.detach().cpu() for name, value in model.state_dict().items()}
+    tensors = attnlab_tensors(state, config) if architecture == ATTNLAB else native_tensors(state, config)
     out_dir = Path(out_dir)
     _prepare_out_dir(out_dir, overwrite)
     # contiguous copies: safetensors refuses views and tensors that share memory
     tensors = {name: value.to(DTYPES[dtype]).contiguous().clone() for name, value in tensors.items()}
     save_file(tensors, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
-
-    if tokenizer_dir is not None:
-        for name in TOKENIZER_FILES:
-            if (tokenizer_dir / name).is_file():
-                shutil.copyfile(tokenizer_dir / name, out_dir / name)
-    elif config.num_tokens == 256:
-        write_byte_tokenizer(out_dir)
-    else:
-        log.warning("no tokenizer found for a %d-token model: exported without tokenizer files", config.num_tokens)
-    make_config = qwen2_moe_config if config.feed_forward == "moe" else llama_config
-    hf_config = make_config(config, dtype, special_token_ids(tokenizer_dir))
-    (out_dir / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
-    log.info("exported %d tensors to %s (%s)", len(tensors), out_dir, dtype)
+    write_tokenizer_files(out_dir, tokenizer_dir, config.num_tokens)
+    write_configs(out_dir, architecture, config, dtype, special_ids)
+    log.info("exported %d tensors to %s (%s, %s)", len(tensors), out_dir, architecture, dtype)
     return out_dir
 
 
@@ -366,16 +480,18 @@ def export_run(
     dtype: str = "float32",
     tokenizer_dir: str | Path | None = None,
     overwrite: bool = False,
+    model_type: str = "auto",
 ) -> Path:
     """`attnlab export RUN --format hf --out DIR`: the run's latest checkpoint (or the given one) as a
-    Hugging Face Llama (or Qwen2-MoE) checkpoint, with the run's tokenizer when it has one."""
+    Hugging Face folder (export_model), with the run's tokenizer when it has one."""
     model = load_model(run_or_checkpoint, weights=weights)
-    check_exportable(model.config)
+    choose_architecture(model.config, model_type)  # refused before the tokenizer is looked for
     path = Path(run_or_checkpoint)
     run_dir = path if path.is_dir() else path.parent.parent  # RUN/checkpoints/step-N.pt -> RUN
     if tokenizer_dir is None:
         tokenizer_dir = find_tokenizer(run_dir, model.run_config)
-    return export_model(model, out_dir, dtype=dtype, tokenizer_dir=tokenizer_dir, overwrite=overwrite)
+    return export_model(model, out_dir, dtype=dtype, tokenizer_dir=tokenizer_dir, overwrite=overwrite,
+                        model_type=model_type)
 
 
 # --------------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from attnlab.generate.speculative import CachedLanguageModel, EarlyExitDraft, Sp
 from attnlab.model.quantize import decoding_products, quantize_weights
 from attnlab.model.transformer import Transformer
 from attnlab.train.checkpoint import load_model
+from attnlab.train.portable import run_directory
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +175,7 @@ def run_speculative_bench(bench: SpeculativeBench) -> dict[str, Any]:
     """Load the pair, decode with both, and return the record `attnlab speculative --json` prints."""
     device = torch.device(bench.device)
     target, draft, draft_name = load_pair(bench, device)
-    tokenizer = tokenizer_for(target.run_config.data)  # None: a byte-level run
+    tokenizer = tokenizer_for(target.run_config.data, run_directory(bench.target))  # None: a byte-level run
     decode = decode_bytes if tokenizer is None else tokenizer.decode
     prompt = build_prompt(bench, target, tokenizer)  # [B, T]
     warn_beyond_training(target, "target", prompt.shape[1] + bench.max_new_tokens)

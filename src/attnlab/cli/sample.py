@@ -10,6 +10,7 @@ import torch
 from attnlab.data.corpus import encode_prompt, tokenizer_for
 from attnlab.generate.sampling import SamplingConfig, stream_text
 from attnlab.train.checkpoint import load_model
+from attnlab.train.portable import run_directory
 
 
 def register(subparsers) -> None:
@@ -34,7 +35,7 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     model = load_model(args.run, device=args.device, weights=args.weights)
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
-    tokenizer = tokenizer_for(model.run_config.data)  # None: a byte-level run
+    tokenizer = tokenizer_for(model.run_config.data, run_directory(args.run))  # None: a byte-level run
     prompt = torch.tensor([encode_prompt(tokenizer, args.prompt)], device=args.device)
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
     sys.stdout.write(args.prompt)

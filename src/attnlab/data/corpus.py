@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any, Protocol
 
 from attnlab.config import DataConfig
 from attnlab.data.byte_corpus import byte_prompt, load_byte_corpus
 from attnlab.data.pretrain import document_prompt, load_token_corpus, token_folder
 from attnlab.data.shards import TOKENIZER_FOLDER
-from attnlab.data.tokenizer import Tokenizer
+from attnlab.data.tokenizer import TOKENIZER_FILE, Tokenizer
+from attnlab.errors import DataError
 
 TOKEN_SOURCES = ("tokens", "builtin-tokens")  # data.source values of tokenized documents
 
@@ -55,11 +57,20 @@ def with_data_path(config: DataConfig, path: str) -> DataConfig:
     return dataclasses.replace(config, source=source, path=path)
 
 
-def tokenizer_for(config: DataConfig) -> Tokenizer | None:
-    """The tokenizer of a run's data (the copy beside its shards); None for byte-level data."""
+def tokenizer_for(config: DataConfig, run_dir: Path | None = None) -> Tokenizer | None:
+    """The tokenizer of a run's data: the copy in the run directory (RUN/tokenizer/, which training
+    keeps), else the one beside its shards; None for byte-level data. DataError naming the files
+    looked for when there is none."""
     if config.source not in TOKEN_SOURCES:
         return None
-    return Tokenizer(token_folder(config) / TOKENIZER_FOLDER)
+    folders = [] if run_dir is None else [Path(run_dir) / TOKENIZER_FOLDER]
+    if config.source == "builtin-tokens" or config.path:
+        folders.append(token_folder(config) / TOKENIZER_FOLDER)
+    for folder in folders:
+        if (folder / TOKENIZER_FILE).is_file():
+            return Tokenizer(folder)
+    looked = " and no ".join(str(folder / TOKENIZER_FILE) for folder in folders) or "RUN/tokenizer/ (no run given)"
+    raise DataError(f"the run's tokenizer is missing: no {looked}")
 
 
 def encode_prompt(tokenizer: Tokenizer | None, text: str) -> list[int]:

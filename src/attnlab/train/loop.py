@@ -45,16 +45,16 @@ from attnlab.config import RunConfig, config_to_dict, save_config
 from attnlab.data.byte_corpus import ByteCorpus
 from attnlab.data.corpus import load_corpus
 from attnlab.data.sampler import RandomWindowSampler, make_sampler, prime_tokens, randomly_truncate
-from attnlab.errors import AttnlabError, CheckpointError, ConfigError
+from attnlab.errors import AttnlabError, CheckpointError
 from attnlab.evaluate import evaluate
 from attnlab.flops import flops_per_token, peak_flops
 from attnlab.generate.sampling import SamplingConfig, generate
 from attnlab.model.transformer import Transformer
+from attnlab.train import retrofit
 from attnlab.train.checkpoint import (
     checkpoint_path,
     describe_corruption,
     list_checkpoints,
-    load_model,
     prune_checkpoints,
     read_checkpoint,
     save_checkpoint,
@@ -64,6 +64,7 @@ from attnlab.train.distributed import STRATEGY, SingleProcess, local_device
 from attnlab.train.ema import WeightEMA
 from attnlab.train.metrics import Metrics, open_metrics
 from attnlab.train.optim import build_optimizer, learning_rate
+from attnlab.train.portable import copy_tokenizer, write_weights_file
 
 log = logging.getLogger(__name__)
 
@@ -168,26 +169,12 @@ def sample_text(model: Transformer, corpus: ByteCorpus, config: RunConfig, step:
 
 
 def load_initial_weights(config: RunConfig) -> dict[str, Tensor] | None:
-    """The model weights of train.init_from (a run directory or a checkpoint), checked against
-    this run's model; None without it. Only the weights: optimiser, schedule, data order and step
-    count start afresh."""
-    source = config.train.init_from
-    if not source:
+    """The weights of train.init_from (a run directory or a checkpoint) that fit this run's model,
+    which may differ from the source's, e.g. in its attention (train/retrofit.py); None without it.
+    Only the weights: optimiser, schedule, data order and step count start afresh."""
+    if not config.train.init_from:
         return None
-    try:
-        start = load_model(source, weights="model")
-    except CheckpointError as error:
-        raise ConfigError(f"train.init_from: {error}") from error
-    saved = start.run_config.model
-    if saved != config.model:
-        differences = [
-            f"model.{name}: {getattr(saved, name)} there, {getattr(config.model, name)} here"
-            for name in (field.name for field in dataclasses.fields(saved))
-            if getattr(saved, name) != getattr(config.model, name)
-        ]
-        raise ConfigError(f"train.init_from={source}: its model differs from this run's: " + "; ".join(differences))
-    log.info("starting from the weights of %s (step %d)", source, start.checkpoint_step)
-    return start.state_dict()
+    return retrofit.initial_weights(config.train.init_from, config.model)
 
 
 # --------------------------------------------------------------------------------------------
@@ -257,10 +244,11 @@ def prepare(config: RunConfig, resume: str | bool | None, command_line: list[str
     if strategy.is_main:
         config.run_dir.mkdir(parents=True, exist_ok=True)
         write_run_info(config, config.run_dir, command_line)
+        copy_tokenizer(corpus, config.run_dir)  # a portable run: sample and export without the shards
 
     model = Transformer(config.model).to(device)
-    if initial_weights is not None:
-        model.load_state_dict(initial_weights)
+    if initial_weights is not None:  # the tensors that fit; the others keep their initialisation
+        model.load_state_dict(initial_weights, strict=False)
     ema = WeightEMA(model, tc.ema_decay) if tc.ema else None  # copied before wrapping, laid out like it after
     copies = {} if ema is None else {"ema": ema.model}  # saved and restored with the model
     strategy.wrap(model, lambda module: build_optimizer(module, tc), copies)
@@ -488,6 +476,8 @@ def train(
     finally:
         progress.close()
         run.metrics.close()
+    if run.strategy.is_main:
+        write_weights_file(config.run_dir)  # RUN/model.safetensors: the latest weights alone
     run.strategy.close()
     return TrainResult(run_dir=config.run_dir, step=run.step, interrupted=interrupted, last_eval=run.last_eval)
 
