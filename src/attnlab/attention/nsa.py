@@ -314,10 +314,11 @@ def compress(keys: Tensor, first: int, count: int, block: int, stride: int, netw
 class NSACache(KVCache):
     """Keys and values of every fed token (selection may pick any block), [B, G, L, D] per name (L:
     max_len in whole selection blocks), unrotated keys for the compression network, and the
-    compressed key and value of every compression block, [B, G, N, D]. A forward compresses again
-    each block its new tokens fall in (from the storage, after writing them), so a complete block's
-    compressed key is always of its row's own tokens; an incomplete block is never seen (a query
-    sees a block once its last token is at or before it)."""
+    compressed key and value of every compression block, [B, G, N + 1, D] (the last slot takes the
+    writes of tokens that complete no block). A forward compresses each block one of its new tokens
+    completes, from the storage after writing them: a block's compressed key is then always of its
+    row's own tokens, since a query sees a block only once its last token is at or before it, and any
+    rollback past that token rewrites it (and so compresses the block again)."""
 
     def __init__(self, lengths: Tensor, max_len: int, names: list[str], n_groups: int, dim_head: int,
                  config: NSAAttentionConfig, dtype) -> None:
@@ -325,8 +326,8 @@ class NSACache(KVCache):
         block = config.selection_block_size
         shape = (lengths.shape[0], n_groups, -(-max_len // block) * block, dim_head)
         self.tensors = {name: torch.zeros(shape, device=lengths.device, dtype=dtype) for name in names}
-        n_blocks = max(1, n_complete_blocks(max_len, config.compress_block_size, config.compress_stride))
-        self.compressed_keys = torch.zeros(*shape[:2], n_blocks, dim_head, device=lengths.device, dtype=dtype)
+        self.n_blocks = max(1, n_complete_blocks(max_len, config.compress_block_size, config.compress_stride))
+        self.compressed_keys = torch.zeros(*shape[:2], self.n_blocks + 1, dim_head, device=lengths.device, dtype=dtype)
         self.compressed_values = torch.zeros_like(self.compressed_keys)
         self.config = config
         self.kv_tokens_loaded: int | None = None  # keys/values row 0's query read in the last one-token step
@@ -338,16 +339,32 @@ class NSACache(KVCache):
 
     def compress(self, keys: Tensor, values: Tensor, positions: Tensor, key_network: nn.Module,
                  value_network: nn.Module) -> None:
-        """Compress again every block a token at positions [B, T] falls in, from the stored keys and
-        values [B, G, L, D] (eq. 7)."""
+        """Compress each block that a token at positions [B, T] completes (its last token), from the
+        stored keys and values [B, G, L, D] (eq. 7). Most tokens complete none (one in every stride
+        does): the networks run only when some token does (a torch.cond in a compiled step)."""
         block, stride = self.config.compress_block_size, self.config.compress_stride
-        first = torch.div(positions - block + stride, stride, rounding_mode="floor").clamp(min=0)  # ceil((p-l+1)/d)
-        blocks = (first[..., None] + torch.arange(block // stride, device=positions.device)).flatten(1)  # [B, T u]
-        blocks = blocks.clamp(max=self.compressed_keys.shape[2] - 1)
-        rows = blocks[..., None] * stride + torch.arange(block, device=positions.device)  # [B, T u, l]
-        rows = rows.clamp(max=keys.shape[2] - 1)[:, None].expand(-1, keys.shape[1], -1, -1)  # [B, G, T u, l]
-        write_rows(self.compressed_keys, key_network(select_rows(keys, rows)), blocks)
-        write_rows(self.compressed_values, value_network(select_rows(values, rows)), blocks)
+        start = positions - (block - 1)  # [B, T] the first token of the block each token would end
+        completes = (start >= 0) & (start % stride == 0)
+        index = torch.where(completes, start // stride, self.n_blocks).clamp(max=self.n_blocks)  # [B, T]
+        rows = start.clamp(min=0)[..., None] + torch.arange(block, device=positions.device)  # [B, T, l]
+        rows = rows.clamp(max=keys.shape[2] - 1)[:, None].expand(-1, keys.shape[1], -1, -1)  # [B, G, T, l]
+
+        def compressed(rows: Tensor) -> tuple[Tensor, Tensor]:  # [B, G, T, D] each
+            return (key_network(select_rows(keys, rows)).contiguous(),
+                    value_network(select_rows(values, rows)).contiguous())
+
+        def nothing(rows: Tensor) -> tuple[Tensor, Tensor]:
+            empty = keys.new_zeros(*rows.shape[:3], keys.shape[-1])
+            return empty, empty.clone()
+
+        if torch.compiler.is_compiling():
+            new_keys, new_values = torch.cond(completes.any(), compressed, nothing, (rows,))
+        elif bool(completes.any()):
+            new_keys, new_values = compressed(rows)
+        else:
+            return
+        write_rows(self.compressed_keys, new_keys, index)
+        write_rows(self.compressed_values, new_values, index)
 
 
 @ATTENTION.register("nsa")
@@ -456,7 +473,9 @@ class NativeSparseAttention(Attention):
         stored = cache.tensors
         k_cmp, v_cmp = self._branch(stored, "cmp")
         cache.compress(k_cmp, v_cmp, positions, self.compress_keys, self.compress_values)
-        all_k, all_v = self._with_memory(cache.compressed_keys.to(q.dtype), cache.compressed_values)
+        n_blocks = cache.n_blocks  # the slot after them only takes writes
+        all_k, all_v = self._with_memory(cache.compressed_keys[:, :, :n_blocks].to(q.dtype),
+                                         cache.compressed_values[:, :, :n_blocks])
         n_selection = k_cmp.shape[2] // config.selection_block_size
         out_cmp, indices, valid, _ = compressed_attention_chunk(q_plain, all_k, all_v, positions, config, n_selection)
         k_slc, v_slc = self._branch(stored, "slc")
