@@ -216,3 +216,11 @@ def test_bad_init_from_is_refused(tmp_path, text_file, extra, message):
     with pytest.raises(ConfigError, match=message):
         train(config)
     assert not (config.run_dir / "checkpoints").exists()
+
+
+def test_ema_survives_samples_past_max_seq_len(tmp_path, text_file):
+    """A sample longer than model.max_seq_len regrows the EMA copy's rotary table (a buffer it does
+    not save); the next EMA update copies only saved buffers, so training goes on."""
+    config = tiny(tmp_path, text_file, "ema-sample", "train.ema=true", "train.sample_every=4", "train.max_steps=8",
+                  "train.sample_length=80", "train.prime_length=16")
+    assert train(config).step == 8
