@@ -152,6 +152,84 @@ def test_nonfinite_loss_stops_before_update(tmp_path, text_file, monkeypatch):
     assert [p.name for p in list_checkpoints(tmp_path / "runs" / "run")] == ["step-0000005.pt"]
 
 
+class _InfiniteGradient(torch.autograd.Function):
+    """Identity forward, infinite gradient backward: a finite loss whose gradients overflow."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("inf")
+
+
+def poison(monkeypatch, at_call: int, how) -> None:
+    """Apply `how` to the training loss of the `at_call`-th training forward."""
+    calls = {"n": 0}
+    real_forward = loop.Transformer.forward
+
+    def poisoned(self, *args, **kwargs):
+        output = real_forward(self, *args, **kwargs)
+        if self.training and kwargs.get("targets") is not None:
+            calls["n"] += 1
+            if calls["n"] == at_call:
+                output.loss = how(output.loss)
+        return output
+
+    monkeypatch.setattr(loop.Transformer, "forward", poisoned)
+
+
+def all_finite(run_dir: Path) -> bool:
+    for path in list_checkpoints(run_dir):
+        state = read_checkpoint(path)
+        for part in ("model", "ema"):
+            if any(not torch.isfinite(value).all() for value in (state.get(part) or {}).values()):
+                return False
+    return True
+
+
+def test_nonfinite_gradients_stop_before_update_and_no_poisoned_checkpoint(tmp_path, text_file, monkeypatch):
+    poison(monkeypatch, 7, _InfiniteGradient.apply)
+    with pytest.raises(TrainingError, match=r"gradient norm became (inf|nan) at step 7.*step-0000006.pt"):
+        train(tiny(tmp_path, text_file, "run", "train.save_every=1", "train.keep_last=20"))
+    run_dir = tmp_path / "runs" / "run"
+    assert list_checkpoints(run_dir)[-1].name == "step-0000006.pt" and all_finite(run_dir)
+
+
+def test_nonfinite_gradients_skipped_when_asked(tmp_path, text_file, monkeypatch):
+    poison(monkeypatch, 7, _InfiniteGradient.apply)
+    result = train(tiny(tmp_path, text_file, "run", "train.on_nonfinite=skip", "train.log_every=5"))
+    assert result.step == 10 and all_finite(result.run_dir)
+    assert [r["step"] for r in read_metrics(result.run_dir) if r.get("skipped")] == [7]
+
+
+def test_overflowing_weights_stop_the_run(tmp_path, text_file, monkeypatch):
+    """Finite gradients can still overflow a weight: the run stops and nothing non-finite is saved."""
+    steps = {"n": 0}
+    real_after_step = loop.Transformer.after_optimizer_step
+
+    def overflow(self):
+        real_after_step(self)
+        steps["n"] += 1
+        if steps["n"] == 4:
+            self.head.weight.data[0, 0] = float("inf")
+
+    monkeypatch.setattr(loop.Transformer, "after_optimizer_step", overflow)
+    with pytest.raises(TrainingError, match=r"weights became non-finite at step 4 \(head.weight\).*step-0000003.pt"):
+        train(tiny(tmp_path, text_file, "run", "train.save_every=1", "train.keep_last=20"))
+    assert all_finite(tmp_path / "runs" / "run")
+
+
+def test_nonfinite_state_is_never_written(tmp_path):
+    from attnlab.train.checkpoint import save_checkpoint
+
+    path = tmp_path / "step-0000001.pt"
+    with pytest.raises(CheckpointError, match=r"not writing .*non-finite values in model.w"):
+        save_checkpoint(path, {"config": {}, "model": {"w": torch.tensor([1.0, float("nan")])}, "step": 1})
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_ctrl_c_saves_and_resumes(tmp_path, text_file):
     config_args = [
         "name=interrupted", f"out_dir={tmp_path / 'runs'}", "model.dim=32", "model.depth=2", "model.heads=2",

@@ -20,6 +20,7 @@ import torch
 from attnlab.config import RunConfig, config_from_dict
 from attnlab.errors import CheckpointError
 from attnlab.model.transformer import Transformer
+from attnlab.train.finite import named_tensors, nonfinite_names
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,11 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
 
 def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
     """Write to a temporary file in the same folder, flush it to disk, then rename over `path`:
-    a crash at any moment leaves either the old file or the new one, never half of one."""
+    a crash at any moment leaves either the old file or the new one, never half of one. A state
+    holding a non-finite tensor is refused before anything is written."""
+    bad = nonfinite_names(named_tensors(state, "checkpoint"))
+    if bad:
+        raise CheckpointError(f"not writing {path}: non-finite values in {', '.join(name[11:] for name in bad[:3])}")
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
@@ -67,6 +72,13 @@ def prune_checkpoints(run_dir: Path, keep_last: int, engine_folder: str | None =
         old.unlink(missing_ok=True)
         if engine_folder is not None:
             shutil.rmtree(Path(run_dir) / engine_folder / old.stem, ignore_errors=True)
+
+
+def discard_engine_checkpoint(run_dir: Path, engine_folder: str | None, step: int) -> None:
+    """Remove an engine's own checkpoint of `step` (RUN/<engine_folder>/step-N/) whose single file
+    was not written: without it the step is no checkpoint."""
+    if engine_folder is not None:
+        shutil.rmtree(Path(run_dir) / engine_folder / checkpoint_path(run_dir, step).stem, ignore_errors=True)
 
 
 def read_checkpoint(path: Path) -> dict[str, Any]:

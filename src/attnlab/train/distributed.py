@@ -26,6 +26,7 @@ import json
 import logging
 import math
 import os
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ from torch import nn
 from attnlab.config import RunConfig
 from attnlab.errors import AttnlabError
 from attnlab.registry import Registry
+from attnlab.train.finite import named_tensors
 
 log = logging.getLogger(__name__)
 
@@ -122,19 +124,30 @@ class SingleProcess:
         scaler.scale(loss / self.config.train.grad_accum).backward()
 
     def step(self, scaler: torch.amp.GradScaler) -> float:
-        """Clip and step; return the gradient norm before clipping."""
+        """Clip and step; return the gradient norm before clipping. Non-finite gradients are never
+        applied: without loss scaling the step is left out here (train/finite.py decides what the
+        run does then); with it (fp16) the GradScaler skips the step and lowers its scale."""
         clip = self.config.train.grad_clip
         scaler.unscale_(self.optimizer)
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else math.inf)
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a sharded DTensor
-        scaler.step(self.optimizer)
-        scaler.update()
+        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP2: a sharded DTensor
+        if math.isfinite(norm) or scaler.is_enabled():
+            scaler.step(self.optimizer)
+            scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
+        return norm
 
     def mean(self, value: float) -> float:
         """The mean of a number over ranks (for logging)."""
         return value
+
+    def total(self, value: float) -> float:
+        """The sum of a number over ranks."""
+        return value
+
+    def any_rank(self, flag: bool) -> bool:
+        """Whether `flag` is set on any rank (every rank gets the same answer)."""
+        return flag
 
     def gather_objects(self, value: Any) -> list[Any]:
         return [value]
@@ -159,6 +172,14 @@ class SingleProcess:
         for name, copy in self.copies.items():
             copy.load_state_dict(state[name])
 
+    def state_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every tensor this rank will checkpoint, as it holds it (its shards under FSDP), by name:
+        checked for non-finite values before anything is written."""
+        yield from named_tensors(self.model.state_dict(), "model")
+        yield from named_tensors(self.optimizer.state_dict()["state"], "optimizer")
+        for name, copy in self.copies.items():
+            yield from named_tensors(copy.state_dict(), name)
+
     def full_parameters(self):
         """Context in which `self.model.parameters()` hold their full values (ZeRO-3 gathers them)."""
         return contextlib.nullcontext()
@@ -174,9 +195,15 @@ class _ProcessGroupStrategy(SingleProcess):
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
 
     def mean(self, value: float) -> float:
+        return self.total(value) / self.world_size
+
+    def total(self, value: float) -> float:
         tensor = torch.tensor([value], dtype=torch.float64, device=self.device)
         dist.all_reduce(tensor)
-        return tensor.item() / self.world_size
+        return tensor.item()
+
+    def any_rank(self, flag: bool) -> bool:
+        return self.total(float(flag)) > 0
 
     def gather_objects(self, value: Any) -> list[Any]:
         gathered: list[Any] = [None] * self.world_size
@@ -349,6 +376,13 @@ class DeepSpeed(_ProcessGroupStrategy):
             raise AttnlabError(f"no DeepSpeed checkpoint {folder}")
         for name, copy in self.copies.items():
             copy.load_state_dict(state[name])
+
+    def state_tensors(self):
+        """The weights as this rank holds them (a ZeRO-3 partition) and the copies; the engine's
+        optimiser state is checked in the full checkpoint rank 0 writes (train/checkpoint.py)."""
+        yield from named_tensors(dict(self.model.named_parameters()), "model")
+        for name, copy in self.copies.items():
+            yield from named_tensors(copy.state_dict(), name)
 
     def full_parameters(self):
         if self.ds_config.get("zero_optimization", {}).get("stage", 0) == 3:

@@ -22,8 +22,10 @@ Dimensions: B micro-batch rows (per rank), T train.seq_len, V vocabulary.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
+import math
 import platform
 import random
 import signal
@@ -53,6 +55,7 @@ from attnlab.model.transformer import Transformer
 from attnlab.train.checkpoint import (
     checkpoint_path,
     describe_corruption,
+    discard_engine_checkpoint,
     list_checkpoints,
     load_model,
     prune_checkpoints,
@@ -62,14 +65,11 @@ from attnlab.train.checkpoint import (
 from attnlab.train.distill import load_teacher, student_loss
 from attnlab.train.distributed import STRATEGY, SingleProcess, local_device
 from attnlab.train.ema import WeightEMA
+from attnlab.train.finite import NonFiniteSteps, TrainingError, check_weights, nonfinite_names
 from attnlab.train.metrics import Metrics, open_metrics
 from attnlab.train.optim import build_optimizer, learning_rate
 
 log = logging.getLogger(__name__)
-
-
-class TrainingError(AttnlabError):
-    """Training cannot go on (a non-finite loss); the last good checkpoint is kept."""
 
 
 @dataclass
@@ -215,6 +215,7 @@ class Run:
     step: int = 0  # optimiser steps completed
     train_seconds: float = 0.0  # optimiser-step time so far, carried across resumes (for wall-time plots)
     last_eval: dict[str, float] | None = None
+    nonfinite: NonFiniteSteps = dataclasses.field(default_factory=lambda: NonFiniteSteps("stop"))
 
 
 def load_training_corpus(config: RunConfig, strategy: SingleProcess) -> ByteCorpus:
@@ -271,7 +272,7 @@ def prepare(config: RunConfig, resume: str | bool | None, command_line: list[str
         sampler=make_sampler(corpus, tc, rank=strategy.rank, world_size=strategy.world_size),
         autocast_dtype=autocast_dtype, teacher=teacher, ema=ema, tokens_per_step=tokens_per_step,
         step_flops=flops_per_token(config.model, tc.seq_len) * tokens_per_step,
-        device_peak_flops=peak_flops(device, autocast_dtype, tc.peak_tflops),
+        device_peak_flops=peak_flops(device, autocast_dtype, tc.peak_tflops), nonfinite=NonFiniteSteps(tc.on_nonfinite),
     )
     if state is not None:
         restore(run, state, resume_from)
@@ -311,9 +312,17 @@ def restore(run: Run, state: dict[str, Any], resume_from: Path) -> None:
 # One optimiser step
 
 
-def train_step(run: Run) -> tuple[dict[str, float], float, float]:
-    """One optimiser step over train.grad_accum micro-batches. Returns the losses by name (means over
-    the micro-batches and the ranks), the gradient norm before clipping and the learning rate."""
+@dataclass
+class StepResult:
+    losses: dict[str, float]  # by name, means over the micro-batches and the ranks
+    grad_norm: float  # before clipping
+    lr: float
+    applied: bool  # False: the gradients were not finite and the update was skipped (train.on_nonfinite=skip)
+
+
+def train_step(run: Run) -> StepResult:
+    """One optimiser step over train.grad_accum micro-batches. Non-finite gradients are never applied
+    (train/finite.py: the run stops, or skips the step); the weights are checked after the update."""
     tc, strategy = run.config.train, run.strategy
     lr = learning_rate(run.step, tc)
     for group in strategy.optimizer.param_groups:
@@ -324,16 +333,26 @@ def train_step(run: Run) -> tuple[dict[str, float], float, float]:
         with strategy.micro_step_context(is_last=micro == tc.grad_accum - 1):
             with autocast(run):
                 loss, named = micro_batch_loss(run, tokens, loss_mask)
-            stop_if_not_finite(run, loss)
+            if strategy.owns_accumulation:  # DeepSpeed steps inside backward: check the loss before it
+                stop_if_not_finite(run, loss)
             strategy.backward(loss, run.scaler)
         for name, value in named.items():
             losses[name] = losses.get(name, 0.0) + value.item() / tc.grad_accum
-    grad_norm = strategy.step(run.scaler)
+    grad_norm = strategy.step(run.scaler)  # applies finite gradients only
+    losses = {name: strategy.mean(value) for name, value in losses.items()}
+    if not (strategy.owns_accumulation or math.isfinite(grad_norm)) and not (
+        run.scaler.is_enabled() and math.isfinite(losses["loss"])  # an fp16 overflow: the scaler's own skip
+    ):
+        run.nonfinite.not_applied(run.step + 1, losses["loss"], grad_norm, last_good_checkpoint(run))
+        return StepResult(losses, grad_norm, lr, applied=False)
+    run.nonfinite.applied()
     run.model.after_optimizer_step()  # explicit per-step state: routing centroids
     if run.ema is not None:
         with strategy.full_parameters():
             run.ema.update(run.model)
-    return {name: strategy.mean(value) for name, value in losses.items()}, grad_norm, lr
+    weights = itertools.chain(run.model.named_parameters(), run.model.named_buffers())
+    check_weights(weights, run.step + 1, last_good_checkpoint(run), strategy.any_rank)
+    return StepResult(losses, grad_norm, lr, applied=True)
 
 
 def next_micro_batch(run: Run, micro: int) -> tuple[Tensor, Tensor | None]:
@@ -366,25 +385,30 @@ def micro_batch_loss(run: Run, tokens: Tensor, loss_mask: Tensor | None) -> tupl
 
 
 def stop_if_not_finite(run: Run, loss: Tensor) -> None:
-    """Raise before the optimiser touches the weights, so the last checkpoint stays good."""
+    """Raise before the engine touches the weights, so the last checkpoint stays good."""
     if not torch.isfinite(loss):
-        kept = list_checkpoints(run.config.run_dir)
         raise TrainingError(
-            f"loss became {loss.item()} at step {run.step + 1}; stopped before "
-            f"updating the weights. Last good checkpoint: {kept[-1] if kept else 'none'}. "
-            f"Try a lower train.lr or train.precision=fp32"
+            f"loss became {loss.item()} at step {run.step + 1}; stopped before updating the weights. "
+            f"Last good checkpoint: {last_good_checkpoint(run)}. Try a lower train.lr or train.precision=fp32"
         )
+
+
+def last_good_checkpoint(run: Run) -> str:
+    kept = list_checkpoints(run.config.run_dir)
+    return str(kept[-1]) if kept else "none"
 
 
 # --------------------------------------------------------------------------------------------
 # The periodic actions
 
 
-def record_metrics(run: Run, losses: dict[str, float], grad_norm: float, lr: float, elapsed: float) -> None:
-    """The step's losses, model statistics, learning rate, gradient norm and throughput."""
+def record_metrics(run: Run, result: StepResult, elapsed: float) -> None:
+    """The step's losses, model statistics, learning rate, gradient norm and throughput; `skipped`
+    marks a step whose update was left out."""
     tokens_per_step, step_flops, peak = run.tokens_per_step, run.step_flops, run.device_peak_flops
     run.metrics.write(run.step, {
-        **losses, **run.model.collect_stats(), "lr": lr, "grad_norm": grad_norm,
+        **result.losses, **run.model.collect_stats(), "lr": result.lr, "grad_norm": result.grad_norm,
+        **({} if result.applied else {"skipped": 1}),
         "tokens_per_s": tokens_per_step / elapsed, "tokens": run.step * tokens_per_step,
         "model_tflops_per_s": step_flops / elapsed / 1e12,
         **({"mfu": step_flops / elapsed / run.strategy.world_size / peak} if peak else {}),
@@ -416,26 +440,40 @@ def log_sample(run: Run) -> None:
 
 
 def write_checkpoint(run: Run) -> Path:
-    """Every rank takes part (sharded engines write their own checkpoint); rank 0 writes the file."""
+    """Every rank takes part (sharded engines write their own checkpoint); rank 0 writes the file.
+    Nothing is written when any rank holds a non-finite tensor; rank 0's failure to write (a full
+    disk) is every rank's error."""
     strategy, run_dir = run.strategy, run.config.run_dir
     path = checkpoint_path(run_dir, run.step)
+    bad = nonfinite_names(strategy.state_tensors())
+    if strategy.any_rank(bool(bad)):
+        raise TrainingError(f"not saving step {run.step}: non-finite values in {', '.join(bad[:3]) or 'another rank'}"
+                            f". Last good checkpoint: {last_good_checkpoint(run)}")
     states = strategy.checkpoint_states(run_dir, run.step)  # full, on rank 0
     rng_states = strategy.gather_objects(rng_state())
-    strategy.barrier()
+    failure = None
     if strategy.is_main:
-        save_checkpoint(path, {
-            "config": config_to_dict(run.config),
-            "model": states["model"],
-            "optimizer": states["optimizer"],
-            "scaler": run.scaler.state_dict(),
-            "ema": states.get("ema"),
-            "step": run.step,
-            "rng": rng_states,
-            "sampler": run.sampler.state_dict(),
-            "train_seconds": run.train_seconds,
-        })
-        prune_checkpoints(run_dir, run.config.train.keep_last, strategy.engine_folder)
-    strategy.barrier()
+        try:
+            save_checkpoint(path, {
+                "config": config_to_dict(run.config),
+                "model": states["model"],
+                "optimizer": states["optimizer"],
+                "scaler": run.scaler.state_dict(),
+                "ema": states.get("ema"),
+                "step": run.step,
+                "rng": rng_states,
+                "sampler": run.sampler.state_dict(),
+                "train_seconds": run.train_seconds,
+            })
+            prune_checkpoints(run_dir, run.config.train.keep_last, strategy.engine_folder)
+        except AttnlabError as error:
+            failure = error
+            discard_engine_checkpoint(run_dir, strategy.engine_folder, run.step)
+    reported = strategy.gather_objects(None if failure is None else str(failure))[0]
+    if failure is not None:
+        raise failure
+    if reported is not None:
+        raise CheckpointError(reported)
     return path
 
 
@@ -466,16 +504,17 @@ def train(
         with StopOnInterrupt() as stop:
             while run.step < last_step and not stop_agreed(stop, run.strategy):
                 started = time.perf_counter()
-                losses, grad_norm, lr = train_step(run)
+                result = train_step(run)
                 run.step += 1
                 elapsed = time.perf_counter() - started
                 run.train_seconds += elapsed
                 progress.update(1)
                 progress.set_postfix(
-                    loss=f"{losses['loss']:.3f}", lr=f"{lr:.2e}", tok_s=f"{run.tokens_per_step / elapsed:.0f}"
+                    loss=f"{result.losses['loss']:.3f}", lr=f"{result.lr:.2e}",
+                    tok_s=f"{run.tokens_per_step / elapsed:.0f}",
                 )
-                if run.step % tc.log_every == 0 or run.step == tc.max_steps:
-                    record_metrics(run, losses, grad_norm, lr, elapsed)
+                if run.step % tc.log_every == 0 or run.step == tc.max_steps or not result.applied:
+                    record_metrics(run, result, elapsed)
                 if tc.eval_every > 0 and (run.step % tc.eval_every == 0 or run.step == tc.max_steps):
                     run.last_eval = validate(run)
                 if tc.sample_every > 0 and run.step % tc.sample_every == 0 and run.strategy.world_size == 1:
