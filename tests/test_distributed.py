@@ -110,7 +110,7 @@ def test_torchrun_matches_single_and_resumes(root, single_ema, strategy):
     assert_same_run(root / "runs" / name, single_ema)
     if strategy == "fsdp":  # resumed from its own sharded checkpoint, one shard file per rank
         shards = sorted(p.name for p in (root / "runs" / name / "fsdp" / "step-0000006").iterdir())
-        assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+        assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp", "checksums.sha256"]
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

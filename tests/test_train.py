@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import signal
+import struct
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -104,15 +107,37 @@ def test_existing_run_is_not_overwritten(tmp_path, text_file):
         train(tiny(tmp_path, text_file))
 
 
-def test_corrupt_checkpoint_named_and_previous_kept(tmp_path, text_file):
+def flip_bit_in_largest_tensor(path: Path) -> None:
+    """Flip one exponent bit in the middle of the checkpoint's largest tensor (zip records are stored)."""
+    with zipfile.ZipFile(path) as archive:
+        info = max(archive.infolist(), key=lambda item: item.file_size)
+    data = bytearray(path.read_bytes())
+    name_length, extra_length = struct.unpack("<HH", data[info.header_offset + 26 : info.header_offset + 30])
+    start = info.header_offset + 30 + name_length + extra_length
+    data[start + (info.file_size // 8) * 4 + 3] ^= 0x40  # a float32's high byte: its exponent
+    path.write_bytes(bytes(data))
+
+
+def test_corrupt_checkpoint_named_and_previous_kept(tmp_path, text_file, caplog):
+    result = train(tiny(tmp_path, text_file, "run", "train.keep_last=3"))
+    latest = list_checkpoints(result.run_dir)[-1]
+    flip_bit_in_largest_tensor(latest)
+    for read in (read_checkpoint, load_model):
+        with pytest.raises(CheckpointError, match="step-0000010.pt is corrupt: its content does not match its check"):
+            read(latest)
+    with pytest.raises(CheckpointError, match="step-0000010.pt is corrupt.*step-0000005.pt is intact"):
+        train(tiny(tmp_path, text_file, "run", "train.max_steps=12"), resume=str(latest))
+    with caplog.at_level(logging.WARNING):
+        resumed = train(tiny(tmp_path, text_file, "run", "train.max_steps=12"), resume=True)
+    assert "resuming from" in caplog.text and "step-0000005.pt, the newest intact checkpoint" in caplog.text
+    assert resumed.step == 12
+
+
+def test_truncated_checkpoint_is_skipped_on_resume(tmp_path, text_file):
     result = train(tiny(tmp_path, text_file, "run", "train.keep_last=3"))
     latest = list_checkpoints(result.run_dir)[-1]
     latest.write_bytes(latest.read_bytes()[: latest.stat().st_size // 2])
-    with pytest.raises(CheckpointError, match="step-0000010.pt.*corrupt.*step-0000005.pt is intact"):
-        train(tiny(tmp_path, text_file, "run", "train.max_steps=12"), resume=True)
-    resumed = train(tiny(tmp_path, text_file, "run", "train.max_steps=12"),
-                    resume=str(list_checkpoints(result.run_dir)[-2]))
-    assert resumed.step == 12
+    assert train(tiny(tmp_path, text_file, "run", "train.max_steps=12"), resume=True).step == 12
 
 
 class _RunsCode:

@@ -1,9 +1,11 @@
-"""Checkpoints: written atomically, read without unpickling arbitrary objects, the last k kept.
+"""Checkpoints: written atomically, read without unpickling arbitrary objects, checked against
+their checksum, the last k kept.
 
 A checkpoint is one file `RUN/checkpoints/step-NNNNNNN.pt` holding plain data only (tensors,
 numbers, strings, lists, dicts): model and optimiser state, the step, RNG states, the data
-sampler's position and the resolved config. It is read with `torch.load(weights_only=True)`, whose
-restricted unpickler refuses any other object, so a crafted file cannot run code.
+sampler's position, the resolved config and a checksum of all that (train/checksum.py). It is
+read with `torch.load(weights_only=True)`, whose restricted unpickler refuses any other object, so
+a crafted file cannot run code, and a file whose content does not match its checksum is refused.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 from attnlab.config import RunConfig, config_from_dict
 from attnlab.errors import CheckpointError
 from attnlab.model.transformer import Transformer
+from attnlab.train.checksum import content_digest
 from attnlab.train.finite import named_tensors, nonfinite_names
 
 log = logging.getLogger(__name__)
@@ -27,8 +30,9 @@ log = logging.getLogger(__name__)
 # 2: attention back-ends (model.attention.<kind>.backend "auto"); version 1 checkpoints are read
 # with their "torch" back-ends as "auto" (which is what "torch" then did) and their attention
 # weights renamed when loaded (attention/base.py: Attention.migrate_state_dict)
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+# 3: a "checksum" of the content (train/checksum.py); versions 1 and 2 have none to check
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 CHECKPOINT_DIR = "checkpoints"
 _NAME = re.compile(r"step-(\d+)\.pt$")
 
@@ -57,7 +61,8 @@ def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
     temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(temporary, "wb") as handle:
-            torch.save({"format_version": FORMAT_VERSION, **state}, handle)
+            content = {"format_version": FORMAT_VERSION, **state}
+            torch.save({**content, "checksum": content_digest(content)}, handle)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(temporary, path)
@@ -97,6 +102,11 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
         raise CheckpointError(
             f"checkpoint {path} has format {state.get('format_version')}, expected one of {READABLE_VERSIONS}"
         )
+    expected = state.pop("checksum", None)
+    if state["format_version"] >= 3 and expected is None:
+        raise CheckpointError(f"checkpoint {path} has no checksum: damaged")
+    if state["format_version"] >= 3 and expected != content_digest(state):
+        raise CheckpointError(f"checkpoint {path} is corrupt: its content does not match its checksum")
     if state["format_version"] == 1:
         state["config"] = upgrade_version_1_config(state["config"])
     return state

@@ -38,6 +38,7 @@ from torch import nn
 from attnlab.config import RunConfig
 from attnlab.errors import AttnlabError
 from attnlab.registry import Registry
+from attnlab.train.checksum import file_sha256, folder_files, write_manifest
 from attnlab.train.finite import named_tensors
 
 log = logging.getLogger(__name__)
@@ -149,6 +150,16 @@ class SingleProcess:
         """Whether `flag` is set on any rank (every rank gets the same answer)."""
         return flag
 
+    def raise_together(self, error: AttnlabError | None) -> None:
+        """Every rank calls this with its own error or None; if any rank has one, every rank raises
+        (its own, or the first one's message), so none is left waiting in a collective."""
+        messages = self.gather_objects(None if error is None else str(error))
+        if error is not None:
+            raise error
+        first = next((message for message in messages if message is not None), None)
+        if first is not None:
+            raise AttnlabError(first)
+
     def gather_objects(self, value: Any) -> list[Any]:
         return [value]
 
@@ -165,6 +176,15 @@ class SingleProcess:
     def checkpoint_states(self, run_dir: Path, step: int) -> dict[str, Any] | None:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 **{name: copy.state_dict() for name, copy in self.copies.items()}}
+
+    def seal(self, folder: Path) -> None:
+        """After every rank wrote its part of an engine checkpoint: the ranks hash its files between
+        them and rank 0 writes their checksums beside them (train/checksum.py)."""
+        files = folder_files(folder)
+        mine = {str(path.relative_to(folder)): file_sha256(path) for path in files[self.rank :: self.world_size]}
+        digests = {name: digest for part in self.gather_objects(mine) for name, digest in part.items()}
+        if self.is_main:
+            write_manifest(folder, digests)
 
     def restore(self, state: dict[str, Any], run_dir: Path, step: int) -> None:
         self.model.load_state_dict(state["model"])
@@ -269,6 +289,7 @@ class FSDP(_ProcessGroupStrategy):
         folder = engine_checkpoint_folder(run_dir, self.engine_folder, step)
         save_sharded(self._sharded_states(), folder)
         dist.barrier()
+        self.seal(folder)
         if not self.is_main:
             return None
         full = load_full_tensors(folder, ["model", *self.copies])
@@ -363,6 +384,7 @@ class DeepSpeed(_ProcessGroupStrategy):
         folder = engine_checkpoint_folder(run_dir, self.engine_folder, step)
         self.forward.save_checkpoint(str(folder.parent), tag=folder.name)
         dist.barrier()
+        self.seal(folder)
         if not self.is_main:
             return None
         weights = get_fp32_state_dict_from_zero_checkpoint(str(folder.parent), tag=folder.name)

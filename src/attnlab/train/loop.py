@@ -54,7 +54,6 @@ from attnlab.generate.sampling import SamplingConfig, generate
 from attnlab.model.transformer import Transformer
 from attnlab.train.checkpoint import (
     checkpoint_path,
-    describe_corruption,
     discard_engine_checkpoint,
     list_checkpoints,
     load_model,
@@ -68,6 +67,7 @@ from attnlab.train.ema import WeightEMA
 from attnlab.train.finite import NonFiniteSteps, TrainingError, check_weights, nonfinite_names
 from attnlab.train.metrics import Metrics, open_metrics
 from attnlab.train.optim import build_optimizer, learning_rate
+from attnlab.train.resume import choose_checkpoint, model_differences
 
 log = logging.getLogger(__name__)
 
@@ -135,25 +135,6 @@ def write_run_info(config: RunConfig, run_dir: Path, command_line: list[str] | N
     (run_dir / "run_info.json").write_text(json.dumps(info, indent=2) + "\n")
 
 
-def find_resume_checkpoint(config: RunConfig, resume: str | bool | None) -> Path | None:
-    """resume: None/False (fresh run), True or "auto" (latest in the run directory), or a path."""
-    run_dir = config.run_dir
-    existing = list_checkpoints(run_dir)
-    if resume in (None, False):
-        if existing:
-            raise AttnlabError(
-                f"{run_dir} already has checkpoints (latest {existing[-1].name}); pass --resume to "
-                f"continue it, or choose another run name with name=..."
-            )
-        return None
-    if resume in (True, "auto"):
-        if not existing:
-            log.info("no checkpoint in %s: starting a new run", run_dir)
-            return None
-        return existing[-1]
-    return Path(str(resume))
-
-
 def sample_text(model: Transformer, corpus: ByteCorpus, config: RunConfig, step: int) -> tuple[str, str]:
     """A prime from the validation data and the model's continuation of it, as text."""
     train = config.train
@@ -178,13 +159,8 @@ def load_initial_weights(config: RunConfig) -> dict[str, Tensor] | None:
         start = load_model(source, weights="model")
     except CheckpointError as error:
         raise ConfigError(f"train.init_from: {error}") from error
-    saved = start.run_config.model
-    if saved != config.model:
-        differences = [
-            f"model.{name}: {getattr(saved, name)} there, {getattr(config.model, name)} here"
-            for name in (field.name for field in dataclasses.fields(saved))
-            if getattr(saved, name) != getattr(config.model, name)
-        ]
+    differences = model_differences(start.run_config.model, config.model)
+    if differences:
         raise ConfigError(f"train.init_from={source}: its model differs from this run's: " + "; ".join(differences))
     log.info("starting from the weights of %s (step %d)", source, start.checkpoint_step)
     return start.state_dict()
@@ -238,13 +214,7 @@ def prepare(config: RunConfig, resume: str | bool | None, command_line: list[str
     tc = config.train
     device = local_device(tc.device) if config.dist.strategy != "single" else resolve_device(tc.device)
     strategy = STRATEGY.get(config.dist.strategy)(config, device)
-    resume_from = find_resume_checkpoint(config, resume)
-    state = None
-    if resume_from is not None:
-        try:
-            state = read_checkpoint(resume_from)
-        except CheckpointError as error:
-            raise describe_corruption(resume_from, error) from error
+    resume_from, state = resume_point(config, resume, strategy)
 
     teacher = load_teacher(config, device)  # train.distill_from, or None; checked before any data is built
     # train.init_from: a fresh run's starting weights; a resumed run continues from its own checkpoint
@@ -288,6 +258,23 @@ def prepare(config: RunConfig, resume: str | bool | None, command_line: list[str
         strategy.world_size,
     )
     return run
+
+
+def resume_point(config: RunConfig, resume: str | bool | None, strategy: SingleProcess
+                 ) -> tuple[Path | None, dict[str, Any] | None]:
+    """The checkpoint to continue from and its state (train/resume.py), chosen and checked by rank 0;
+    the other ranks read the one it chose."""
+    chosen, failure = None, None
+    if strategy.is_main:
+        try:
+            chosen = choose_checkpoint(config, resume, strategy.engine_folder)
+        except AttnlabError as error:
+            failure = error
+    strategy.raise_together(failure)
+    path = strategy.gather_objects(None if chosen is None else str(chosen[0]))[0]
+    if path is None:
+        return None, None
+    return Path(path), chosen[1] if chosen is not None else read_checkpoint(path)
 
 
 def restore(run: Run, state: dict[str, Any], resume_from: Path) -> None:
@@ -469,11 +456,7 @@ def write_checkpoint(run: Run) -> Path:
         except AttnlabError as error:
             failure = error
             discard_engine_checkpoint(run_dir, strategy.engine_folder, run.step)
-    reported = strategy.gather_objects(None if failure is None else str(failure))[0]
-    if failure is not None:
-        raise failure
-    if reported is not None:
-        raise CheckpointError(reported)
+    strategy.raise_together(failure)
     return path
 
 
