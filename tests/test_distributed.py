@@ -161,6 +161,25 @@ def test_auxiliary_losses_match_single(root, single_aux, strategy):
             torch.testing.assert_close(load_model(run_dir).state_dict()[name], value, atol=1e-5, rtol=1e-4)
 
 
+def test_every_deepspeed_example_trains_on_the_cpu(root):
+    """examples/deepspeed/*.json (bf16, ZeRO-1, ZeRO-2 with optimizer offload, ZeRO-3) start and
+    train two steps on two CPU processes."""
+    pytest.importorskip("deepspeed")
+    examples = sorted((Path(__file__).parent.parent / "examples" / "deepspeed").glob("*.json"))
+    common(root)  # writes the corpus
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+        "--master_port", str(free_port()), str(Path(__file__).parent / "deepspeed_examples.py"),
+        str(root / "examples"), str(root / "corpus.txt"), *map(str, examples),
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for example in examples:
+        assert [r["step"] for r in read_metrics(root / "examples" / example.stem) if "loss" in r] == [1, 2]
+        assert [p.name for p in list_checkpoints(root / "examples" / example.stem)] == ["step-0000002.pt"]
+
+
 def test_deepspeed_config_must_agree(root):
     pytest.importorskip("deepspeed")
     path = root / "disagree.json"

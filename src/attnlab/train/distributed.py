@@ -354,6 +354,13 @@ class DeepSpeed(_ProcessGroupStrategy):
             ds[key] = value
         ds.pop("train_batch_size", None)  # derived by DeepSpeed from the two above and the world size
         ds.setdefault("zero_allow_untested_optimizer", True)  # attnlab passes a plain torch AdamW
+        offload = ds.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
+        if offload not in (None, "none") and "zero_force_ds_cpu_optimizer" not in ds:
+            # DeepSpeed refuses a client optimizer with offload unless told otherwise; the torch AdamW
+            # then steps the offloaded fp32 weights on the CPU (DeepSpeedCPUAdam would need a build)
+            ds["zero_force_ds_cpu_optimizer"] = False
+            log.info("%s: optimizer offload to %s with attnlab's torch AdamW (zero_force_ds_cpu_optimizer=false)",
+                     path, offload)
         return ds
 
     def wrap_model(self, model, build_optimizer):
