@@ -10,6 +10,7 @@ a crafted file cannot run code, and a file whose content does not match its chec
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
@@ -66,8 +67,27 @@ def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(temporary, path)
+    except (OSError, RuntimeError) as error:
+        if isinstance(error, RuntimeError) and "inline_container" not in str(error):
+            raise  # not torch's file writer: a bug, with its traceback
+        raise write_failure(path, error) from error
     finally:
         temporary.unlink(missing_ok=True)
+
+
+def write_failure(path: Path, error: BaseException) -> CheckpointError:
+    """A failed write as one line. torch's zip writer reports a full disk as "unexpected pos A vs B"
+    (the file handle's own ENOSPC often follows as the exception's context)."""
+    chain = [error]
+    while chain[-1].__context__ is not None and len(chain) < 5:
+        chain.append(chain[-1].__context__)
+    codes = {item.errno for item in chain if isinstance(item, OSError)}
+    free = shutil.disk_usage(path.parent).free if path.parent.is_dir() else None
+    if codes & {errno.ENOSPC, errno.EDQUOT} or (not codes and free is not None and free < 1 << 20):
+        return CheckpointError(f"cannot write checkpoint {path}: no space left on device ({free} bytes free); "
+                               f"free some space and resume, the previous checkpoints are intact")
+    reason = next((item.strerror for item in chain if isinstance(item, OSError) and item.strerror), None)
+    return CheckpointError(f"cannot write checkpoint {path}: {reason or one_line(error)}")
 
 
 def prune_checkpoints(run_dir: Path, keep_last: int, engine_folder: str | None = None) -> None:
@@ -94,8 +114,7 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # truncated zip, bad pickle, forbidden global: all mean "unusable"
-        reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
-        raise CheckpointError(f"checkpoint {path} is corrupt or unsafe to load ({reason})") from error
+        raise CheckpointError(f"checkpoint {path} is corrupt or unsafe to load ({one_line(error)})") from error
     if not isinstance(state, dict) or "model" not in state or "config" not in state:
         raise CheckpointError(f"checkpoint {path} is not an attnlab checkpoint")
     if state.get("format_version") not in READABLE_VERSIONS:
@@ -110,6 +129,12 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     if state["format_version"] == 1:
         state["config"] = upgrade_version_1_config(state["config"])
     return state
+
+
+def one_line(error: BaseException) -> str:
+    """torch's whole explanation (a refused global names the object and the way round) as one line."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(error))  # the bold of its warnings
+    return " ".join(line.strip() for line in text.splitlines() if line.strip()) or type(error).__name__
 
 
 def upgrade_version_1_config(config: dict[str, Any]) -> dict[str, Any]:
