@@ -22,6 +22,7 @@ with batch_size N*b (tests/test_distributed.py). Only rank 0 logs, samples and w
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -48,6 +49,22 @@ STRATEGY: Registry = Registry("distribution strategy")
 
 def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def launched_world_size() -> int:
+    """The number of processes a launcher (torchrun, deepspeed) started; 1 without one."""
+    return int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else 1
+
+
+def strategy_for_launcher(config: RunConfig) -> RunConfig:
+    """`config`, with DDP where a launcher started several processes and dist.strategy is single:
+    each process training alone would write the same run directory N times over."""
+    if config.dist.strategy != "single" or launched_world_size() == 1:
+        return config
+    if os.environ.get("RANK") == "0":
+        log.info("%d processes started by a launcher and no dist.strategy: training with DDP (dist.strategy=ddp; "
+                 "fsdp and deepspeed are the others)", launched_world_size())
+    return dataclasses.replace(config, dist=dataclasses.replace(config.dist, strategy="ddp"))
 
 
 def init_process_group(device: torch.device) -> None:
@@ -146,9 +163,13 @@ class SingleProcess:
         """The sum of a number over ranks."""
         return value
 
+    def largest(self, value: float) -> float:
+        """The largest of a number over ranks."""
+        return value
+
     def any_rank(self, flag: bool) -> bool:
         """Whether `flag` is set on any rank (every rank gets the same answer)."""
-        return flag
+        return self.largest(float(flag)) > 0
 
     def raise_together(self, error: AttnlabError | None) -> None:
         """Every rank calls this with its own error or None; if any rank has one, every rank raises
@@ -222,8 +243,10 @@ class _ProcessGroupStrategy(SingleProcess):
         dist.all_reduce(tensor)
         return tensor.item()
 
-    def any_rank(self, flag: bool) -> bool:
-        return self.total(float(flag)) > 0
+    def largest(self, value: float) -> float:
+        tensor = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return tensor.item()
 
     def gather_objects(self, value: Any) -> list[Any]:
         gathered: list[Any] = [None] * self.world_size

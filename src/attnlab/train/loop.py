@@ -31,9 +31,8 @@ import random
 import signal
 import subprocess
 import sys
-import threading
 import time
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +41,7 @@ import numpy as np
 import torch
 from torch import Tensor
 from tqdm.auto import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from attnlab.config import RunConfig, config_to_dict, save_config
 from attnlab.data.byte_corpus import ByteCorpus
@@ -62,12 +62,15 @@ from attnlab.train.checkpoint import (
     save_checkpoint,
 )
 from attnlab.train.distill import load_teacher, student_loss
-from attnlab.train.distributed import STRATEGY, SingleProcess, local_device
+from attnlab.train.distributed import STRATEGY, SingleProcess, local_device, strategy_for_launcher
 from attnlab.train.ema import WeightEMA
 from attnlab.train.finite import NonFiniteSteps, TrainingError, check_weights, nonfinite_names
 from attnlab.train.metrics import Metrics, open_metrics
 from attnlab.train.optim import build_optimizer, learning_rate
 from attnlab.train.resume import choose_checkpoint, model_differences
+from attnlab.train.run_lock import RunLock, not_writable
+from attnlab.train.signals import StopSignals
+from attnlab.train.timeline import start_timeline
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +79,9 @@ log = logging.getLogger(__name__)
 class TrainResult:
     run_dir: Path
     step: int  # optimiser steps completed
-    interrupted: bool
+    interrupted: bool  # stopped by a signal, with a checkpoint of the last step
     last_eval: dict[str, float] | None
+    stop_signal: int | None = None  # the signal that stopped it (train/signals.py gives its exit status)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -192,6 +196,7 @@ class Run:
     train_seconds: float = 0.0  # optimiser-step time so far, carried across resumes (for wall-time plots)
     last_eval: dict[str, float] | None = None
     nonfinite: NonFiniteSteps = dataclasses.field(default_factory=lambda: NonFiniteSteps("stop"))
+    show_progress: bool = False  # a progress bar (rank 0, log.progress, stdout a terminal); else metrics lines
 
 
 def load_training_corpus(config: RunConfig, strategy: SingleProcess) -> ByteCorpus:
@@ -208,13 +213,16 @@ def load_training_corpus(config: RunConfig, strategy: SingleProcess) -> ByteCorp
     return corpus
 
 
-def prepare(config: RunConfig, resume: str | bool | None, command_line: list[str] | None) -> Run:
-    """Everything the loop needs, checked in an order that fails early (the checkpoint, teacher and
-    initial weights before any data is built), and restored from the checkpoint when resuming."""
+def prepare(config: RunConfig, resume: str | bool | None, command_line: list[str] | None, cleanup: ExitStack) -> Run:
+    """Everything the loop needs, checked in an order that fails early (the run directory, the
+    checkpoint, teacher and initial weights before any data is built), and restored from the
+    checkpoint when resuming. `cleanup` releases the run directory when the run ends."""
+    config = strategy_for_launcher(config)  # torchrun with several processes: DDP, not N lone runs
     tc = config.train
+    check_training_config(config)
     device = local_device(tc.device) if config.dist.strategy != "single" else resolve_device(tc.device)
     strategy = STRATEGY.get(config.dist.strategy)(config, device)
-    resume_from, state = resume_point(config, resume, strategy)
+    resume_from, state = own_run_directory(config, resume, strategy, cleanup)
 
     teacher = load_teacher(config, device)  # train.distill_from, or None; checked before any data is built
     # train.init_from: a fresh run's starting weights; a resumed run continues from its own checkpoint
@@ -226,7 +234,6 @@ def prepare(config: RunConfig, resume: str | bool | None, command_line: list[str
     np.random.seed(tc.seed)
     corpus = load_training_corpus(config, strategy)
     if strategy.is_main:
-        config.run_dir.mkdir(parents=True, exist_ok=True)
         write_run_info(config, config.run_dir, command_line)
 
     model = Transformer(config.model).to(device)
@@ -243,14 +250,14 @@ def prepare(config: RunConfig, resume: str | bool | None, command_line: list[str
         autocast_dtype=autocast_dtype, teacher=teacher, ema=ema, tokens_per_step=tokens_per_step,
         step_flops=flops_per_token(config.model, tc.seq_len) * tokens_per_step,
         device_peak_flops=peak_flops(device, autocast_dtype, tc.peak_tflops), nonfinite=NonFiniteSteps(tc.on_nonfinite),
+        show_progress=config.log.progress and strategy.is_main and sys.stdout.isatty(),
     )
     if state is not None:
         restore(run, state, resume_from)
     if tc.compile:
         strategy.compile()
     if strategy.is_main:
-        resumed_step = run.step if state is not None else None  # metrics after it are rewritten
-        run.metrics = open_metrics(config.log, config.run_dir, config.name, config_to_dict(config), resumed_step)
+        run.metrics = open_metrics(config.log, config.run_dir, config.name, config_to_dict(config))
     log.info(
         "%s: %s, %.2fM parameters, %s on %s (%s, %s x %d)",
         config.name, config.model.attention.kind, model.num_parameters() / 1e6, corpus.description, device,
@@ -258,6 +265,37 @@ def prepare(config: RunConfig, resume: str | bool | None, command_line: list[str
         strategy.world_size,
     )
     return run
+
+
+def check_training_config(config: RunConfig) -> None:
+    tc = config.train
+    if tc.max_steps < 1:
+        raise ConfigError(f"train.max_steps must be at least 1, got {tc.max_steps}")
+    if tc.on_nonfinite == "skip" and config.dist.strategy == "deepspeed":
+        raise ConfigError("train.on_nonfinite=skip: DeepSpeed applies its own steps; use stop")
+
+
+def own_run_directory(config: RunConfig, resume: str | bool | None, strategy: SingleProcess, cleanup: ExitStack
+                      ) -> tuple[Path | None, dict[str, Any] | None]:
+    """Rank 0 locks the run directory for the run's life (train/run_lock.py); the checkpoint to
+    resume from is chosen (train/resume.py); rank 0 clears the directory for this run's timeline
+    (train/timeline.py). Every rank raises if rank 0 could not."""
+    failure = None
+    if strategy.is_main:
+        try:
+            cleanup.enter_context(RunLock(config.run_dir))
+        except AttnlabError as error:
+            failure = error
+    strategy.raise_together(failure)
+    resume_from, state = resume_point(config, resume, strategy)
+    failure = None
+    if strategy.is_main:
+        try:
+            start_timeline(config.run_dir, None if state is None else int(state["step"]), strategy.engine_folder)
+        except OSError as error:
+            failure = not_writable(config.run_dir, error)
+    strategy.raise_together(failure)
+    return resume_from, state
 
 
 def resume_point(config: RunConfig, resume: str | bool | None, strategy: SingleProcess
@@ -401,6 +439,9 @@ def record_metrics(run: Run, result: StepResult, elapsed: float) -> None:
         **({"mfu": step_flops / elapsed / run.strategy.world_size / peak} if peak else {}),
         "elapsed_s": run.train_seconds,
     })
+    if run.strategy.is_main and not run.show_progress:  # a batch job's log: a line instead of the bar
+        log.info("step %d: loss %.4f, lr %.2e, grad norm %.3g, %.0f tokens/s%s", run.step, result.losses["loss"],
+                 result.lr, result.grad_norm, tokens_per_step / elapsed, "" if result.applied else " (skipped)")
 
 
 def validate(run: Run) -> dict[str, float]:
@@ -470,22 +511,28 @@ def train(
     command_line: list[str] | None = None,
     until_step: int | None = None,
 ) -> TrainResult:
-    """Train `config`; resume as in find_resume_checkpoint. `until_step` stops early (with a
-    checkpoint) while keeping the schedule of train.max_steps: for time-sliced jobs."""
-    run = prepare(config, resume, command_line)
-    tc = config.train
-    interrupted = False
-    progress = tqdm(
-        total=tc.max_steps, initial=run.step, desc=config.name, dynamic_ncols=True,
-        disable=not (config.log.progress and run.strategy.is_main),
-    )
+    """Train `config`; resume as in train/resume.py. `until_step` stops early (with a checkpoint)
+    while keeping the schedule of train.max_steps: for time-sliced jobs. A stop signal during
+    start-up raises `Stopped` (train/signals.py); in the loop it saves and stops."""
+    with StopSignals() as signals, ExitStack() as cleanup:
+        run = prepare(config, resume, command_line, cleanup)
+        signals.in_loop = True
+        return loop(run, signals, until_step)
+
+
+def loop(run: Run, signals: StopSignals, until_step: int | None) -> TrainResult:
+    """A step, then what is due after it, until the last step or a stop signal."""
+    config, tc = run.config, run.config.train
+    progress = tqdm(total=tc.max_steps, initial=run.step, desc=config.name, dynamic_ncols=True,
+                    disable=not run.show_progress)
     if run.step == 0 and tc.eval_every > 0:
         run.last_eval = validate(run)
     run.model.train()
     last_step = tc.max_steps if until_step is None else min(until_step, tc.max_steps)
+    stopped_by = None
     try:
-        with StopOnInterrupt() as stop:
-            while run.step < last_step and not stop_agreed(stop, run.strategy):
+        with logging_redirect_tqdm():
+            while run.step < last_step and not (stopped_by := stop_agreed(signals, run.strategy)):
                 started = time.perf_counter()
                 result = train_step(run)
                 run.step += 1
@@ -504,40 +551,21 @@ def train(
                     log_sample(run)
                 if run.step % tc.save_every == 0 or run.step in (tc.max_steps, until_step):
                     write_checkpoint(run)
-            if run.step < last_step:  # stopped by Ctrl-C: save the step just finished
-                interrupted = True
-                log.info("interrupted: saved %s (step %d); continue with --resume", write_checkpoint(run), run.step)
+            if stopped_by and run.step > 0:  # save the step just finished, unless it is saved
+                if not checkpoint_path(config.run_dir, run.step).is_file():
+                    write_checkpoint(run)
+                log.info("stopped by %s at step %d, saved; continue with --resume", signal.Signals(stopped_by).name,
+                         run.step)
     finally:
         progress.close()
         run.metrics.close()
     run.strategy.close()
-    return TrainResult(run_dir=config.run_dir, step=run.step, interrupted=interrupted, last_eval=run.last_eval)
+    return TrainResult(run_dir=config.run_dir, step=run.step, interrupted=bool(stopped_by),
+                       last_eval=run.last_eval, stop_signal=stopped_by or None)
 
 
-def stop_agreed(stop: StopOnInterrupt, strategy) -> bool:
-    """All ranks stop at the same step if any was asked to (so no collective is left waiting)."""
-    return strategy.mean(float(stop.requested)) > 0 if strategy.world_size > 1 else stop.requested
-
-
-class StopOnInterrupt:
-    """Turn the first Ctrl-C (SIGINT) into a request to stop after the current step, so the
-    checkpoint written then is consistent; a second Ctrl-C aborts at once."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._previous = None
-
-    def _handle(self, signum, frame) -> None:
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-        log.info("stopping after this step and saving a checkpoint (Ctrl-C again to abort)")
-
-    def __enter__(self) -> StopOnInterrupt:
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
+def stop_agreed(signals: StopSignals, strategy: SingleProcess) -> int:
+    """The stop signal any rank received (0: none), the same on every rank, so all stop after the
+    same step and no collective is left waiting."""
+    received = signals.received or 0
+    return int(strategy.largest(received)) if strategy.world_size > 1 else received
