@@ -168,7 +168,7 @@ def test_nonfinite_loss_stops_before_update(tmp_path, text_file, monkeypatch):
         if self.training and kwargs.get("targets") is not None:
             calls["n"] += 1
             if calls["n"] == 7:
-                output.loss = output.loss * float("nan")
+                output.loss, output.lm_loss = output.loss * float("nan"), output.lm_loss * float("nan")
         return output
 
     monkeypatch.setattr(loop.Transformer, "forward", poisoned)
@@ -199,7 +199,7 @@ def poison(monkeypatch, at_call: int, how) -> None:
         if self.training and kwargs.get("targets") is not None:
             calls["n"] += 1
             if calls["n"] == at_call:
-                output.loss = how(output.loss)
+                output.loss, output.lm_loss = how(output.loss), how(output.lm_loss)  # the loop reads lm_loss
         return output
 
     monkeypatch.setattr(loop.Transformer, "forward", poisoned)

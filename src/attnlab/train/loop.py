@@ -353,11 +353,12 @@ def train_step(run: Run) -> StepResult:
     for group in strategy.optimizer.param_groups:
         group["lr"] = lr
     losses: dict[str, float] = {}
-    for micro in range(tc.grad_accum):
-        tokens, loss_mask = next_micro_batch(run, micro)  # [B, T+1], [B, T] or None
+    batches = [next_micro_batch(run, micro) for micro in range(tc.grad_accum)]  # [B, T+1], [B, T] or None
+    shares = target_shares(run, batches)
+    for micro, (tokens, loss_mask) in enumerate(batches):
         with strategy.micro_step_context(is_last=micro == tc.grad_accum - 1):
             with autocast(run):
-                loss, named = micro_batch_loss(run, tokens, loss_mask)
+                loss, named = micro_batch_loss(run, tokens, loss_mask, shares[micro])
             if strategy.owns_accumulation:  # DeepSpeed steps inside backward: check the loss before it
                 stop_if_not_finite(run, loss)
             strategy.backward(loss, run.scaler)
@@ -398,15 +399,34 @@ def autocast(run: Run) -> AbstractContextManager:
     return torch.autocast(run.strategy.device.type, dtype=run.autocast_dtype)
 
 
-def micro_batch_loss(run: Run, tokens: Tensor, loss_mask: Tensor | None) -> tuple[Tensor, dict[str, Tensor]]:
-    """The loss to minimise on tokens [B, T+1] (toward the teacher when there is one: train/distill.py),
-    and every loss by name for the log."""
+def target_shares(run: Run, batches: list[tuple[Tensor, Tensor | None]]) -> list[float]:
+    """The weight of each micro-batch's mean loss, so that the step minimises the mean over every
+    counted target of the global batch (all micro-batches, all ranks), as one process with the
+    whole batch would: padding masks and truncated windows make the counts differ, and a mean of
+    per-micro-batch (per-rank) means would weigh a target by how full its batch was. Each weight is
+    count * grad_accum * world_size / global count, undoing the strategies' plain averaging over
+    micro-batches and ranks; exactly 1.0 where all counts are equal."""
+    counts = [int(tokens.shape[0] * (tokens.shape[1] - 1)) if mask is None else int(mask.sum())
+              for tokens, mask in batches]
+    total = int(run.strategy.total(float(sum(counts))))
+    scale = len(batches) * run.strategy.world_size
+    return [count * scale / total if total else 0.0 for count in counts]
+
+
+def micro_batch_loss(
+    run: Run, tokens: Tensor, loss_mask: Tensor | None, share: float
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The loss to minimise on tokens [B, T+1] (toward the teacher when there is one: train/distill.py):
+    its per-target part weighted by `share` (target_shares), plus the auxiliary losses, which are
+    means over the micro-batch whatever it holds; and every loss by name, weighted alike, for the log."""
     inputs = tokens[:, :-1]  # [B, T]
     output = run.strategy.forward(inputs, targets=tokens[:, 1:], loss_mask=loss_mask)
-    loss, parts = output.loss, {}
+    per_target, parts = output.lm_loss, {}
     if run.teacher is not None:
-        loss, parts = student_loss(output, run.teacher, inputs, loss_mask, run.config.train)
-    return loss, {"loss": loss, "lm_loss": output.lm_loss, **output.aux_losses, **parts}
+        per_target, parts = student_loss(output, run.teacher, inputs, loss_mask, run.config.train)
+    loss = per_target * share + sum(output.aux_losses.values(), torch.zeros((), device=per_target.device))
+    weighted = {name: value * share for name, value in {"lm_loss": output.lm_loss, **parts}.items()}
+    return loss, {"loss": loss, **weighted, **output.aux_losses}
 
 
 def stop_if_not_finite(run: Run, loss: Tensor) -> None:
