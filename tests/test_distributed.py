@@ -7,9 +7,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -225,6 +227,29 @@ def test_masked_loss_matches_single_with_token_data(root, token_data):
     for name in [run[1].removeprefix("name=") for run in runs]:
         assert_same_run(root / "runs" / name, root / "runs" / f"single-{name.split('-')[1]}")
     assert load_config(str(root / "runs" / "ddp-padded" / "config.yaml")).dist.strategy == "ddp"
+
+
+def test_sigterm_under_torchrun_stops_every_rank_after_the_same_step(root):
+    """What Slurm does at a time limit: SIGTERM to the launcher and its workers (torchrun then
+    forwards its own). Every rank stops after the same step, rank 0 saves it, and the run can go on."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+        "--master_port", str(free_port()), "-m", "attnlab.cli.main", "train", "-p", "demo", *common(root),
+        "name=preempted", "train.batch_size=2", "dist.strategy=ddp", "train.max_steps=100000",
+        "train.save_every=100000", "train.eval_every=0",
+    ]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    metrics = root / "runs" / "preempted" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and (not metrics.exists() or metrics.read_text().count("\n") < 3):
+        time.sleep(0.2)
+    os.killpg(process.pid, signal.SIGTERM)
+    output, _ = process.communicate(timeout=120)
+    (checkpoint,) = list_checkpoints(root / "runs" / "preempted")
+    step = read_metrics(root / "runs" / "preempted")[-1]["step"]
+    assert checkpoint.name == f"step-{step:07d}.pt", output[-3000:]
+    assert output.count(f"stopped by SIGTERM at step {step}, saved") == 2, output[-3000:]  # rank 0 and rank 1
 
 
 def test_deepspeed_config_must_agree(root):
