@@ -182,12 +182,13 @@ def test_every_deepspeed_example_trains_on_the_cpu(root):
     train two steps on two CPU processes."""
     pytest.importorskip("deepspeed")
     examples = sorted((Path(__file__).parent.parent / "examples" / "deepspeed").glob("*.json"))
-    launch_runs(root, [["demo", *common(root), f"name={example.stem}", "train.batch_size=2", "train.max_steps=2",
-                        "train.grad_accum=1", "train.eval_every=0", "train.save_every=2", "dist.strategy=deepspeed",
-                        f"dist.deepspeed_config={example}"] for example in examples])
+    launch_runs(root, [["demo", *common(root), f"name=example-{example.stem}", "train.batch_size=2",
+                        "train.max_steps=2", "train.grad_accum=1", "train.eval_every=0", "train.save_every=2",
+                        "dist.strategy=deepspeed", f"dist.deepspeed_config={example}"] for example in examples])
     for example in examples:
-        assert [r["step"] for r in read_metrics(root / "runs" / example.stem) if "loss" in r] == [1, 2]
-        assert [p.name for p in list_checkpoints(root / "runs" / example.stem)] == ["step-0000002.pt"]
+        run_dir = root / "runs" / f"example-{example.stem}"
+        assert [r["step"] for r in read_metrics(run_dir) if "loss" in r] == [1, 2]
+        assert [p.name for p in list_checkpoints(run_dir)] == ["step-0000002.pt"]
 
 
 @pytest.fixture(scope="module")
