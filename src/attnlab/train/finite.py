@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +37,8 @@ def local(tensor: Tensor) -> Tensor:
     """The part of a tensor this process holds: an FSDP2 DTensor's shard, a ZeRO-3 partition."""
     if hasattr(tensor, "to_local"):
         return tensor.to_local()
-    return getattr(tensor, "ds_tensor", None) if getattr(tensor, "ds_tensor", None) is not None else tensor
+    partition = getattr(tensor, "ds_tensor", None)
+    return partition if partition is not None else tensor
 
 
 def named_tensors(state: Any, prefix: str) -> Iterator[tuple[str, Tensor]]:
@@ -93,13 +94,14 @@ class NonFiniteSteps:
         self.consecutive = 0
 
 
-def check_weights(named: Iterable[tuple[str, Tensor]], step: int, last_good: str, any_rank) -> None:
+def check_weights(named: Iterable[tuple[str, Tensor]], step: int, last_good: Callable[[], str],
+                  any_rank: Callable[[bool], bool]) -> None:
     """Raise if a weight or saved buffer is not finite after step `step`, on every rank if on any
-    (`any_rank(flag)`: whether any rank's flag is set)."""
+    (`any_rank(flag)`: whether any rank's flag is set); `last_good()` names the checkpoint kept."""
     bad = nonfinite_names(named)
     if any_rank(bool(bad)):
         where = f" ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})" if bad else " (on another rank)"
         raise TrainingError(
             f"weights became non-finite at step {step}{where} although the gradients were finite: the update "
-            f"overflowed. Last good checkpoint: {last_good}. Try a lower train.lr"
+            f"overflowed. Last good checkpoint: {last_good()}. Try a lower train.lr"
         )

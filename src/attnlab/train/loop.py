@@ -1,17 +1,19 @@
 """The training loop, read top to bottom: prepare the run, then repeat one optimiser step and the
 actions that are due after it.
 
-    prepare(config) -> Run   check the config, load the data, build the model, its EMA copy and the
-                             optimiser (the distribution strategy wraps and keeps them), restore a
-                             resumed run from its checkpoint
+    prepare(config) -> Run   check the config, own the run directory (lock, resume point, timeline),
+                             load the data, build the model, its EMA copy and the optimiser (the
+                             distribution strategy wraps and keeps them), restore a resumed run
     train_step(run)          one optimiser step: set the learning rate, run `grad_accum` micro-batches
                              (forward under autocast, the distillation loss when there is a teacher,
-                             backward of loss / grad_accum), stop on a non-finite loss before touching
-                             the weights, clip, step, let modules with explicit per-step state update it
-                             (`after_optimizer_step`, e.g. routing centroids), update the EMA weights
+                             backward of the loss weighted by the micro-batch's share of the step's
+                             counted targets), clip and step on finite gradients only (train/finite.py),
+                             let modules with explicit per-step state update it (`after_optimizer_step`,
+                             e.g. routing centroids), update the EMA weights, check the weights
     record_metrics, validate, log_sample, write_checkpoint
                              the periodic actions, each on its own schedule
-    train(config)            the loop: a step, then what is due; Ctrl-C stops after a step, with a checkpoint
+    train(config)            the loop: a step, then what is due; a stop signal (Ctrl-C, SIGTERM, SIGHUP,
+                             SIGUSR1: train/signals.py) stops after a step, with a checkpoint
 
 A checkpoint holds everything the next step depends on (weights, optimiser, scaler, EMA, step,
 RNG states, data sampler position), so a resumed run continues bit for bit (tests/test_train.py).
@@ -377,7 +379,7 @@ def train_step(run: Run) -> StepResult:
         with strategy.full_parameters():
             run.ema.update(run.model)
     weights = itertools.chain(run.model.named_parameters(), run.model.named_buffers())
-    check_weights(weights, run.step + 1, last_good_checkpoint(run), strategy.any_rank)
+    check_weights(weights, run.step + 1, lambda: last_good_checkpoint(run), strategy.any_rank)
     return StepResult(losses, grad_norm, lr, applied=True)
 
 
