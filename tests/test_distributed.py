@@ -4,11 +4,14 @@ rank 0 writes files."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -110,7 +113,7 @@ def test_torchrun_matches_single_and_resumes(root, single_ema, strategy):
     assert_same_run(root / "runs" / name, single_ema)
     if strategy == "fsdp":  # resumed from its own sharded checkpoint, one shard file per rank
         shards = sorted(p.name for p in (root / "runs" / name / "fsdp" / "step-0000006").iterdir())
-        assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+        assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp", "checksums.sha256"]
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -159,6 +162,95 @@ def test_auxiliary_losses_match_single(root, single_aux, strategy):
     for name, value in load_model(single_aux).state_dict().items():
         if name.endswith("centroids"):  # buffers, not compared by assert_same_run's parameters alone
             torch.testing.assert_close(load_model(run_dir).state_dict()[name], value, atol=1e-5, rtol=1e-4)
+
+
+def launch_runs(root: Path, runs: list[list[str]]) -> None:
+    """Train `runs` ([preset, override, ...] each) on two processes, one after another, in one launch."""
+    listing = root / f"runs-{free_port()}.json"
+    listing.write_text(json.dumps(runs))
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+        "--master_port", str(free_port()), str(Path(__file__).parent / "distributed_runs.py"), str(listing),
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+def test_every_deepspeed_example_trains_on_the_cpu(root):
+    """examples/deepspeed/*.json (bf16, ZeRO-1, ZeRO-2 with optimizer offload, ZeRO-3) start and
+    train two steps on two CPU processes."""
+    pytest.importorskip("deepspeed")
+    examples = sorted((Path(__file__).parent.parent / "examples" / "deepspeed").glob("*.json"))
+    launch_runs(root, [["demo", *common(root), f"name=example-{example.stem}", "train.batch_size=2",
+                        "train.max_steps=2", "train.grad_accum=1", "train.eval_every=0", "train.save_every=2",
+                        "dist.strategy=deepspeed", f"dist.deepspeed_config={example}"] for example in examples])
+    for example in examples:
+        run_dir = root / "runs" / f"example-{example.stem}"
+        assert [r["step"] for r in read_metrics(run_dir) if "loss" in r] == [1, 2]
+        assert [p.name for p in list_checkpoints(run_dir)] == ["step-0000002.pt"]
+
+
+@pytest.fixture(scope="module")
+def token_data(root) -> Path:
+    """Tokenized documents of very different lengths: padded samples mask from 0 to most targets."""
+    from attnlab.data.shards import prepare_token_shards
+    from attnlab.data.tokenizer import train_tokenizer
+    from test_pretrain_data import TEXTS, write_jsonl
+
+    tokenizer = train_tokenizer([write_jsonl(root / "texts.jsonl", TEXTS)], vocab_size=320, out_dir=root / "tok")
+    return prepare_token_shards([root / "texts.jsonl"], tokenizer, root / "tokens", workers=1).out_dir
+
+
+def token_run(root: Path, token_data: Path, name: str, layout: str, *extra: str) -> list[str]:
+    return ["minimind-demo", f"name={name}", f"out_dir={root / 'runs'}", "model.num_tokens=320", "model.dim=32",
+            "model.depth=2", "model.heads=2", "model.kv_heads=1", "model.dim_head=16", "model.ff_hidden=64",
+            "model.max_seq_len=64", "data.source=tokens", f"data.path={token_data}", f"data.layout={layout}",
+            "data.val_fraction=0.1", "train.seq_len=16", "train.max_steps=4", "train.eval_every=2",
+            "train.eval_batches=1", "train.sample_every=0", "train.save_every=4", "train.log_every=1",
+            "train.grad_accum=2", "train.schedule=cosine", "train.warmup_steps=1", "log.progress=false", *extra]
+
+
+def test_masked_loss_matches_single_with_token_data(root, token_data):
+    """Padded documents (a loss mask) and packed ones: DDP (chosen for a launch without
+    dist.strategy), FSDP and DeepSpeed follow one process holding the whole batch, because every
+    step's loss is normalised by the global count of counted targets."""
+    runs = []
+    for layout in ("padded", "packed"):
+        preset, *overrides = token_run(root, token_data, f"single-{layout}", layout, "train.batch_size=4")
+        train(load_config(preset, overrides))
+        runs.append(token_run(root, token_data, f"ddp-{layout}", layout, "train.batch_size=2"))
+        runs.append(token_run(root, token_data, f"fsdp-{layout}", layout, "train.batch_size=2", "dist.strategy=fsdp"))
+        if importlib.util.find_spec("deepspeed") is not None:
+            runs.append(token_run(root, token_data, f"zero2-{layout}", layout, "train.batch_size=2",
+                                  "dist.strategy=deepspeed", f"dist.deepspeed_config={deepspeed_config(root, 2)}"))
+    launch_runs(root, runs)
+    for name in [run[1].removeprefix("name=") for run in runs]:
+        assert_same_run(root / "runs" / name, root / "runs" / f"single-{name.split('-')[1]}")
+    assert load_config(str(root / "runs" / "ddp-padded" / "config.yaml")).dist.strategy == "ddp"
+
+
+def test_sigterm_under_torchrun_stops_every_rank_after_the_same_step(root):
+    """What Slurm does at a time limit: SIGTERM to the launcher and its workers (torchrun then
+    forwards its own). Every rank stops after the same step, rank 0 saves it, and the run can go on."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+        "--master_port", str(free_port()), "-m", "attnlab.cli.main", "train", "-p", "demo", *common(root),
+        "name=preempted", "train.batch_size=2", "dist.strategy=ddp", "train.max_steps=100000",
+        "train.save_every=100000", "train.eval_every=0",
+    ]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    metrics = root / "runs" / "preempted" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and (not metrics.exists() or metrics.read_text().count("\n") < 3):
+        time.sleep(0.2)
+    os.killpg(process.pid, signal.SIGTERM)
+    output, _ = process.communicate(timeout=120)
+    (checkpoint,) = list_checkpoints(root / "runs" / "preempted")
+    step = read_metrics(root / "runs" / "preempted")[-1]["step"]
+    assert checkpoint.name == f"step-{step:07d}.pt", output[-3000:]
+    assert output.count(f"stopped by SIGTERM at step {step}, saved") == 2, output[-3000:]  # rank 0 and rank 1
 
 
 def test_deepspeed_config_must_agree(root):

@@ -21,6 +21,7 @@ from attnlab.data.tokenizer import train_tokenizer
 from attnlab.errors import ConfigError
 from attnlab.train import retrofit
 from attnlab.train.checkpoint import load_model
+from attnlab.train.checksum import SAFETENSORS_KEY, load_safetensors
 from attnlab.train.loop import train
 from attnlab.train.metrics import read_metrics
 
@@ -48,12 +49,16 @@ def tokenized_run(tmp_path: Path) -> Path:
 
 
 def test_a_copied_tokenized_run_samples_without_its_data(tmp_path, capsys):
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
     run_dir = tokenized_run(tmp_path)
     source_tokenizer = tmp_path / "data" / "shards" / "tokenizer" / "tokenizer.json"
     assert (run_dir / "tokenizer" / "tokenizer.json").read_bytes() == source_tokenizer.read_bytes()
     weights = load_file(str(run_dir / "model.safetensors"))  # the final weights alone
+    with safe_open(str(run_dir / "model.safetensors"), framework="pt") as handle:
+        assert SAFETENSORS_KEY in handle.metadata()
+    assert load_safetensors(run_dir / "model.safetensors").keys() == weights.keys()  # the checksum holds
     for name, value in load_model(run_dir).state_dict().items():
         assert name == "head.weight" or torch.equal(weights[name], value), name
     greedy = ["--prompt", "def function_", "--max-new-tokens", "12", "--temperature", "0"]

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import signal
+import struct
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -104,15 +107,37 @@ def test_existing_run_is_not_overwritten(tmp_path, text_file):
         train(tiny(tmp_path, text_file))
 
 
-def test_corrupt_checkpoint_named_and_previous_kept(tmp_path, text_file):
+def flip_bit_in_largest_tensor(path: Path) -> None:
+    """Flip one exponent bit in the middle of the checkpoint's largest tensor (zip records are stored)."""
+    with zipfile.ZipFile(path) as archive:
+        info = max(archive.infolist(), key=lambda item: item.file_size)
+    data = bytearray(path.read_bytes())
+    name_length, extra_length = struct.unpack("<HH", data[info.header_offset + 26 : info.header_offset + 30])
+    start = info.header_offset + 30 + name_length + extra_length
+    data[start + (info.file_size // 8) * 4 + 3] ^= 0x40  # a float32's high byte: its exponent
+    path.write_bytes(bytes(data))
+
+
+def test_corrupt_checkpoint_named_and_previous_kept(tmp_path, text_file, caplog):
+    result = train(tiny(tmp_path, text_file, "run", "train.keep_last=3"))
+    latest = list_checkpoints(result.run_dir)[-1]
+    flip_bit_in_largest_tensor(latest)
+    for read in (read_checkpoint, load_model):
+        with pytest.raises(CheckpointError, match="step-0000010.pt is corrupt: its content does not match its check"):
+            read(latest)
+    with pytest.raises(CheckpointError, match="step-0000010.pt is corrupt.*step-0000005.pt is intact"):
+        train(tiny(tmp_path, text_file, "run", "train.max_steps=12"), resume=str(latest))
+    with caplog.at_level(logging.WARNING):
+        resumed = train(tiny(tmp_path, text_file, "run", "train.max_steps=12"), resume=True)
+    assert "resuming from" in caplog.text and "step-0000005.pt, the newest intact checkpoint" in caplog.text
+    assert resumed.step == 12
+
+
+def test_truncated_checkpoint_is_skipped_on_resume(tmp_path, text_file):
     result = train(tiny(tmp_path, text_file, "run", "train.keep_last=3"))
     latest = list_checkpoints(result.run_dir)[-1]
     latest.write_bytes(latest.read_bytes()[: latest.stat().st_size // 2])
-    with pytest.raises(CheckpointError, match="step-0000010.pt.*corrupt.*step-0000005.pt is intact"):
-        train(tiny(tmp_path, text_file, "run", "train.max_steps=12"), resume=True)
-    resumed = train(tiny(tmp_path, text_file, "run", "train.max_steps=12"),
-                    resume=str(list_checkpoints(result.run_dir)[-2]))
-    assert resumed.step == 12
+    assert train(tiny(tmp_path, text_file, "run", "train.max_steps=12"), resume=True).step == 12
 
 
 class _RunsCode:
@@ -143,13 +168,91 @@ def test_nonfinite_loss_stops_before_update(tmp_path, text_file, monkeypatch):
         if self.training and kwargs.get("targets") is not None:
             calls["n"] += 1
             if calls["n"] == 7:
-                output.loss = output.loss * float("nan")
+                output.loss, output.lm_loss = output.loss * float("nan"), output.lm_loss * float("nan")
         return output
 
     monkeypatch.setattr(loop.Transformer, "forward", poisoned)
     with pytest.raises(TrainingError, match=r"loss became nan at step 7.*step-0000005.pt"):
         train(tiny(tmp_path, text_file))
     assert [p.name for p in list_checkpoints(tmp_path / "runs" / "run")] == ["step-0000005.pt"]
+
+
+class _InfiniteGradient(torch.autograd.Function):
+    """Identity forward, infinite gradient backward: a finite loss whose gradients overflow."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("inf")
+
+
+def poison(monkeypatch, at_call: int, how) -> None:
+    """Apply `how` to the training loss of the `at_call`-th training forward."""
+    calls = {"n": 0}
+    real_forward = loop.Transformer.forward
+
+    def poisoned(self, *args, **kwargs):
+        output = real_forward(self, *args, **kwargs)
+        if self.training and kwargs.get("targets") is not None:
+            calls["n"] += 1
+            if calls["n"] == at_call:
+                output.loss, output.lm_loss = how(output.loss), how(output.lm_loss)  # the loop reads lm_loss
+        return output
+
+    monkeypatch.setattr(loop.Transformer, "forward", poisoned)
+
+
+def all_finite(run_dir: Path) -> bool:
+    for path in list_checkpoints(run_dir):
+        state = read_checkpoint(path)
+        for part in ("model", "ema"):
+            if any(not torch.isfinite(value).all() for value in (state.get(part) or {}).values()):
+                return False
+    return True
+
+
+def test_nonfinite_gradients_stop_before_update_and_no_poisoned_checkpoint(tmp_path, text_file, monkeypatch):
+    poison(monkeypatch, 7, _InfiniteGradient.apply)
+    with pytest.raises(TrainingError, match=r"gradient norm became (inf|nan) at step 7.*step-0000006.pt"):
+        train(tiny(tmp_path, text_file, "run", "train.save_every=1", "train.keep_last=20"))
+    run_dir = tmp_path / "runs" / "run"
+    assert list_checkpoints(run_dir)[-1].name == "step-0000006.pt" and all_finite(run_dir)
+
+
+def test_nonfinite_gradients_skipped_when_asked(tmp_path, text_file, monkeypatch):
+    poison(monkeypatch, 7, _InfiniteGradient.apply)
+    result = train(tiny(tmp_path, text_file, "run", "train.on_nonfinite=skip", "train.log_every=5"))
+    assert result.step == 10 and all_finite(result.run_dir)
+    assert [r["step"] for r in read_metrics(result.run_dir) if r.get("skipped")] == [7]
+
+
+def test_overflowing_weights_stop_the_run(tmp_path, text_file, monkeypatch):
+    """Finite gradients can still overflow a weight: the run stops and nothing non-finite is saved."""
+    steps = {"n": 0}
+    real_after_step = loop.Transformer.after_optimizer_step
+
+    def overflow(self):
+        real_after_step(self)
+        steps["n"] += 1
+        if steps["n"] == 4:
+            self.head.weight.data[0, 0] = float("inf")
+
+    monkeypatch.setattr(loop.Transformer, "after_optimizer_step", overflow)
+    with pytest.raises(TrainingError, match=r"weights became non-finite at step 4 \(head.weight\).*step-0000003.pt"):
+        train(tiny(tmp_path, text_file, "run", "train.save_every=1", "train.keep_last=20"))
+    assert all_finite(tmp_path / "runs" / "run")
+
+
+def test_nonfinite_state_is_never_written(tmp_path):
+    from attnlab.train.checkpoint import save_checkpoint
+
+    path = tmp_path / "step-0000001.pt"
+    with pytest.raises(CheckpointError, match=r"not writing .*non-finite values in model.w"):
+        save_checkpoint(path, {"config": {}, "model": {"w": torch.tensor([1.0, float("nan")])}, "step": 1})
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_ctrl_c_saves_and_resumes(tmp_path, text_file):
@@ -216,3 +319,11 @@ def test_bad_init_from_is_refused(tmp_path, text_file, extra, message):
     with pytest.raises(ConfigError, match=message):
         train(config)
     assert not (config.run_dir / "checkpoints").exists()
+
+
+def test_ema_survives_samples_past_max_seq_len(tmp_path, text_file):
+    """A sample longer than model.max_seq_len regrows the EMA copy's rotary table (a buffer it does
+    not save); the next EMA update copies only saved buffers, so training goes on."""
+    config = tiny(tmp_path, text_file, "ema-sample", "train.ema=true", "train.sample_every=4", "train.max_steps=8",
+                  "train.sample_length=80", "train.prime_length=16")
+    assert train(config).step == 8

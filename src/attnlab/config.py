@@ -165,6 +165,7 @@ class TrainConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0  # max global gradient norm; 0 disables
+    on_nonfinite: Literal["stop", "skip"] = "stop"  # non-finite gradients: stop the run, or skip the step (finite.py)
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     seed: int = 0

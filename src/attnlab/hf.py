@@ -62,6 +62,7 @@ from attnlab.errors import ConversionError
 from attnlab.model.layers import hidden_width
 from attnlab.model.transformer import Transformer
 from attnlab.train.checkpoint import checkpoint_path, load_model, save_checkpoint
+from attnlab.train.checksum import load_safetensors, safetensors_metadata
 
 log = logging.getLogger(__name__)
 
@@ -466,7 +467,7 @@ def export_model(
     _prepare_out_dir(out_dir, overwrite)
     # contiguous copies: safetensors refuses views and tensors that share memory
     tensors = {name: value.to(DTYPES[dtype]).contiguous().clone() for name, value in tensors.items()}
-    save_file(tensors, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
+    save_file(tensors, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt", **safetensors_metadata(tensors)})
     write_tokenizer_files(out_dir, tokenizer_dir, config.num_tokens)
     write_configs(out_dir, architecture, config, dtype, special_ids)
     log.info("exported %d tensors to %s (%s, %s)", len(tensors), out_dir, architecture, dtype)
@@ -581,15 +582,13 @@ def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
 def read_hf_weights(hf_dir: Path) -> Tensors:
     """All tensors of a checkpoint folder: model.safetensors, a sharded safetensors index, or
     pytorch_model.bin read with weights_only=True (no arbitrary objects unpickled)."""
-    from safetensors.torch import load_file
-
-    if (hf_dir / WEIGHTS_FILE).is_file():
-        return load_file(str(hf_dir / WEIGHTS_FILE))
+    if (hf_dir / WEIGHTS_FILE).is_file():  # checked against the checksum attnlab's exports carry
+        return load_safetensors(hf_dir / WEIGHTS_FILE)
     if (hf_dir / SHARDED_INDEX_FILE).is_file():
         shards = sorted(set(json.loads((hf_dir / SHARDED_INDEX_FILE).read_text())["weight_map"].values()))
         tensors: Tensors = {}
         for shard in shards:
-            tensors.update(load_file(str(hf_dir / shard)))
+            tensors.update(load_safetensors(hf_dir / shard))
         return tensors
     if (hf_dir / TORCH_WEIGHTS_FILE).is_file():
         try:

@@ -22,6 +22,7 @@ from attnlab.config import known_presets, load_config
 from attnlab.generate.sampling import SamplingConfig
 from attnlab.model.quantize import QUANTIZATIONS
 from attnlab.train.draft import existing_target_settings, split_overrides, train_pair
+from attnlab.train.signals import exit_status
 
 
 def register(subparsers) -> None:
@@ -156,7 +157,7 @@ def run_train(args: argparse.Namespace) -> int:
         bits = f", validation bits per byte {result.last_eval['val_bpb']:.4f}" if result.last_eval else ""
         print(f"{role}: {result.run_dir} (step {result.step}{bits})")
         if result.interrupted:
-            return 130
+            return exit_status(result.stop_signal)
     target_dir = target_result.run_dir if target_result is not None else args.target_run
     print(f"decode with: attnlab speculative --target {target_dir} --draft {draft_result.run_dir} "
           f"--gamma 5 --prime-from-val")

@@ -13,9 +13,9 @@ or the total variation distance TV(p, q) = sum_v |p - q| / 2 (tv): one minus the
 speculative decoding at temperature 1 accepts a draft token at that position, so minimising it
 maximises acceptance on the training text directly (DistillSpec compares both). The teacher is
 loaded once from its run, kept in eval mode without gradients, and run on the same batch, so
-resuming stays exact. `student_loss` assembles the training loss of one micro-batch (the loop calls
-it in place of the model's own loss); the model's auxiliary losses (already weighted) are added
-whole, as in the model's own loss.
+resuming stays exact. `student_loss` assembles the per-target part of one micro-batch's loss (the
+loop uses it in place of the model's cross-entropy, weighs it by the micro-batch's share of the
+global target count and adds the model's auxiliary losses, already weighted, whole).
 """
 
 from __future__ import annotations
@@ -57,15 +57,15 @@ def distillation_loss(
 def student_loss(
     output: ModelOutput, teacher: Transformer, inputs: Tensor, loss_mask: Tensor | None, config: TrainConfig
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """The loss to minimise on one micro-batch, (1 - w) * lm_loss + w * D(teacher, model) + the
-    model's auxiliary losses (w = config.distill_weight), and its distillation part named for the log.
+    """The per-target part of the loss to minimise on one micro-batch, (1 - w) * lm_loss +
+    w * D(teacher, model) (w = config.distill_weight; the loop adds the model's auxiliary losses),
+    and its distillation part named for the log.
     output: the model's forward on inputs [B, T] (logits [B, T, V]); loss_mask [B, T] or None."""
     with torch.no_grad():
         teacher_logits = teacher(inputs).logits  # [B, T, V]
     distill = distillation_loss(output.logits, teacher_logits, loss_mask, config.distill_loss)
-    aux = sum(output.aux_losses.values(), torch.zeros((), device=distill.device))
     weight = config.distill_weight
-    return (1 - weight) * output.lm_loss + weight * distill + aux, {"distill": distill}
+    return (1 - weight) * output.lm_loss + weight * distill, {"distill": distill}
 
 
 def load_teacher(config: RunConfig, device: torch.device) -> Transformer | None:

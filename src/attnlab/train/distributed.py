@@ -22,10 +22,12 @@ with batch_size N*b (tests/test_distributed.py). Only rank 0 logs, samples and w
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
 import os
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -37,6 +39,8 @@ from torch import nn
 from attnlab.config import RunConfig
 from attnlab.errors import AttnlabError
 from attnlab.registry import Registry
+from attnlab.train.checksum import file_sha256, folder_files, write_manifest
+from attnlab.train.finite import named_tensors
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +49,22 @@ STRATEGY: Registry = Registry("distribution strategy")
 
 def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def launched_world_size() -> int:
+    """The number of processes a launcher (torchrun, deepspeed) started; 1 without one."""
+    return int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else 1
+
+
+def strategy_for_launcher(config: RunConfig) -> RunConfig:
+    """`config`, with DDP where a launcher started several processes and dist.strategy is single:
+    each process training alone would write the same run directory N times over."""
+    if config.dist.strategy != "single" or launched_world_size() == 1:
+        return config
+    if os.environ.get("RANK") == "0":
+        log.info("%d processes started by a launcher and no dist.strategy: training with DDP (dist.strategy=ddp; "
+                 "fsdp and deepspeed are the others)", launched_world_size())
+    return dataclasses.replace(config, dist=dataclasses.replace(config.dist, strategy="ddp"))
 
 
 def init_process_group(device: torch.device) -> None:
@@ -122,19 +142,44 @@ class SingleProcess:
         scaler.scale(loss / self.config.train.grad_accum).backward()
 
     def step(self, scaler: torch.amp.GradScaler) -> float:
-        """Clip and step; return the gradient norm before clipping."""
+        """Clip and step; return the gradient norm before clipping. Non-finite gradients are never
+        applied: without loss scaling the step is left out here (train/finite.py decides what the
+        run does then); with it (fp16) the GradScaler skips the step and lowers its scale."""
         clip = self.config.train.grad_clip
         scaler.unscale_(self.optimizer)
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else math.inf)
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a sharded DTensor
-        scaler.step(self.optimizer)
-        scaler.update()
+        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP2: a sharded DTensor
+        if math.isfinite(norm) or scaler.is_enabled():
+            scaler.step(self.optimizer)
+            scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
+        return norm
 
     def mean(self, value: float) -> float:
         """The mean of a number over ranks (for logging)."""
         return value
+
+    def total(self, value: float) -> float:
+        """The sum of a number over ranks."""
+        return value
+
+    def largest(self, value: float) -> float:
+        """The largest of a number over ranks."""
+        return value
+
+    def any_rank(self, flag: bool) -> bool:
+        """Whether `flag` is set on any rank (every rank gets the same answer)."""
+        return self.largest(float(flag)) > 0
+
+    def raise_together(self, error: AttnlabError | None) -> None:
+        """Every rank calls this with its own error or None; if any rank has one, every rank raises
+        (its own, or the first one's message), so none is left waiting in a collective."""
+        messages = self.gather_objects(None if error is None else str(error))
+        if error is not None:
+            raise error
+        first = next((message for message in messages if message is not None), None)
+        if first is not None:
+            raise AttnlabError(first)
 
     def gather_objects(self, value: Any) -> list[Any]:
         return [value]
@@ -153,11 +198,28 @@ class SingleProcess:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 **{name: copy.state_dict() for name, copy in self.copies.items()}}
 
+    def seal(self, folder: Path) -> None:
+        """After every rank wrote its part of an engine checkpoint: the ranks hash its files between
+        them and rank 0 writes their checksums beside them (train/checksum.py)."""
+        files = folder_files(folder)
+        mine = {str(path.relative_to(folder)): file_sha256(path) for path in files[self.rank :: self.world_size]}
+        digests = {name: digest for part in self.gather_objects(mine) for name, digest in part.items()}
+        if self.is_main:
+            write_manifest(folder, digests)
+
     def restore(self, state: dict[str, Any], run_dir: Path, step: int) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         for name, copy in self.copies.items():
             copy.load_state_dict(state[name])
+
+    def state_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every tensor this rank will checkpoint, as it holds it (its shards under FSDP), by name:
+        checked for non-finite values before anything is written."""
+        yield from named_tensors(self.model.state_dict(), "model")
+        yield from named_tensors(self.optimizer.state_dict()["state"], "optimizer")
+        for name, copy in self.copies.items():
+            yield from named_tensors(copy.state_dict(), name)
 
     def full_parameters(self):
         """Context in which `self.model.parameters()` hold their full values (ZeRO-3 gathers them)."""
@@ -174,9 +236,17 @@ class _ProcessGroupStrategy(SingleProcess):
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
 
     def mean(self, value: float) -> float:
+        return self.total(value) / self.world_size
+
+    def total(self, value: float) -> float:
         tensor = torch.tensor([value], dtype=torch.float64, device=self.device)
         dist.all_reduce(tensor)
-        return tensor.item() / self.world_size
+        return tensor.item()
+
+    def largest(self, value: float) -> float:
+        tensor = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return tensor.item()
 
     def gather_objects(self, value: Any) -> list[Any]:
         gathered: list[Any] = [None] * self.world_size
@@ -242,6 +312,7 @@ class FSDP(_ProcessGroupStrategy):
         folder = engine_checkpoint_folder(run_dir, self.engine_folder, step)
         save_sharded(self._sharded_states(), folder)
         dist.barrier()
+        self.seal(folder)
         if not self.is_main:
             return None
         full = load_full_tensors(folder, ["model", *self.copies])
@@ -306,6 +377,13 @@ class DeepSpeed(_ProcessGroupStrategy):
             ds[key] = value
         ds.pop("train_batch_size", None)  # derived by DeepSpeed from the two above and the world size
         ds.setdefault("zero_allow_untested_optimizer", True)  # attnlab passes a plain torch AdamW
+        offload = ds.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
+        if offload not in (None, "none") and "zero_force_ds_cpu_optimizer" not in ds:
+            # DeepSpeed refuses a client optimizer with offload unless told otherwise; the torch AdamW
+            # then steps the offloaded fp32 weights on the CPU (DeepSpeedCPUAdam would need a build)
+            ds["zero_force_ds_cpu_optimizer"] = False
+            log.info("%s: optimizer offload to %s with attnlab's torch AdamW (zero_force_ds_cpu_optimizer=false)",
+                     path, offload)
         return ds
 
     def wrap_model(self, model, build_optimizer):
@@ -336,6 +414,7 @@ class DeepSpeed(_ProcessGroupStrategy):
         folder = engine_checkpoint_folder(run_dir, self.engine_folder, step)
         self.forward.save_checkpoint(str(folder.parent), tag=folder.name)
         dist.barrier()
+        self.seal(folder)
         if not self.is_main:
             return None
         weights = get_fp32_state_dict_from_zero_checkpoint(str(folder.parent), tag=folder.name)
@@ -349,6 +428,13 @@ class DeepSpeed(_ProcessGroupStrategy):
             raise AttnlabError(f"no DeepSpeed checkpoint {folder}")
         for name, copy in self.copies.items():
             copy.load_state_dict(state[name])
+
+    def state_tensors(self):
+        """The weights as this rank holds them (a ZeRO-3 partition) and the copies; the engine's
+        optimiser state is checked in the full checkpoint rank 0 writes (train/checkpoint.py)."""
+        yield from named_tensors(dict(self.model.named_parameters()), "model")
+        for name, copy in self.copies.items():
+            yield from named_tensors(copy.state_dict(), name)
 
     def full_parameters(self):
         if self.ds_config.get("zero_optimization", {}).get("stage", 0) == 3:

@@ -1,17 +1,19 @@
 """The training loop, read top to bottom: prepare the run, then repeat one optimiser step and the
 actions that are due after it.
 
-    prepare(config) -> Run   check the config, load the data, build the model, its EMA copy and the
-                             optimiser (the distribution strategy wraps and keeps them), restore a
-                             resumed run from its checkpoint
+    prepare(config) -> Run   check the config, own the run directory (lock, resume point, timeline),
+                             load the data, build the model, its EMA copy and the optimiser (the
+                             distribution strategy wraps and keeps them), restore a resumed run
     train_step(run)          one optimiser step: set the learning rate, run `grad_accum` micro-batches
                              (forward under autocast, the distillation loss when there is a teacher,
-                             backward of loss / grad_accum), stop on a non-finite loss before touching
-                             the weights, clip, step, let modules with explicit per-step state update it
-                             (`after_optimizer_step`, e.g. routing centroids), update the EMA weights
+                             backward of the loss weighted by the micro-batch's share of the step's
+                             counted targets), clip and step on finite gradients only (train/finite.py),
+                             let modules with explicit per-step state update it (`after_optimizer_step`,
+                             e.g. routing centroids), update the EMA weights, check the weights
     record_metrics, validate, log_sample, write_checkpoint
                              the periodic actions, each on its own schedule
-    train(config)            the loop: a step, then what is due; Ctrl-C stops after a step, with a checkpoint
+    train(config)            the loop: a step, then what is due; a stop signal (Ctrl-C, SIGTERM, SIGHUP,
+                             SIGUSR1: train/signals.py) stops after a step, with a checkpoint
 
 A checkpoint holds everything the next step depends on (weights, optimiser, scaler, EMA, step,
 RNG states, data sampler position), so a resumed run continues bit for bit (tests/test_train.py).
@@ -22,16 +24,17 @@ Dimensions: B micro-batch rows (per rank), T train.seq_len, V vocabulary.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
+import math
 import platform
 import random
 import signal
 import subprocess
 import sys
-import threading
 import time
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,12 +43,13 @@ import numpy as np
 import torch
 from torch import Tensor
 from tqdm.auto import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from attnlab.config import RunConfig, config_to_dict, save_config
 from attnlab.data.byte_corpus import ByteCorpus
 from attnlab.data.corpus import load_corpus
 from attnlab.data.sampler import RandomWindowSampler, make_sampler, prime_tokens, randomly_truncate
-from attnlab.errors import AttnlabError, CheckpointError
+from attnlab.errors import AttnlabError, CheckpointError, ConfigError
 from attnlab.evaluate import evaluate
 from attnlab.flops import flops_per_token, peak_flops
 from attnlab.generate.sampling import SamplingConfig, generate
@@ -53,32 +57,34 @@ from attnlab.model.transformer import Transformer
 from attnlab.train import retrofit
 from attnlab.train.checkpoint import (
     checkpoint_path,
-    describe_corruption,
+    discard_engine_checkpoint,
     list_checkpoints,
     prune_checkpoints,
     read_checkpoint,
     save_checkpoint,
 )
 from attnlab.train.distill import load_teacher, student_loss
-from attnlab.train.distributed import STRATEGY, SingleProcess, local_device
+from attnlab.train.distributed import STRATEGY, SingleProcess, local_device, strategy_for_launcher
 from attnlab.train.ema import WeightEMA
+from attnlab.train.finite import NonFiniteSteps, TrainingError, check_weights, nonfinite_names
 from attnlab.train.metrics import Metrics, open_metrics
 from attnlab.train.optim import build_optimizer, learning_rate
 from attnlab.train.portable import copy_tokenizer, write_weights_file
+from attnlab.train.resume import choose_checkpoint
+from attnlab.train.run_lock import RunLock, not_writable
+from attnlab.train.signals import StopSignals
+from attnlab.train.timeline import start_timeline
 
 log = logging.getLogger(__name__)
-
-
-class TrainingError(AttnlabError):
-    """Training cannot go on (a non-finite loss); the last good checkpoint is kept."""
 
 
 @dataclass
 class TrainResult:
     run_dir: Path
     step: int  # optimiser steps completed
-    interrupted: bool
+    interrupted: bool  # stopped by a signal, with a checkpoint of the last step
     last_eval: dict[str, float] | None
+    stop_signal: int | None = None  # the signal that stopped it (train/signals.py gives its exit status)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -136,25 +142,6 @@ def write_run_info(config: RunConfig, run_dir: Path, command_line: list[str] | N
     (run_dir / "run_info.json").write_text(json.dumps(info, indent=2) + "\n")
 
 
-def find_resume_checkpoint(config: RunConfig, resume: str | bool | None) -> Path | None:
-    """resume: None/False (fresh run), True or "auto" (latest in the run directory), or a path."""
-    run_dir = config.run_dir
-    existing = list_checkpoints(run_dir)
-    if resume in (None, False):
-        if existing:
-            raise AttnlabError(
-                f"{run_dir} already has checkpoints (latest {existing[-1].name}); pass --resume to "
-                f"continue it, or choose another run name with name=..."
-            )
-        return None
-    if resume in (True, "auto"):
-        if not existing:
-            log.info("no checkpoint in %s: starting a new run", run_dir)
-            return None
-        return existing[-1]
-    return Path(str(resume))
-
-
 def sample_text(model: Transformer, corpus: ByteCorpus, config: RunConfig, step: int) -> tuple[str, str]:
     """A prime from the validation data and the model's continuation of it, as text."""
     train = config.train
@@ -202,6 +189,8 @@ class Run:
     step: int = 0  # optimiser steps completed
     train_seconds: float = 0.0  # optimiser-step time so far, carried across resumes (for wall-time plots)
     last_eval: dict[str, float] | None = None
+    nonfinite: NonFiniteSteps = dataclasses.field(default_factory=lambda: NonFiniteSteps("stop"))
+    show_progress: bool = False  # a progress bar (rank 0, log.progress, stdout a terminal); else metrics lines
 
 
 def load_training_corpus(config: RunConfig, strategy: SingleProcess) -> ByteCorpus:
@@ -218,19 +207,16 @@ def load_training_corpus(config: RunConfig, strategy: SingleProcess) -> ByteCorp
     return corpus
 
 
-def prepare(config: RunConfig, resume: str | bool | None, command_line: list[str] | None) -> Run:
-    """Everything the loop needs, checked in an order that fails early (the checkpoint, teacher and
-    initial weights before any data is built), and restored from the checkpoint when resuming."""
+def prepare(config: RunConfig, resume: str | bool | None, command_line: list[str] | None, cleanup: ExitStack) -> Run:
+    """Everything the loop needs, checked in an order that fails early (the run directory, the
+    checkpoint, teacher and initial weights before any data is built), and restored from the
+    checkpoint when resuming. `cleanup` releases the run directory when the run ends."""
+    config = strategy_for_launcher(config)  # torchrun with several processes: DDP, not N lone runs
     tc = config.train
+    check_training_config(config)
     device = local_device(tc.device) if config.dist.strategy != "single" else resolve_device(tc.device)
     strategy = STRATEGY.get(config.dist.strategy)(config, device)
-    resume_from = find_resume_checkpoint(config, resume)
-    state = None
-    if resume_from is not None:
-        try:
-            state = read_checkpoint(resume_from)
-        except CheckpointError as error:
-            raise describe_corruption(resume_from, error) from error
+    resume_from, state = own_run_directory(config, resume, strategy, cleanup)
 
     teacher = load_teacher(config, device)  # train.distill_from, or None; checked before any data is built
     # train.init_from: a fresh run's starting weights; a resumed run continues from its own checkpoint
@@ -242,7 +228,6 @@ def prepare(config: RunConfig, resume: str | bool | None, command_line: list[str
     np.random.seed(tc.seed)
     corpus = load_training_corpus(config, strategy)
     if strategy.is_main:
-        config.run_dir.mkdir(parents=True, exist_ok=True)
         write_run_info(config, config.run_dir, command_line)
         copy_tokenizer(corpus, config.run_dir)  # a portable run: sample and export without the shards
 
@@ -259,15 +244,15 @@ def prepare(config: RunConfig, resume: str | bool | None, command_line: list[str
         sampler=make_sampler(corpus, tc, rank=strategy.rank, world_size=strategy.world_size),
         autocast_dtype=autocast_dtype, teacher=teacher, ema=ema, tokens_per_step=tokens_per_step,
         step_flops=flops_per_token(config.model, tc.seq_len) * tokens_per_step,
-        device_peak_flops=peak_flops(device, autocast_dtype, tc.peak_tflops),
+        device_peak_flops=peak_flops(device, autocast_dtype, tc.peak_tflops), nonfinite=NonFiniteSteps(tc.on_nonfinite),
+        show_progress=config.log.progress and strategy.is_main and sys.stdout.isatty(),
     )
     if state is not None:
         restore(run, state, resume_from)
     if tc.compile:
         strategy.compile()
     if strategy.is_main:
-        resumed_step = run.step if state is not None else None  # metrics after it are rewritten
-        run.metrics = open_metrics(config.log, config.run_dir, config.name, config_to_dict(config), resumed_step)
+        run.metrics = open_metrics(config.log, config.run_dir, config.name, config_to_dict(config))
     log.info(
         "%s: %s, %.2fM parameters, %s on %s (%s, %s x %d)",
         config.name, config.model.attention.kind, model.num_parameters() / 1e6, corpus.description, device,
@@ -275,6 +260,54 @@ def prepare(config: RunConfig, resume: str | bool | None, command_line: list[str
         strategy.world_size,
     )
     return run
+
+
+def check_training_config(config: RunConfig) -> None:
+    tc = config.train
+    if tc.max_steps < 1:
+        raise ConfigError(f"train.max_steps must be at least 1, got {tc.max_steps}")
+    if tc.on_nonfinite == "skip" and config.dist.strategy == "deepspeed":
+        raise ConfigError("train.on_nonfinite=skip: DeepSpeed applies its own steps; use stop")
+
+
+def own_run_directory(config: RunConfig, resume: str | bool | None, strategy: SingleProcess, cleanup: ExitStack
+                      ) -> tuple[Path | None, dict[str, Any] | None]:
+    """Rank 0 locks the run directory for the run's life (train/run_lock.py); the checkpoint to
+    resume from is chosen (train/resume.py); rank 0 clears the directory for this run's timeline
+    (train/timeline.py). Every rank raises if rank 0 could not."""
+    failure = None
+    if strategy.is_main:
+        try:
+            cleanup.enter_context(RunLock(config.run_dir))
+        except AttnlabError as error:
+            failure = error
+    strategy.raise_together(failure)
+    resume_from, state = resume_point(config, resume, strategy)
+    failure = None
+    if strategy.is_main:
+        try:
+            start_timeline(config.run_dir, None if state is None else int(state["step"]), strategy.engine_folder)
+        except OSError as error:
+            failure = not_writable(config.run_dir, error)
+    strategy.raise_together(failure)
+    return resume_from, state
+
+
+def resume_point(config: RunConfig, resume: str | bool | None, strategy: SingleProcess
+                 ) -> tuple[Path | None, dict[str, Any] | None]:
+    """The checkpoint to continue from and its state (train/resume.py), chosen and checked by rank 0;
+    the other ranks read the one it chose."""
+    chosen, failure = None, None
+    if strategy.is_main:
+        try:
+            chosen = choose_checkpoint(config, resume, strategy.engine_folder)
+        except AttnlabError as error:
+            failure = error
+    strategy.raise_together(failure)
+    path = strategy.gather_objects(None if chosen is None else str(chosen[0]))[0]
+    if path is None:
+        return None, None
+    return Path(path), chosen[1] if chosen is not None else read_checkpoint(path)
 
 
 def restore(run: Run, state: dict[str, Any], resume_from: Path) -> None:
@@ -299,29 +332,48 @@ def restore(run: Run, state: dict[str, Any], resume_from: Path) -> None:
 # One optimiser step
 
 
-def train_step(run: Run) -> tuple[dict[str, float], float, float]:
-    """One optimiser step over train.grad_accum micro-batches. Returns the losses by name (means over
-    the micro-batches and the ranks), the gradient norm before clipping and the learning rate."""
+@dataclass
+class StepResult:
+    losses: dict[str, float]  # by name, means over the micro-batches and the ranks
+    grad_norm: float  # before clipping
+    lr: float
+    applied: bool  # False: the gradients were not finite and the update was skipped (train.on_nonfinite=skip)
+
+
+def train_step(run: Run) -> StepResult:
+    """One optimiser step over train.grad_accum micro-batches. Non-finite gradients are never applied
+    (train/finite.py: the run stops, or skips the step); the weights are checked after the update."""
     tc, strategy = run.config.train, run.strategy
     lr = learning_rate(run.step, tc)
     for group in strategy.optimizer.param_groups:
         group["lr"] = lr
     losses: dict[str, float] = {}
-    for micro in range(tc.grad_accum):
-        tokens, loss_mask = next_micro_batch(run, micro)  # [B, T+1], [B, T] or None
+    batches = [next_micro_batch(run, micro) for micro in range(tc.grad_accum)]  # [B, T+1], [B, T] or None
+    shares = target_shares(run, batches)
+    for micro, (tokens, loss_mask) in enumerate(batches):
         with strategy.micro_step_context(is_last=micro == tc.grad_accum - 1):
             with autocast(run):
-                loss, named = micro_batch_loss(run, tokens, loss_mask)
-            stop_if_not_finite(run, loss)
+                loss, named = micro_batch_loss(run, tokens, loss_mask, shares[micro])
+            if strategy.owns_accumulation:  # DeepSpeed steps inside backward: check the loss before it
+                stop_if_not_finite(run, loss)
             strategy.backward(loss, run.scaler)
         for name, value in named.items():
             losses[name] = losses.get(name, 0.0) + value.item() / tc.grad_accum
-    grad_norm = strategy.step(run.scaler)
+    grad_norm = strategy.step(run.scaler)  # applies finite gradients only
+    losses = {name: strategy.mean(value) for name, value in losses.items()}
+    if not (strategy.owns_accumulation or math.isfinite(grad_norm)) and not (
+        run.scaler.is_enabled() and math.isfinite(losses["loss"])  # an fp16 overflow: the scaler's own skip
+    ):
+        run.nonfinite.not_applied(run.step + 1, losses["loss"], grad_norm, last_good_checkpoint(run))
+        return StepResult(losses, grad_norm, lr, applied=False)
+    run.nonfinite.applied()
     run.model.after_optimizer_step()  # explicit per-step state: routing centroids
     if run.ema is not None:
         with strategy.full_parameters():
             run.ema.update(run.model)
-    return {name: strategy.mean(value) for name, value in losses.items()}, grad_norm, lr
+    weights = itertools.chain(run.model.named_parameters(), run.model.named_buffers())
+    check_weights(weights, run.step + 1, lambda: last_good_checkpoint(run), strategy.any_rank)
+    return StepResult(losses, grad_norm, lr, applied=True)
 
 
 def next_micro_batch(run: Run, micro: int) -> tuple[Tensor, Tensor | None]:
@@ -342,42 +394,69 @@ def autocast(run: Run) -> AbstractContextManager:
     return torch.autocast(run.strategy.device.type, dtype=run.autocast_dtype)
 
 
-def micro_batch_loss(run: Run, tokens: Tensor, loss_mask: Tensor | None) -> tuple[Tensor, dict[str, Tensor]]:
-    """The loss to minimise on tokens [B, T+1] (toward the teacher when there is one: train/distill.py),
-    and every loss by name for the log."""
+def target_shares(run: Run, batches: list[tuple[Tensor, Tensor | None]]) -> list[float]:
+    """The weight of each micro-batch's mean loss, so that the step minimises the mean over every
+    counted target of the global batch (all micro-batches, all ranks), as one process with the
+    whole batch would: padding masks and truncated windows make the counts differ, and a mean of
+    per-micro-batch (per-rank) means would weigh a target by how full its batch was. Each weight is
+    count * grad_accum * world_size / global count, undoing the strategies' plain averaging over
+    micro-batches and ranks; exactly 1.0 where all counts are equal."""
+    counts = [int(tokens.shape[0] * (tokens.shape[1] - 1)) if mask is None else int(mask.sum())
+              for tokens, mask in batches]
+    total = int(run.strategy.total(float(sum(counts))))
+    scale = len(batches) * run.strategy.world_size
+    return [count * scale / total if total else 0.0 for count in counts]
+
+
+def micro_batch_loss(
+    run: Run, tokens: Tensor, loss_mask: Tensor | None, share: float
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The loss to minimise on tokens [B, T+1] (toward the teacher when there is one: train/distill.py):
+    its per-target part weighted by `share` (target_shares), plus the auxiliary losses, which are
+    means over the micro-batch whatever it holds; and every loss by name, weighted alike, for the log."""
     inputs = tokens[:, :-1]  # [B, T]
     output = run.strategy.forward(inputs, targets=tokens[:, 1:], loss_mask=loss_mask)
-    loss, parts = output.loss, {}
+    per_target, parts = output.lm_loss, {}
     if run.teacher is not None:
-        loss, parts = student_loss(output, run.teacher, inputs, loss_mask, run.config.train)
-    return loss, {"loss": loss, "lm_loss": output.lm_loss, **output.aux_losses, **parts}
+        per_target, parts = student_loss(output, run.teacher, inputs, loss_mask, run.config.train)
+    loss = per_target * share + sum(output.aux_losses.values(), torch.zeros((), device=per_target.device))
+    weighted = {name: value * share for name, value in {"lm_loss": output.lm_loss, **parts}.items()}
+    return loss, {"loss": loss, **weighted, **output.aux_losses}
 
 
 def stop_if_not_finite(run: Run, loss: Tensor) -> None:
-    """Raise before the optimiser touches the weights, so the last checkpoint stays good."""
+    """Raise before the engine touches the weights, so the last checkpoint stays good."""
     if not torch.isfinite(loss):
-        kept = list_checkpoints(run.config.run_dir)
         raise TrainingError(
-            f"loss became {loss.item()} at step {run.step + 1}; stopped before "
-            f"updating the weights. Last good checkpoint: {kept[-1] if kept else 'none'}. "
-            f"Try a lower train.lr or train.precision=fp32"
+            f"loss became {loss.item()} at step {run.step + 1}; stopped before updating the weights. "
+            f"Last good checkpoint: {last_good_checkpoint(run)}. Try a lower train.lr or train.precision=fp32"
         )
+
+
+def last_good_checkpoint(run: Run) -> str:
+    kept = list_checkpoints(run.config.run_dir)
+    return str(kept[-1]) if kept else "none"
 
 
 # --------------------------------------------------------------------------------------------
 # The periodic actions
 
 
-def record_metrics(run: Run, losses: dict[str, float], grad_norm: float, lr: float, elapsed: float) -> None:
-    """The step's losses, model statistics, learning rate, gradient norm and throughput."""
+def record_metrics(run: Run, result: StepResult, elapsed: float) -> None:
+    """The step's losses, model statistics, learning rate, gradient norm and throughput; `skipped`
+    marks a step whose update was left out."""
     tokens_per_step, step_flops, peak = run.tokens_per_step, run.step_flops, run.device_peak_flops
     run.metrics.write(run.step, {
-        **losses, **run.model.collect_stats(), "lr": lr, "grad_norm": grad_norm,
+        **result.losses, **run.model.collect_stats(), "lr": result.lr, "grad_norm": result.grad_norm,
+        **({} if result.applied else {"skipped": 1}),
         "tokens_per_s": tokens_per_step / elapsed, "tokens": run.step * tokens_per_step,
         "model_tflops_per_s": step_flops / elapsed / 1e12,
         **({"mfu": step_flops / elapsed / run.strategy.world_size / peak} if peak else {}),
         "elapsed_s": run.train_seconds,
     })
+    if run.strategy.is_main and not run.show_progress:  # a batch job's log: a line instead of the bar
+        log.info("step %d: loss %.4f, lr %.2e, grad norm %.3g, %.0f tokens/s%s", run.step, result.losses["loss"],
+                 result.lr, result.grad_norm, tokens_per_step / elapsed, "" if result.applied else " (skipped)")
 
 
 def validate(run: Run) -> dict[str, float]:
@@ -404,26 +483,36 @@ def log_sample(run: Run) -> None:
 
 
 def write_checkpoint(run: Run) -> Path:
-    """Every rank takes part (sharded engines write their own checkpoint); rank 0 writes the file."""
+    """Every rank takes part (sharded engines write their own checkpoint); rank 0 writes the file.
+    Nothing is written when any rank holds a non-finite tensor; rank 0's failure to write (a full
+    disk) is every rank's error."""
     strategy, run_dir = run.strategy, run.config.run_dir
     path = checkpoint_path(run_dir, run.step)
+    bad = nonfinite_names(strategy.state_tensors())
+    if strategy.any_rank(bool(bad)):
+        raise TrainingError(f"not saving step {run.step}: non-finite values in {', '.join(bad[:3]) or 'another rank'}"
+                            f". Last good checkpoint: {last_good_checkpoint(run)}")
     states = strategy.checkpoint_states(run_dir, run.step)  # full, on rank 0
     rng_states = strategy.gather_objects(rng_state())
-    strategy.barrier()
+    failure = None
     if strategy.is_main:
-        save_checkpoint(path, {
-            "config": config_to_dict(run.config),
-            "model": states["model"],
-            "optimizer": states["optimizer"],
-            "scaler": run.scaler.state_dict(),
-            "ema": states.get("ema"),
-            "step": run.step,
-            "rng": rng_states,
-            "sampler": run.sampler.state_dict(),
-            "train_seconds": run.train_seconds,
-        })
-        prune_checkpoints(run_dir, run.config.train.keep_last, strategy.engine_folder)
-    strategy.barrier()
+        try:
+            save_checkpoint(path, {
+                "config": config_to_dict(run.config),
+                "model": states["model"],
+                "optimizer": states["optimizer"],
+                "scaler": run.scaler.state_dict(),
+                "ema": states.get("ema"),
+                "step": run.step,
+                "rng": rng_states,
+                "sampler": run.sampler.state_dict(),
+                "train_seconds": run.train_seconds,
+            })
+            prune_checkpoints(run_dir, run.config.train.keep_last, strategy.engine_folder)
+        except AttnlabError as error:
+            failure = error
+            discard_engine_checkpoint(run_dir, strategy.engine_folder, run.step)
+    strategy.raise_together(failure)
     return path
 
 
@@ -437,75 +526,63 @@ def train(
     command_line: list[str] | None = None,
     until_step: int | None = None,
 ) -> TrainResult:
-    """Train `config`; resume as in find_resume_checkpoint. `until_step` stops early (with a
-    checkpoint) while keeping the schedule of train.max_steps: for time-sliced jobs."""
-    run = prepare(config, resume, command_line)
-    tc = config.train
-    interrupted = False
-    progress = tqdm(
-        total=tc.max_steps, initial=run.step, desc=config.name, dynamic_ncols=True,
-        disable=not (config.log.progress and run.strategy.is_main),
-    )
+    """Train `config`; resume as in train/resume.py. `until_step` stops early (with a checkpoint)
+    while keeping the schedule of train.max_steps: for time-sliced jobs. A stop signal during
+    start-up raises `Stopped` (train/signals.py); in the loop it saves and stops."""
+    with StopSignals() as signals, ExitStack() as cleanup:
+        run = prepare(config, resume, command_line, cleanup)
+        signals.in_loop = True
+        return loop(run, signals, until_step)
+
+
+def loop(run: Run, signals: StopSignals, until_step: int | None) -> TrainResult:
+    """A step, then what is due after it, until the last step or a stop signal."""
+    config, tc = run.config, run.config.train
+    progress = tqdm(total=tc.max_steps, initial=run.step, desc=config.name, dynamic_ncols=True,
+                    disable=not run.show_progress)
     if run.step == 0 and tc.eval_every > 0:
         run.last_eval = validate(run)
     run.model.train()
     last_step = tc.max_steps if until_step is None else min(until_step, tc.max_steps)
+    stopped_by = None
     try:
-        with StopOnInterrupt() as stop:
-            while run.step < last_step and not stop_agreed(stop, run.strategy):
+        with logging_redirect_tqdm():
+            while run.step < last_step and not (stopped_by := stop_agreed(signals, run.strategy)):
                 started = time.perf_counter()
-                losses, grad_norm, lr = train_step(run)
+                result = train_step(run)
                 run.step += 1
                 elapsed = time.perf_counter() - started
                 run.train_seconds += elapsed
                 progress.update(1)
                 progress.set_postfix(
-                    loss=f"{losses['loss']:.3f}", lr=f"{lr:.2e}", tok_s=f"{run.tokens_per_step / elapsed:.0f}"
+                    loss=f"{result.losses['loss']:.3f}", lr=f"{result.lr:.2e}",
+                    tok_s=f"{run.tokens_per_step / elapsed:.0f}",
                 )
-                if run.step % tc.log_every == 0 or run.step == tc.max_steps:
-                    record_metrics(run, losses, grad_norm, lr, elapsed)
+                if run.step % tc.log_every == 0 or run.step == tc.max_steps or not result.applied:
+                    record_metrics(run, result, elapsed)
                 if tc.eval_every > 0 and (run.step % tc.eval_every == 0 or run.step == tc.max_steps):
                     run.last_eval = validate(run)
                 if tc.sample_every > 0 and run.step % tc.sample_every == 0 and run.strategy.world_size == 1:
                     log_sample(run)
                 if run.step % tc.save_every == 0 or run.step in (tc.max_steps, until_step):
                     write_checkpoint(run)
-            if run.step < last_step:  # stopped by Ctrl-C: save the step just finished
-                interrupted = True
-                log.info("interrupted: saved %s (step %d); continue with --resume", write_checkpoint(run), run.step)
+            if stopped_by and run.step > 0:  # save the step just finished, unless it is saved
+                if not checkpoint_path(config.run_dir, run.step).is_file():
+                    write_checkpoint(run)
+                log.info("stopped by %s at step %d, saved; continue with --resume", signal.Signals(stopped_by).name,
+                         run.step)
     finally:
         progress.close()
         run.metrics.close()
     if run.strategy.is_main:
         write_weights_file(config.run_dir)  # RUN/model.safetensors: the latest weights alone
     run.strategy.close()
-    return TrainResult(run_dir=config.run_dir, step=run.step, interrupted=interrupted, last_eval=run.last_eval)
+    return TrainResult(run_dir=config.run_dir, step=run.step, interrupted=bool(stopped_by),
+                       last_eval=run.last_eval, stop_signal=stopped_by or None)
 
 
-def stop_agreed(stop: StopOnInterrupt, strategy) -> bool:
-    """All ranks stop at the same step if any was asked to (so no collective is left waiting)."""
-    return strategy.mean(float(stop.requested)) > 0 if strategy.world_size > 1 else stop.requested
-
-
-class StopOnInterrupt:
-    """Turn the first Ctrl-C (SIGINT) into a request to stop after the current step, so the
-    checkpoint written then is consistent; a second Ctrl-C aborts at once."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._previous = None
-
-    def _handle(self, signum, frame) -> None:
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-        log.info("stopping after this step and saving a checkpoint (Ctrl-C again to abort)")
-
-    def __enter__(self) -> StopOnInterrupt:
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
+def stop_agreed(signals: StopSignals, strategy: SingleProcess) -> int:
+    """The stop signal any rank received (0: none), the same on every rank, so all stop after the
+    same step and no collective is left waiting."""
+    received = signals.received or 0
+    return int(strategy.largest(received)) if strategy.world_size > 1 else received

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from pathlib import Path
 from typing import Any
 
@@ -16,12 +15,11 @@ log = logging.getLogger(__name__)
 
 
 class JsonlSink:
-    def __init__(self, path: Path, truncate_after_step: int | None = None) -> None:
+    """Appends one line per record. A resumed run's file has already lost the records after its
+    checkpoint (train/timeline.py), so each step appears once."""
+
+    def __init__(self, path: Path) -> None:
         self.path = path
-        if truncate_after_step is not None and path.exists():
-            # a resumed run rewrites the steps after its checkpoint, so the file has each step once
-            kept = [line for line in path.read_text().splitlines() if _step_of(line) <= truncate_after_step]
-            path.write_text("".join(line + "\n" for line in kept))
         self.handle = open(path, "a")
 
     def write(self, step: int, record: dict[str, Any]) -> None:
@@ -30,13 +28,6 @@ class JsonlSink:
 
     def close(self) -> None:
         self.handle.close()
-
-
-def _step_of(line: str) -> float:
-    try:
-        return json.loads(line).get("step", math.inf)
-    except json.JSONDecodeError:
-        return math.inf
 
 
 class TensorBoardSink:
@@ -94,10 +85,8 @@ class Metrics:
             sink.close()
 
 
-def open_metrics(
-    config: LogConfig, run_dir: Path, run_name: str, resolved: dict[str, Any], resumed_step: int | None
-) -> Metrics:
-    sinks: list = [JsonlSink(run_dir / "metrics.jsonl", truncate_after_step=resumed_step)]
+def open_metrics(config: LogConfig, run_dir: Path, run_name: str, resolved: dict[str, Any]) -> Metrics:
+    sinks: list = [JsonlSink(run_dir / "metrics.jsonl")]
     if config.tensorboard:
         sinks.append(TensorBoardSink(run_dir / "tensorboard"))
     if config.wandb:

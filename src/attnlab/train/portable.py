@@ -4,9 +4,9 @@
                          `speculative` and `export` work where the token shards (or the cache that
                          built them) are not: on another machine, after the cache is cleared
     RUN/model.safetensors  the final weights alone (the moving average when the run keeps one, as
-                         `attnlab export` takes them), attnlab's names, float32, the resolved config in
-                         its metadata: for tools that read safetensors, without the checkpoint's
-                         optimiser state
+                         `attnlab export` takes them), attnlab's names, float32, the resolved config
+                         and the checksum of its tensors in its metadata: for tools that read
+                         safetensors, without the checkpoint's optimiser state
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from attnlab.config import config_to_dict
 from attnlab.data.shards import TOKENIZER_FOLDER
 from attnlab.hf import TOKENIZER_FILES
 from attnlab.train.checkpoint import list_checkpoints, load_model
+from attnlab.train.checksum import safetensors_metadata
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ def write_weights_file(run_dir: Path) -> Path | None:
         del state["head.weight"]  # the same tensor as token_embedding.embed.weight
     tensors = {name: value.contiguous() for name, value in state.items()}
     metadata = {"format": "pt", "step": str(model.checkpoint_step),
-                "config": json.dumps(config_to_dict(model.run_config))}
+                "config": json.dumps(config_to_dict(model.run_config)), **safetensors_metadata(tensors)}
     path = Path(run_dir) / WEIGHTS_FILE
     temporary = path.with_name(f".{WEIGHTS_FILE}.tmp")
     save_file(tensors, str(temporary), metadata=metadata)

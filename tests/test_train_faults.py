@@ -1,0 +1,272 @@
+"""What a cluster does to a run: stop signals, a second run on the same directory, a stale lock,
+an older resume point, a kill before the first checkpoint, a full disk, a read-only directory, a
+changed model, and the command-line slips around them. Each is a one-line error or a clean stop."""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from attnlab.cli.main import main
+from attnlab.errors import AttnlabError
+from attnlab.train import loop
+from attnlab.train.checkpoint import list_checkpoints, read_checkpoint
+from attnlab.train.loop import train
+from attnlab.train.metrics import read_metrics
+from attnlab.train.run_lock import LOCK_FILE, RunDirectoryInUse, RunLock
+from attnlab.train.signals import EXIT_REQUEUE, Stopped, exit_status
+from attnlab.train.timeline import split_metrics
+from test_train import losses, parameters, tiny
+
+
+@pytest.fixture
+def text_file(tmp_path) -> Path:
+    from test_train import TEXT
+
+    path = tmp_path / "corpus.txt"
+    path.write_bytes(TEXT)
+    return path
+
+
+def send_at_step(monkeypatch, step: int, *signums: int) -> None:
+    """Deliver `signums` to this process while step `step` records its metrics."""
+    real = loop.record_metrics
+
+    def record(run, result, elapsed):
+        real(run, result, elapsed)
+        if run.step == step:
+            for signum in signums:
+                os.kill(os.getpid(), signum)
+
+    monkeypatch.setattr(loop, "record_metrics", record)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1])
+def test_stop_signals_save_the_last_step(tmp_path, text_file, monkeypatch, signum):
+    """Preemption signals (SIGTERM twice: torchrun forwards its own) stop after the step that was
+    running, save it, and report a requeue status; the run resumes from there exactly."""
+    send_at_step(monkeypatch, 3, signum, signum)
+    stopped = train(tiny(tmp_path, text_file, "split"))
+    assert (stopped.step, stopped.stop_signal, exit_status(stopped.stop_signal)) == (3, signum, EXIT_REQUEUE)
+    assert [p.name for p in list_checkpoints(stopped.run_dir)] == ["step-0000003.pt"]
+    if signum == signal.SIGTERM:
+        monkeypatch.undo()
+        whole = train(tiny(tmp_path, text_file, "whole"))
+        resumed = train(tiny(tmp_path, text_file, "split"), resume=True)
+        assert stopped.interrupted and not whole.interrupted and not resumed.interrupted
+        for key, value in parameters(whole.run_dir).items():
+            assert torch.equal(value, parameters(resumed.run_dir)[key]), key
+        assert losses(whole.run_dir) == losses(resumed.run_dir)
+
+
+@pytest.mark.parametrize("signum, status", [(signal.SIGTERM, 75)])  # SIGINT: test_train.py's Ctrl-C test
+def test_signal_to_the_command_saves_and_exits_with_its_status(tmp_path, text_file, signum, status):
+    args = [f"out_dir={tmp_path / 'runs'}", "name=signalled", "model.dim=32", "model.depth=2", "model.heads=2",
+            "model.dim_head=16", "model.max_seq_len=64", "data.source=file", f"data.path={text_file}",
+            "train.seq_len=32", "train.batch_size=4", "train.max_steps=100000", "train.eval_every=0",
+            "train.sample_every=0", "train.save_every=100000", "train.log_every=1", "log.progress=false"]
+    process = subprocess.Popen([sys.executable, "-m", "attnlab.cli.main", "train", "-p", "demo", *args],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = tmp_path / "runs" / "signalled" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and (not metrics.exists() or metrics.read_text().count("\n") < 3):
+        time.sleep(0.2)
+    process.send_signal(signum)
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == status, output
+    (checkpoint,) = list_checkpoints(tmp_path / "runs" / "signalled")
+    step = read_checkpoint(checkpoint)["step"]
+    assert step >= 3 and step == read_metrics(tmp_path / "runs" / "signalled")[-1]["step"]
+    assert f"stopped at step {step} by {signal.Signals(signum).name}" in output
+
+
+def test_ctrl_c_during_start_up_is_one_line(tmp_path, text_file, monkeypatch, capsys):
+    def interrupted(*args):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(1)
+
+    monkeypatch.setattr(loop, "load_training_corpus", interrupted)
+    with pytest.raises(Stopped):
+        train(tiny(tmp_path, text_file))
+    assert main(["train", "-p", "demo", *cli_args(tmp_path, text_file)]) == 130
+    error = capsys.readouterr().err
+    assert error == "attnlab train: stopped by SIGINT during start-up; nothing to save\n"
+    assert not (tmp_path / "runs" / "run" / LOCK_FILE).exists()  # the lock went with the run
+
+
+def cli_args(tmp_path: Path, text_file: Path, name: str = "run") -> list[str]:
+    config = tiny(tmp_path, text_file, name)
+    return [f"name={name}", f"out_dir={config.out_dir}", "model.dim=32", "model.depth=2", "model.heads=2",
+            "model.dim_head=16", "model.max_seq_len=64", "data.source=file", f"data.path={text_file}",
+            "train.seq_len=32", "train.batch_size=4", "train.max_steps=10", "train.warmup_steps=2",
+            "train.eval_every=5", "train.eval_batches=1", "train.sample_every=0", "train.save_every=5",
+            "train.log_every=1", "log.progress=false"]
+
+
+def test_a_run_directory_in_use_is_refused(tmp_path, text_file):
+    config = tiny(tmp_path, text_file)
+    train(config, until_step=5)
+    with RunLock(config.run_dir):  # as a live run holds it
+        for resume in (None, True):
+            with pytest.raises(RunDirectoryInUse, match=rf"{config.run_dir} is in use by pid {os.getpid()} on "):
+                train(config, resume=resume)
+    assert [r["step"] for r in read_metrics(config.run_dir) if "loss" in r] == [1, 2, 3, 4, 5]
+
+
+def test_a_stale_lock_is_taken_over(tmp_path, text_file, caplog):
+    config = tiny(tmp_path, text_file)
+    config.run_dir.mkdir(parents=True)
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    owner = {"pid": int(gone.stdout), "host": "node7", "started": "2026-01-01 00:00:00", "command": "attnlab train"}
+    (config.run_dir / LOCK_FILE).write_text(json.dumps(owner) + "\n")  # left by a kill -9: nobody holds it
+    with caplog.at_level(logging.WARNING):
+        assert train(config).step == 10
+    assert f"taking over the lock of pid {owner['pid']} on node7" in caplog.text
+    assert not (config.run_dir / LOCK_FILE).exists()
+
+
+def test_resume_from_an_older_checkpoint_starts_a_clean_timeline(tmp_path, text_file):
+    config = tiny(tmp_path, text_file, "run", "train.save_every=2", "train.keep_last=2")
+    train(config, until_step=6)  # checkpoints 4, 6
+    older = list_checkpoints(config.run_dir)[0]
+    resumed = train(tiny(tmp_path, text_file, "run", "train.save_every=2", "train.keep_last=2", "train.lr=1e-4"),
+                    resume=str(older))
+    assert [p.name for p in list_checkpoints(resumed.run_dir)] == ["step-0000008.pt", "step-0000010.pt"]
+    records = [r["step"] for r in read_metrics(resumed.run_dir) if "loss" in r]
+    assert records == list(range(1, 11))  # each step once, 5 and 6 from the new timeline
+    (aside,) = (resumed.run_dir / "superseded").iterdir()
+    assert [p.name for p in (aside / "checkpoints").iterdir()] == ["step-0000006.pt"]
+    assert [r["step"] for r in read_metrics(aside) if "loss" in r] == [5, 6]
+
+
+def test_a_restart_after_a_kill_before_the_first_checkpoint_repeats_no_metrics(tmp_path, text_file, monkeypatch):
+    real_step = loop.train_step
+
+    def killed(run):
+        if run.step == 6:
+            raise SystemExit("killed")
+        return real_step(run)
+
+    monkeypatch.setattr(loop, "train_step", killed)
+    with pytest.raises(SystemExit):
+        train(tiny(tmp_path, text_file, "run", "train.save_every=100"))
+    monkeypatch.undo()
+    assert list_checkpoints(tmp_path / "runs" / "run") == []
+    result = train(tiny(tmp_path, text_file, "run", "train.save_every=100"))
+    assert [r["step"] for r in read_metrics(result.run_dir) if "loss" in r] == list(range(1, 11))
+    assert [r["step"] for r in read_metrics(result.run_dir) if "val_loss" in r] == [0, 5, 10]
+
+
+def test_metrics_rewrite_is_atomic(tmp_path, monkeypatch):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": step, "loss": 1.0}) + "\n" for step in range(1, 9)))
+    before = path.read_bytes()
+
+    def killed(fd):
+        raise OSError(errno.EIO, "killed mid-write")
+
+    monkeypatch.setattr(os, "fsync", killed)
+    with pytest.raises(OSError):
+        split_metrics(path, 4, aside=None)
+    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]
+    monkeypatch.undo()
+    assert split_metrics(path, 4, aside=None) == 4 and [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4]
+
+
+def test_temporary_files_of_killed_writes_are_removed(tmp_path, text_file):
+    config = tiny(tmp_path, text_file)
+    train(config, until_step=5)
+    leftover = config.run_dir / "checkpoints" / ".step-0000007.pt.tmp-4242"
+    leftover.write_bytes(b"half a checkpoint")
+    assert train(config, resume=True).step == 10 and not leftover.exists()
+
+
+def test_a_full_disk_is_one_line_and_keeps_the_last_checkpoint(tmp_path, text_file, monkeypatch, capsys):
+    assert main(["train", "-p", "demo", *cli_args(tmp_path, text_file), "--until-step", "5"]) == 0
+    real_save = torch.save
+
+    def full(obj, handle, *args, **kwargs):
+        handle.write(b"x" * 100)
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 884864 vs 884752")
+
+    monkeypatch.setattr(torch, "save", full)
+    monkeypatch.setattr("shutil.disk_usage", lambda path: type("Usage", (), {"free": 0})())
+    assert main(["train", "-p", "demo", *cli_args(tmp_path, text_file), "--resume"]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "step-0000010.pt: no space left on device" in error
+    monkeypatch.setattr(torch, "save", real_save)
+    checkpoints = list_checkpoints(tmp_path / "runs" / "run")
+    assert [p.name for p in checkpoints] == ["step-0000005.pt"] and read_checkpoint(checkpoints[0])["step"] == 5
+    assert not list((tmp_path / "runs" / "run" / "checkpoints").glob(".*"))  # no temporary file left
+
+
+def test_a_read_only_run_directory_is_one_line(tmp_path, text_file, monkeypatch, capsys):
+    real_mkdir = Path.mkdir
+
+    def read_only(self, *args, **kwargs):
+        if str(self).startswith(str(tmp_path / "runs")):
+            raise OSError(errno.EROFS, "Read-only file system", str(self))
+        return real_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", read_only)
+    assert main(["train", "-p", "demo", *cli_args(tmp_path, text_file)]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "cannot write to the run directory" in error and "Read-only file system" in error
+
+
+def test_resume_with_another_model_is_one_line(tmp_path, text_file, capsys):
+    assert main(["train", "-p", "demo", *cli_args(tmp_path, text_file), "--until-step", "5"]) == 0
+    capsys.readouterr()
+    assert main(["train", "-p", "demo", *cli_args(tmp_path, text_file), "model.depth=3", "--resume"]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "its model differs from this run's: model.depth: 2 there, 3 here" in error
+
+
+def test_resume_followed_by_an_override(tmp_path, text_file):
+    assert main(["train", "-p", "demo", *cli_args(tmp_path, text_file)]) == 0
+    assert main(["train", "-p", "demo", *cli_args(tmp_path, text_file), "--resume", "train.max_steps=12"]) == 0
+    assert read_checkpoint(list_checkpoints(tmp_path / "runs" / "run")[-1])["step"] == 12
+
+
+def test_max_steps_zero_is_refused(tmp_path, text_file, capsys):
+    assert main(["train", "-p", "demo", *cli_args(tmp_path, text_file), "train.max_steps=0"]) == 2
+    assert "train.max_steps must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_unsafe_checkpoint_error_keeps_torchs_explanation(tmp_path):
+    from test_train import _RunsCode
+
+    path = tmp_path / "step-0000001.pt"
+    torch.save({"format_version": 1, "model": {}, "config": {}, "payload": _RunsCode()}, path)
+    with pytest.raises(AttnlabError) as caught:
+        read_checkpoint(path)
+    message = str(caught.value)
+    assert "\n" not in message and "unsupported GLOBAL posix.system" in message and "weights_only" in message
+
+
+def test_metrics_lines_and_tqdm_aware_logging_in_a_batch_job(tmp_path, text_file, monkeypatch, caplog):
+    """stdout is not a terminal here (pytest captures it): no bar, a metrics line every log_every steps;
+    log records go through tqdm while the loop runs."""
+    handlers = []
+    real_validate = loop.validate
+
+    def validate(run):
+        handlers.extend(type(handler).__name__ for handler in logging.getLogger().handlers)
+        return real_validate(run)
+
+    monkeypatch.setattr(loop, "validate", validate)
+    with caplog.at_level(logging.INFO):
+        train(tiny(tmp_path, text_file, "run", "log.progress=true", "train.log_every=5"))
+    lines = [record.getMessage() for record in caplog.records if record.getMessage().startswith("step ")]
+    assert [line.split(":")[0] for line in lines if "tokens/s" in line] == ["step 5", "step 10"]
+    assert "_TqdmLoggingHandler" in handlers
