@@ -465,7 +465,7 @@ def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
 def read_hf_weights(hf_dir: Path) -> Tensors:
     """All tensors of a checkpoint folder: model.safetensors, a sharded safetensors index, or
     pytorch_model.bin read with weights_only=True (no arbitrary objects unpickled)."""
-    from safetensors.torch import load_file
+    from attnlab.safetensors_file import load_file  # the header checked first: a bad file is one line
 
     if (hf_dir / WEIGHTS_FILE).is_file():
         return load_file(str(hf_dir / WEIGHTS_FILE))
