@@ -514,7 +514,8 @@ def check_run(config: RunConfig) -> None:
                               "positions end")
         if train.sample_every and train.prime_length + train.sample_length > longest:
             raise ConfigError(f"train.prime_length + train.sample_length = {train.prime_length + train.sample_length} "
-                              f"exceeds model.max_seq_len={longest}, where learned positions end")
+                              f"exceeds model.max_seq_len={longest}, where learned positions end (shorten the "
+                              "samples, or train.sample_every=0)")
 
 
 def config_from_dict(values: dict[str, Any], cls: type = RunConfig) -> Any:

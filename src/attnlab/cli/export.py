@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from attnlab.hf import DTYPES, export_run
+DTYPES = ("float32", "bfloat16", "float16")  # hf.DTYPES' names, here without importing torch
 
 
 def register(subparsers) -> None:
@@ -21,6 +21,8 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from attnlab.hf import export_run
+
     out_dir = export_run(args.run, args.out, weights=args.weights, dtype=args.dtype,
                          tokenizer_dir=args.tokenizer, overwrite=args.force)
     print(out_dir)

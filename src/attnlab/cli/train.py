@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
-from attnlab.config import known_presets, load_config
-from attnlab.train.loop import train
+from attnlab.config import check_preset_name, known_presets, load_config
 
 
 def register(subparsers) -> None:
@@ -39,13 +39,16 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    source = args.config or args.preset or "demo"
+    # -p takes a preset's name only, -c a config file's path only (config.py, `looks_like_path`)
+    source = Path(args.config) if args.config else check_preset_name(args.preset or "demo")
     overrides = list(args.overrides)
     if args.preset is None and args.config is None and not any(o.startswith("name=") for o in overrides):
         overrides.insert(0, "name=demo")
     if args.deepspeed_config is not None:
         overrides += ["dist.strategy=deepspeed", f"dist.deepspeed_config={args.deepspeed_config}"]
     config = load_config(source, overrides)
+    from attnlab.train.loop import train  # here, not at the top: `attnlab --help` imports no torch
+
     result = train(config, resume=args.resume, command_line=["attnlab", *sys.argv[1:]], until_step=args.until_step)
     where = result.run_dir
     if os.environ.get("RANK", "0") != "0":
