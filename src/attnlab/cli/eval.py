@@ -4,27 +4,32 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
-from attnlab.evaluate import evaluate_run
+from attnlab.cli import arguments
 
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser("eval", help="validation loss, bits per byte and perplexity of a run")
     parser.add_argument("run", help="run directory or checkpoint file")
     parser.add_argument("--data", default=None, help="evaluate on this file's validation split instead")
-    parser.add_argument("--windows", type=int, default=64, help="number of validation windows")
-    parser.add_argument("--seq-len", type=int, default=None, help="window length (default: the run's)")
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--seed", type=int, default=1234, help="which windows (fixed: results are deterministic)")
+    parser.add_argument("--windows", type=arguments.positive, default=64, help="number of validation windows")
+    parser.add_argument("--seq-len", type=arguments.positive, default=None, help="window length (default: the run's)")
+    parser.add_argument("--batch-size", type=arguments.positive, default=8)
+    parser.add_argument("--seed", type=arguments.seed, default=1234,
+                        help="which windows (fixed: results are deterministic)")
     parser.add_argument("--weights", choices=["auto", "model", "ema"], default="auto")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", type=arguments.device, default="cpu")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from attnlab.evaluate import evaluate_run
+
     report = evaluate_run(args.run, args.windows, args.seq_len, args.batch_size, args.seed, data_path=args.data,
-                          weights=args.weights, device=args.device)
+                          weights=args.weights, device=arguments.usable_device(args.device),
+                          progress=sys.stderr.isatty())
     if args.json:
         print(json.dumps(report))
     else:
