@@ -285,7 +285,7 @@ def test_minimind_demo_pipeline_end_to_end(tmp_path, capsys, caplog, monkeypatch
     word, rest = tokenizer.encode(" word"), tokenizer.encode(" after")
     steps = [*word, tokenizer.eos_id, *rest]
     with monkeypatch.context() as patch:
-        patch.setattr(sampling, "stream", lambda *a, **k: ((torch.tensor([t]), None) for t in steps))
+        patch.setattr(sampling, "stream", lambda *a, **k: ((torch.tensor([t]), torch.zeros(1, 8)) for t in steps))
         assert main(["sample", run, "--prompt", "Say", "--max-new-tokens", "12"]) == 0
     assert capsys.readouterr().out == "Say word\n"  # generation stops at the end token
     for prime in (["--prime-from-val", "--batch-size", "2"], ["--prompt", "Return the"]):  # primes are documents

@@ -3,28 +3,106 @@
 Precedence, lowest first: dataclass defaults < preset < config file < `key.path=value` overrides.
 A config file may name a preset to start from with `preset: NAME`.
 
+Presets and config files: a preset is only ever chosen by its name (letters, digits, '-', '_', '.')
+and found among the presets here; a config file is given as a path (a `Path`, or a string holding
+a '/' or ending in .yaml/.yml) to an existing regular file. `attnlab train -p` takes a name, `-c`
+a path; neither ever reads a file outside the presets by a preset's name (`-p ../../file`).
+
 The loader is deliberately small and strict: YAML is parsed by PyYAML, then every key is checked
 against the dataclasses here. Unknown keys fail with the nearest known key as a suggestion; values
 are checked against their annotation (int, float, bool, str, Literal, Optional, tuples, nested
-configs). OmegaConf structured configs were considered and rejected because they do not accept
-`Literal` annotations, which we use for every choice-valued field.
+configs) and its constraints (`Size`: a positive integer, `Fraction`: in [0, 1], `PlainName`, ...),
+then the fields that constrain each other (`check_run`), so a bad value is one line naming its key.
+OmegaConf structured configs were considered and rejected because they do not accept `Literal`
+annotations, which we use for every choice-valued field.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import difflib
+import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 
 from attnlab.errors import ConfigError
 
 PRESET_DIR = Path(__file__).parent / "presets"
+YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's when PyYAML has it: the same rules, faster
+MAX_CONFIG_BYTES = 1 << 20  # a config file is a few hundred bytes; a larger "config" is the wrong file
+
+
+# --------------------------------------------------------------------------------------------
+# Value constraints: the loader checks a field's value against these, after its type
+#
+# A field annotated `Size` must be a positive integer, `Fraction` a number in [0, 1], and so on, so
+# that a bad value is one line naming the key when the config is loaded, not a traceback from
+# deep inside torch later.
+
+MAX_INT = 2**31 - 1  # no size, count or step number attnlab uses is larger; beyond it torch overflows
+
+
+@dataclass(frozen=True)
+class Range:
+    """A number in [low, high], an end excluded when marked open; a float must also be finite."""
+
+    low: float
+    high: float = MAX_INT
+    open_low: bool = False
+    open_high: bool = False
+
+    def check(self, value: float, where: str) -> None:
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{where} must be a finite number, got {value}")
+        too_low = value <= self.low if self.open_low else value < self.low
+        too_high = value >= self.high if self.open_high else value > self.high
+        if too_low or too_high:
+            raise ConfigError(f"{where} must be {self.describe()}, got {value}")
+
+    def describe(self) -> str:
+        if self.high == MAX_INT and not self.open_high:
+            return f"{'>' if self.open_low else '>='} {self.low:g} (at most {MAX_INT})"
+        if math.isinf(self.high):
+            return f"{'>' if self.open_low else '>='} {self.low:g}"
+        return f"in {'(' if self.open_low else '['}{self.low:g}, {self.high:g}{')' if self.open_high else ']'}"
+
+
+@dataclass(frozen=True)
+class PlainName:
+    """A name that becomes one folder: no path separator, not empty, not `.` or `..`."""
+
+    def check(self, value: str, where: str) -> None:
+        if value in ("", ".", "..") or "/" in value or "\\" in value or "\0" in value:
+            raise ConfigError(f"{where} must be a plain name (no '/', not '.' or '..'): got {value!r}")
+
+
+DEVICE_NAME = re.compile(r"auto|cpu|mps|(cuda|xpu)(:[0-9]+)?")
+
+
+@dataclass(frozen=True)
+class DeviceName:
+    """auto, cpu, cuda, cuda:N (xpu, mps): what torch.device accepts, checked before torch sees it."""
+
+    def check(self, value: str, where: str) -> None:
+        if not DEVICE_NAME.fullmatch(value):
+            raise ConfigError(f"{where}: {value!r} is not a device (auto, cpu, cuda, cuda:N, mps, xpu)")
+
+
+Size = Annotated[int, Range(1)]  # a width, a length, a count of things that must exist
+Count = Annotated[int, Range(0)]  # a count that may be zero (0 often disables)
+Positive = Annotated[float, Range(0, math.inf, open_low=True)]
+NonNegative = Annotated[float, Range(0, math.inf)]
+Fraction = Annotated[float, Range(0, 1)]
+Rate = Annotated[float, Range(0, 1, open_high=True)]  # dropout, decays, Adam betas: 1 would never change
+Share = Annotated[float, Range(0, 1, open_low=True, open_high=True)]  # a part of something: neither none nor all
+Weight = Annotated[float, Range(0, 1, open_low=True)]  # a mixing weight: 0 would turn its term off
 
 
 # --------------------------------------------------------------------------------------------
@@ -33,52 +111,53 @@ PRESET_DIR = Path(__file__).parent / "presets"
 
 @dataclass(kw_only=True)
 class LocalAttentionConfig:
-    window_size: int = 128  # keys visible to a query, itself included
+    window_size: Size = 128  # keys visible to a query, itself included
     backend: Literal["auto", "torch", "flex"] = "auto"  # attention/kernels/__init__.py; flex: GPU (CPU: forward only)
 
 
 # ---- routing (owned by attention/routing.py)
 @dataclass(kw_only=True)
 class RoutingAttentionConfig:
-    window_size: int = 128  # most recent same-cluster keys a token attends to (and the local window)
-    n_clusters: int | None = None  # k-means centroids per routed head; None: max_seq_len // window_size
-    n_local_heads: int | tuple[int, ...] = 0  # heads using the local window, one int or one per layer
-    ema_decay: float = 0.999  # centroid moving-average decay, applied once per optimiser step
-    commitment_weight: float = 1e-4  # weight of the k-means commitment loss (seed 000's default)
+    window_size: Size = 128  # most recent same-cluster keys a token attends to (and the local window)
+    n_clusters: Size | None = None  # k-means centroids per routed head; None: max_seq_len // window_size
+    n_local_heads: Count | tuple[Count, ...] = 0  # heads using the local window, one int or one per layer
+    ema_decay: Rate = 0.999  # centroid moving-average decay, applied once per optimiser step
+    commitment_weight: NonNegative = 1e-4  # weight of the k-means commitment loss (seed 000's default)
     backend: Literal["auto", "torch", "cpu", "flex"] = "auto"  # attention/kernels/__init__.py
 
 
 # ---- sinkhorn (owned by attention/sinkhorn.py)
 @dataclass(kw_only=True)
 class SinkhornAttentionConfig:
-    bucket_size: int = 128  # tokens per bucket
-    n_sortcut: int = 1  # past buckets each bucket attends to, chosen by the sorting network
-    sinkhorn_iter: int = 5  # row/column normalisation rounds of the sorting matrix
-    temperature: float = 0.75  # divides the sorting logits (and Gumbel noise) before normalising
-    n_local_heads: int = 0  # heads using the local window of bucket_size instead of sorted buckets
+    bucket_size: Size = 128  # tokens per bucket
+    n_sortcut: Size = 1  # past buckets each bucket attends to, chosen by the sorting network
+    sinkhorn_iter: Count = 5  # row/column normalisation rounds of the sorting matrix
+    temperature: Positive = 0.75  # divides the sorting logits (and Gumbel noise) before normalising
+    n_local_heads: Count = 0  # heads using the local window of bucket_size instead of sorted buckets
     backend: Literal["auto", "torch", "cpu", "flex"] = "auto"  # attention/kernels/__init__.py
 
 
 # ---- nsa (owned by attention/nsa.py)
 @dataclass(kw_only=True)
 class NSAAttentionConfig:
-    sliding_window_size: int = 64  # sliding branch: keys visible to a query, itself included
-    compress_block_size: int = 16  # compressed branch: tokens summarised by one compressed key (paper's l)
-    compress_stride: int = 8  # compressed branch: distance between block starts (paper's d); divides both block sizes
+    sliding_window_size: Size = 64  # sliding branch: keys visible to a query, itself included
+    compress_block_size: Size = 16  # compressed branch: tokens summarised by one compressed key (paper's l)
+    compress_stride: Size = 8  # compressed branch: distance between block starts (paper's d); divides both block sizes
     compressor: Literal["mlp", "mean", "conv", "attention"] = "mlp"  # network turning a block into one key/value
-    compress_mlp_mult: float = 1.0  # mlp compressor hidden width, as a multiple of block * dim_head
-    selection_block_size: int = 16  # selected branch: tokens per selectable block (paper's l')
-    num_selected: int = 4  # selected blocks per query, the initial and the current block included (n)
+    compress_mlp_mult: Positive = 1.0  # mlp compressor hidden width, as a multiple of block * dim_head
+    selection_block_size: Size = 16  # selected branch: tokens per selectable block (paper's l')
+    # selected blocks per query, the initial and the current block included (n)
+    num_selected: Annotated[int, Range(2)] = 4
     use_diff_topk: bool = False  # straight-through gates so the selection scores get gradients (seed 002)
     separate_branch_kv: bool = False  # own key/value projections for each of the three branches
     backend: Literal["auto", "torch", "cpu", "flex", "triton"] = "auto"  # attention/kernels/__init__.py
-    query_chunk_size: int = 256  # queries processed together; bounds the selected and compressed scores
+    query_chunk_size: Size = 256  # queries processed together; bounds the selected and compressed scores
 
 
 @dataclass(kw_only=True)
 class AttentionConfig:
     kind: str = "full"  # registry name: full | local | routing | sinkhorn | nsa
-    dropout: float = 0.0  # dropout on attention probabilities (training only)
+    dropout: Rate = 0.0  # dropout on attention probabilities (training only)
     local: LocalAttentionConfig = field(default_factory=LocalAttentionConfig)
     routing: RoutingAttentionConfig = field(default_factory=RoutingAttentionConfig)
     sinkhorn: SinkhornAttentionConfig = field(default_factory=SinkhornAttentionConfig)
@@ -88,36 +167,36 @@ class AttentionConfig:
 # ---- mixture of experts (owned by model/moe.py)
 @dataclass(kw_only=True)
 class MoEConfig:
-    n_experts: int = 4  # routed SwiGLU experts (MiniMind's n_routed_experts)
-    top_k: int = 2  # experts each token is sent to (MiniMind's num_experts_per_tok)
-    n_shared_experts: int = 1  # experts every token goes through, unrouted (DeepSeekMoE / MiniMind)
+    n_experts: Size = 4  # routed SwiGLU experts (MiniMind's n_routed_experts)
+    top_k: Size = 2  # experts each token is sent to (MiniMind's num_experts_per_tok)
+    n_shared_experts: Count = 1  # experts every token goes through, unrouted (DeepSeekMoE / MiniMind)
     normalize_top_k: bool = True  # renormalise the top-k router probabilities to sum to 1 (MiniMind's norm_topk_prob)
-    balance_loss_weight: float = 0.1  # Switch load-balance loss weight (MiniMind's aux_loss_alpha)
-    z_loss_weight: float = 0.0  # router z-loss weight (ST-MoE, arXiv 2202.08906); 0 disables
+    balance_loss_weight: NonNegative = 0.1  # Switch load-balance loss weight (MiniMind's aux_loss_alpha)
+    z_loss_weight: NonNegative = 0.0  # router z-loss weight (ST-MoE, arXiv 2202.08906); 0 disables
 
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    num_tokens: int = 256  # vocabulary size (256 for bytes)
-    dim: int = 256  # residual stream width
-    depth: int = 4  # number of blocks
-    heads: int = 4  # query heads
-    dim_head: int = 64  # width of one head
-    kv_heads: int | None = None  # key/value heads for GQA; None means equal to heads
-    max_seq_len: int = 256  # longest sequence the positions and caches are built for
-    emb_dim: int | None = None  # factorised embedding width (seed 001 uses 128); None: dim
+    num_tokens: Size = 256  # vocabulary size (256 for bytes)
+    dim: Size = 256  # residual stream width
+    depth: Size = 4  # number of blocks
+    heads: Size = 4  # query heads
+    dim_head: Size = 64  # width of one head
+    kv_heads: Size | None = None  # key/value heads for GQA; None means equal to heads
+    max_seq_len: Size = 256  # longest sequence the positions and caches are built for
+    emb_dim: Size | None = None  # factorised embedding width (seed 001 uses 128); None: dim
     position: Literal["rotary", "learned", "none"] = "rotary"  # how positions enter the model
-    rope_theta: float = 10000.0  # rotary base
+    rope_theta: Positive = 10000.0  # rotary base
     norm: str = "layernorm"  # registry name: layernorm | rmsnorm
-    norm_eps: float | None = None  # norm epsilon; None: the norm's default (LayerNorm 1e-5, RMSNorm machine eps)
+    norm_eps: Positive | None = None  # norm epsilon; None: the norm's default (LayerNorm 1e-5, RMSNorm machine eps)
     feed_forward: str = "gelu"  # registry name: gelu | swiglu | moe
-    ff_mult: float = 4.0  # hidden width of the feed-forward as a multiple of dim
-    ff_hidden: int | None = None  # exact feed-forward hidden width (HF intermediate_size); None: from ff_mult
-    ff_chunks: int = 1  # run the feed-forward over this many sequence chunks to save memory
-    dropout: float = 0.0  # residual dropout
+    ff_mult: Positive = 4.0  # hidden width of the feed-forward as a multiple of dim
+    ff_hidden: Size | None = None  # exact feed-forward hidden width (HF intermediate_size); None: from ff_mult
+    ff_chunks: Size = 1  # run the feed-forward over this many sequence chunks to save memory
+    dropout: Rate = 0.0  # residual dropout
     tie_embeddings: bool = False  # share the input embedding with the output projection
     reversible: bool = False  # two-stream reversible residuals: activation memory flat in depth
-    loss_chunk_size: int = 0  # >0: training loss over this many tokens at a time, full logits never built
+    loss_chunk_size: Count = 0  # >0: training loss over this many tokens at a time, full logits never built
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)  # read when feed_forward=moe
 
@@ -137,13 +216,13 @@ class DataConfig:
     source: Literal["builtin", "file", "enwik8", "tokens", "builtin-tokens"] = "builtin"
     path: str | None = None  # the file for source=file or enwik8 (.gz, .zip or raw bytes); the folder for tokens
     cache_dir: str | None = None  # prepared corpora; None: $ATTNLAB_CACHE or ~/.cache/attnlab
-    val_fraction: float = 0.05  # share held out for validation: of the bytes, or of the documents (tokens)
+    val_fraction: Share = 0.05  # share held out for validation: of the bytes, or of the documents (tokens)
     # token sources: padded = MiniMind's one document per sample, BOS + text + EOS, padded to seq_len + 1
     # with the loss masked on padding; packed = random windows of the documents joined by end tokens
     layout: Literal["padded", "packed"] = "padded"
-    vocab_size: int = 6400  # builtin-tokens: BPE vocabulary trained on the built-in corpus (MiniMind: 6400)
-    enwik8_train_bytes: int = 90_000_000  # enwik8 split as the seeds use it
-    enwik8_val_bytes: int = 5_000_000
+    vocab_size: Size = 6400  # builtin-tokens: BPE vocabulary trained on the built-in corpus (MiniMind: 6400)
+    enwik8_train_bytes: Size = 90_000_000  # enwik8 split as the seeds use it
+    enwik8_val_bytes: Size = 5_000_000
 
 
 # --------------------------------------------------------------------------------------------
@@ -152,38 +231,38 @@ class DataConfig:
 
 @dataclass(kw_only=True)
 class TrainConfig:
-    seq_len: int = 256  # tokens per training window (windows hold seq_len + 1 tokens)
-    batch_size: int = 16  # windows per micro-batch
-    grad_accum: int = 1  # micro-batches per optimiser step
-    max_steps: int = 1000  # optimiser steps
-    lr: float = 1e-3  # peak learning rate
-    min_lr_ratio: float = 0.1  # cosine floor as a fraction of lr
+    seq_len: Size = 256  # tokens per training window (windows hold seq_len + 1 tokens)
+    batch_size: Size = 16  # windows per micro-batch
+    grad_accum: Size = 1  # micro-batches per optimiser step
+    max_steps: Count = 1000  # optimiser steps
+    lr: Positive = 1e-3  # peak learning rate
+    min_lr_ratio: Fraction = 0.1  # cosine floor as a fraction of lr
     schedule: Literal["cosine", "minimind", "constant"] = "cosine"
-    warmup_steps: int = 100  # linear warm-up (cosine schedule)
-    weight_decay: float = 0.1  # applied to matrices only, never to norms, biases or embeddings
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    grad_clip: float = 1.0  # max global gradient norm; 0 disables
+    warmup_steps: Count = 100  # linear warm-up (cosine schedule)
+    weight_decay: NonNegative = 0.1  # applied to matrices only, never to norms, biases or embeddings
+    beta1: Rate = 0.9
+    beta2: Rate = 0.95
+    eps: Positive = 1e-8
+    grad_clip: NonNegative = 1.0  # max global gradient norm; 0 disables
     on_nonfinite: Literal["stop", "skip"] = "stop"  # non-finite gradients: stop the run, or skip the step (finite.py)
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    seed: int = 0
+    device: Annotated[str, DeviceName()] = "auto"  # auto | cpu | cuda | cuda:N
+    seed: Annotated[int, Range(0, 2**32 - 1)] = 0  # numpy's seeds are 32-bit
     ema: bool = False  # keep an exponential moving average of the weights (seeds' --use_ema)
-    ema_decay: float = 0.999
-    eval_every: int = 100  # validation loss every N steps
-    eval_batches: int = 8  # validation windows = eval_batches * batch_size
-    sample_every: int = 500  # print a sample from a validation prime every N steps; 0 disables
-    sample_length: int = 200  # tokens generated for that sample
-    prime_length: int = 64  # prime taken from validation data
-    save_every: int = 500  # checkpoint every N steps (and at the end)
-    keep_last: int = 2  # checkpoints kept in the run directory
-    log_every: int = 10  # metrics line every N steps
+    ema_decay: Rate = 0.999
+    eval_every: Count = 100  # validation loss every N steps
+    eval_batches: Size = 8  # validation windows = eval_batches * batch_size
+    sample_every: Count = 500  # print a sample from a validation prime every N steps; 0 disables
+    sample_length: Size = 200  # tokens generated for that sample
+    prime_length: Size = 64  # prime taken from validation data
+    save_every: Size = 500  # checkpoint every N steps (and at the end)
+    keep_last: Size = 2  # checkpoints kept in the run directory
+    log_every: Size = 10  # metrics line every N steps
     compile: bool = False  # torch.compile the model
-    peak_tflops: float = 0.0  # device peak for the logged MFU; 0: known GPUs' bf16 peak, none on CPU
+    peak_tflops: NonNegative = 0.0  # device peak for the logged MFU; 0: known GPUs' bf16 peak, none on CPU
     randomly_truncate_sequence: bool = False  # seed 000: now and then train on a shorter prefix (p 0.1)
     distill_from: str | None = None  # teacher run or checkpoint: also train toward its distribution (train/distill.py)
-    distill_weight: float = 0.5  # with distill_from: loss = (1 - w) data cross-entropy + w distillation loss
+    distill_weight: Weight = 0.5  # with distill_from: loss = (1 - w) data cross-entropy + w distillation loss
     distill_loss: Literal["kl", "tv"] = "kl"  # kl: KL(teacher || model); tv: total variation, 1 - acceptance
     init_from: str | None = None  # run or checkpoint whose model weights a fresh run starts from (fine-tuning)
 
@@ -205,7 +284,7 @@ class DistConfig:
 
 @dataclass(kw_only=True)
 class RunConfig:
-    name: str = "run"  # run directory name under out_dir
+    name: Annotated[str, PlainName()] = "run"  # run directory name under out_dir
     out_dir: str = "runs"  # parent of run directories
     description: str = ""  # what this configuration reproduces
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -229,9 +308,13 @@ def known_presets() -> list[str]:
 
 def _read_yaml(path: Path) -> dict[str, Any]:
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_bytes().decode("utf-8"), Loader=YAML_LOADER)
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"{path}: not a text file ({error.reason} at byte {error.start})") from error
     except yaml.YAMLError as error:
-        raise ConfigError(f"{path}: not valid YAML ({error})") from error
+        raise ConfigError(f"{path}: not valid YAML ({' '.join(str(error).split())[:300]})") from error
+    except RecursionError as error:
+        raise ConfigError(f"{path}: nested too deeply to be a config") from error
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -239,14 +322,48 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     return data
 
 
+PRESET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+def looks_like_path(source: str) -> bool:
+    """The rule that tells a config file from a preset: a path holds a '/' or ends in .yaml or .yml;
+    anything else is a preset's name."""
+    return "/" in source or "\\" in source or source.endswith((".yaml", ".yml"))
+
+
+def check_preset_name(name: str) -> str:
+    """`name` if it can name a preset (letters, digits, '-', '_', '.'; never a path), else ConfigError."""
+    if not PRESET_NAME.fullmatch(name) or looks_like_path(name):
+        raise ConfigError(f"{name!r} is not a preset name: presets are chosen by name ({', '.join(known_presets())}); "
+                          "a config file is given with -c FILE")
+    return name
+
+
 def _preset_dict(name: str) -> dict[str, Any]:
-    path = PRESET_DIR / f"{name}.yaml"
+    path = PRESET_DIR / f"{check_preset_name(name)}.yaml"
     if not path.is_file():
         known = known_presets()
         near = difflib.get_close_matches(name, known, n=1)
         hint = f" Did you mean '{near[0]}'?" if near else ""
         raise ConfigError(f"unknown preset '{name}'.{hint} Known presets: {', '.join(known)}")
     return _read_yaml(path)
+
+
+def _config_file_dict(path: Path) -> dict[str, Any]:
+    """A config file's values (the preset it names first): it must exist and be a regular file."""
+    if not path.exists():
+        raise ConfigError(f"config file {path} does not exist")
+    if not path.is_file():
+        raise ConfigError(f"config file {path} is not a regular file")
+    if path.stat().st_size > MAX_CONFIG_BYTES:
+        raise ConfigError(f"config file {path} has {path.stat().st_size:,} bytes: not a config file")
+    file_values = _read_yaml(path)
+    base = file_values.pop("preset", None)
+    if base is None:
+        return file_values
+    if not isinstance(base, str):
+        raise ConfigError(f"{path}: preset: expected a preset name, got {base!r}")
+    return _deep_merge(_preset_dict(base), file_values)
 
 
 def _deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
@@ -264,23 +381,39 @@ def parse_override(text: str) -> dict[str, Any]:
     if "=" not in text:
         raise ConfigError(f"override '{text}' must look like key.path=value")
     key, raw = text.split("=", 1)
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"override '{text}' must look like key.path=value (a key is missing)")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = yaml.load(raw, Loader=YAML_LOADER) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
+    except RecursionError as error:
+        raise ConfigError(f"override '{text[:60]}...': the value is nested too deeply") from error
     nested: dict[str, Any] = {}
     cursor = nested
-    parts = key.strip().split(".")
     for part in parts[:-1]:
         cursor = cursor.setdefault(part, {})
     cursor[parts[-1]] = value
     return nested
 
 
+def _shown(value: Any) -> str:
+    """A value as an error message quotes it: its repr, cut short (it may be a 5,000-character list)."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:60] + f"... ({len(text):,} characters)"
+
+
 def _check_value(value: Any, annotation: Any, where: str) -> Any:
     """Return `value` converted to `annotation`, or raise ConfigError naming `where`."""
     origin = typing.get_origin(annotation)
     if annotation is Any:
+        return value
+    if origin is Annotated:  # a type and its constraints (Range, PlainName, DeviceName)
+        base, *constraints = typing.get_args(annotation)
+        value = _check_value(value, base, where)
+        for constraint in constraints:
+            constraint.check(value, where)
         return value
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(annotation)
@@ -294,66 +427,105 @@ def _check_value(value: Any, annotation: Any, where: str) -> Any:
                 return _check_value(value, option, where)
             except ConfigError as error:
                 errors.append(str(error))
-        raise ConfigError(errors[-1] if errors else f"{where}: invalid value {value!r}")
+        raise ConfigError(errors[-1] if errors else f"{where}: invalid value {_shown(value)}")
     if origin is Literal:
         choices = typing.get_args(annotation)
         if value not in choices:
-            raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(repr, choices))}")
+            raise ConfigError(f"{where}: {_shown(value)} is not one of {', '.join(map(repr, choices))}")
         return value
     if origin in (tuple, list):
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{where}: expected a list, got {value!r}")
+            raise ConfigError(f"{where}: expected a list, got {_shown(value)}")
         (item_type, *_rest) = typing.get_args(annotation) or (Any,)
         return tuple(_check_value(item, item_type, f"{where}[{i}]") for i, item in enumerate(value))
     if dataclasses.is_dataclass(annotation):
         if isinstance(value, annotation):
             return value
         if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+            raise ConfigError(f"{where}: expected a mapping, got {_shown(value)}")
         return _build(annotation, value, where)
     if annotation is bool:
         if isinstance(value, bool):
             return value
-        raise ConfigError(f"{where}: expected true or false, got {value!r}")
+        raise ConfigError(f"{where}: expected true or false, got {_shown(value)}")
     if annotation is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
         if isinstance(value, float) and value.is_integer():
             return int(value)
-        raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        raise ConfigError(f"{where}: expected an integer, got {_shown(value)}")
     if annotation is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
+            number = float(value) if abs(value) < 1e308 else math.inf  # a 400-digit int overflows float()
+        elif isinstance(value, str):
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        raise ConfigError(f"{where}: expected a number, got {value!r}")
-    if annotation is str:
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        if number is None or not math.isfinite(number):
+            raise ConfigError(f"{where}: expected a finite number, got {_shown(value)}")
+        return number
+    if annotation is str:  # YAML reads `name=7` as a number and `name=2024-06-01` as a date
+        if isinstance(value, (str, int, float, datetime.date)) and not isinstance(value, bool):
             return str(value)
-        raise ConfigError(f"{where}: expected a string, got {value!r}")
+        raise ConfigError(f"{where}: expected a string, got {_shown(value)}")
     raise ConfigError(f"{where}: unsupported annotation {annotation!r}")
 
 
 def _build(cls: type, values: dict[str, Any], where: str = "") -> Any:
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
     for key, value in values.items():
         path = f"{where}.{key}" if where else key
         if key not in names:
-            near = difflib.get_close_matches(key, names, n=1, cutoff=0.5)
+            near = difflib.get_close_matches(str(key), names, n=1, cutoff=0.5)
             hint = f"; did you mean '{(where + '.') if where else ''}{near[0]}'?" if near else ""
             raise ConfigError(f"unknown config key '{path}'{hint}")
         kwargs[key] = _check_value(value, hints[key], path)
     return cls(**kwargs)
 
 
+def check_model(model: ModelConfig, where: str = "model.") -> None:
+    """The constraints between model fields that no single field's type says; ConfigError naming them."""
+    if model.heads % model.n_kv_heads:
+        raise ConfigError(f"{where}heads={model.heads} must be a multiple of {where}kv_heads={model.kv_heads}")
+    if model.position == "rotary" and model.dim_head % 2:
+        raise ConfigError(f"{where}dim_head={model.dim_head} must be even for rotary positions ({where}position)")
+    kind = model.attention.kind
+    if kind in ("routing", "sinkhorn"):  # the other variants' sections are not read
+        local_heads = getattr(model.attention, kind).n_local_heads
+        per_layer = local_heads if isinstance(local_heads, tuple) else (local_heads,) * model.depth
+        key = f"{where}attention.{kind}.n_local_heads"
+        if len(per_layer) < model.depth:
+            raise ConfigError(f"{key} has {len(per_layer)} values; {where}depth={model.depth} needs one per layer")
+        if max(per_layer) > model.heads:
+            raise ConfigError(f"{key}={local_heads} must be at most {where}heads={model.heads}")
+
+
+def check_run(config: RunConfig) -> None:
+    """check_model, and the training windows against the model: learned positions end at max_seq_len."""
+    check_model(config.model)
+    train, longest = config.train, config.model.max_seq_len
+    if config.model.position == "learned":
+        if train.seq_len > longest:
+            raise ConfigError(f"train.seq_len={train.seq_len} exceeds model.max_seq_len={longest}, where learned "
+                              "positions end")
+        if train.sample_every and train.prime_length + train.sample_length > longest:
+            raise ConfigError(f"train.prime_length + train.sample_length = {train.prime_length + train.sample_length} "
+                              f"exceeds model.max_seq_len={longest}, where learned positions end (shorten the "
+                              "samples, or train.sample_every=0)")
+
+
 def config_from_dict(values: dict[str, Any], cls: type = RunConfig) -> Any:
     """Build and validate a config dataclass from plain nested dicts."""
-    return _build(cls, values)
+    config = _build(cls, values)
+    if isinstance(config, RunConfig):
+        check_run(config)
+    elif isinstance(config, ModelConfig):
+        check_model(config, where="")
+    return config
 
 
 def config_to_dict(config: Any) -> dict[str, Any]:
@@ -369,22 +541,16 @@ def config_to_dict(config: Any) -> dict[str, Any]:
     return plain(dataclasses.asdict(config))
 
 
-def load_config(preset_or_path: str | Path | None = "demo", overrides: list[str] | None = None) -> RunConfig:
-    """Resolve a run config: a preset name or YAML file path, then `key.path=value` overrides."""
+def load_config(source: str | Path | None = "demo", overrides: list[str] | None = None) -> RunConfig:
+    """Resolve a run config: a preset, or a config file, then `key.path=value` overrides.
+
+    source: a preset's name (a str), or a YAML config file (a Path, or a str that looks like a path:
+    see `looks_like_path`). A preset is only ever found by name among the presets."""
     values: dict[str, Any] = {}
-    if preset_or_path is not None:
-        text = str(preset_or_path)
-        path = Path(text)
-        if text.endswith((".yaml", ".yml")) or path.is_file():
-            if not path.is_file():
-                raise ConfigError(f"config file {path} does not exist")
-            file_values = _read_yaml(path)
-            base = file_values.pop("preset", None)
-            if base is not None:
-                values = _preset_dict(str(base))
-            values = _deep_merge(values, file_values)
-        else:
-            values = _preset_dict(text)
+    if isinstance(source, Path) or (source is not None and looks_like_path(source)):
+        values = _config_file_dict(Path(source))
+    elif source is not None:
+        values = _preset_dict(source)
     for override in overrides or []:
         values = _deep_merge(values, parse_override(override))
     return config_from_dict(values)

@@ -21,11 +21,13 @@ from typing import Any
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from attnlab.attention.routing import routing_stats
 from attnlab.data.corpus import load_corpus, with_data_path
 from attnlab.data.sampler import Batch, eval_batch
 from attnlab.errors import AttnlabError, ConfigError, DataError
+from attnlab.generate.sampling import check_length
 from attnlab.model.modes import eval_mode
 from attnlab.model.transformer import Transformer
 from attnlab.train.checkpoint import load_model
@@ -70,9 +72,15 @@ def evaluate(
     seed: int = 1234,
     autocast_dtype: torch.dtype | None = None,
     full: bool = False,
+    progress: bool = False,
 ) -> EvalResult:
     """Loss over `n_windows` windows of seq_len + 1 tokens drawn with `seed` from `data`, or over the
-    whole split (`full`, see full_split; n_windows is then ignored)."""
+    whole split (`full`, see full_split; n_windows is then ignored). progress: a bar over the windows
+    (stderr)."""
+    for name, value in (("windows", n_windows), ("seq_len", seq_len), ("batch_size", batch_size)):
+        if value < 1:
+            raise ConfigError(f"evaluation needs {name} >= 1, got {value}")
+    check_length(model, seq_len, "evaluation windows of seq_len")
     with eval_mode(model):  # each module's own mode restored afterwards, also on an error
         device = next(model.parameters()).device
         # tokens [N, seq_len + 1], loss mask or None
@@ -82,7 +90,9 @@ def evaluate(
         if token_bytes is not None:
             token_bytes = torch.from_numpy(token_bytes)  # once, not per batch
         total, count, n_bytes = 0.0, 0, 0
+        bar = tqdm(total=n_windows, desc="evaluating", unit=" windows", disable=not progress)
         for start in range(0, n_windows, batch_size):
+            bar.update(min(batch_size, n_windows - start))
             batch = samples.tokens[start : start + batch_size].to(device)
             mask = None if samples.loss_mask is None else samples.loss_mask[start : start + batch_size].to(device)
             autocast = torch.autocast(device.type, dtype=autocast_dtype or torch.float32,
@@ -97,6 +107,9 @@ def evaluate(
                 n_bytes += n
             else:
                 n_bytes += int((token_bytes[batch[:, 1:].cpu()] * counted.cpu()).sum())
+        bar.close()
+    if count == 0:
+        raise DataError("the validation windows hold no target to score (every one is padding)")
     loss = total / count
     return EvalResult(
         loss=loss, bits_per_token=loss / math.log(2), perplexity=math.exp(min(loss, 50.0)),
@@ -114,6 +127,7 @@ def evaluate_run(
     weights: str = "auto",
     device: str = "cpu",
     full: bool = False,
+    progress: bool = False,
 ) -> dict[str, Any]:
     """The record `attnlab eval RUN --json` prints: the run's checkpoint evaluated on its validation
     data (or on `data_path`'s: a byte file, or token shards for a tokenized run) over `n_windows`
@@ -123,8 +137,11 @@ def evaluate_run(
     config = model.run_config
     data_config = config.data if data_path is None else with_data_path(config.data, data_path)
     corpus = load_corpus(data_config)
+    if corpus.vocab_size > model.config.num_tokens:  # ids past the embedding: name the mismatch, do not index
+        raise DataError(f"{corpus.description}: its vocabulary has {corpus.vocab_size} tokens, the model's "
+                        f"{model.config.num_tokens} (model.num_tokens): it was not trained on this kind of data")
     seq_len = seq_len or config.train.seq_len
-    result = evaluate(model, corpus.val, seq_len, n_windows, batch_size, seed=seed, full=full)
+    result = evaluate(model, corpus.val, seq_len, n_windows, batch_size, seed=seed, full=full, progress=progress)
     report = {"run": str(run), "step": model.checkpoint_step, "data": corpus.description, "seq_len": seq_len,
               "full": full, **result.as_dict()}
     windows = eval_batch(corpus.val, seq_len, min(n_windows, batch_size), seed).tokens

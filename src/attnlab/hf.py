@@ -579,13 +579,26 @@ def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     )
 
 
+def sharded_files(index_file: Path) -> list[str]:
+    """The shard file names a sharded checkpoint's index lists; ConversionError for a damaged index."""
+    try:
+        weight_map = json.loads(index_file.read_text())["weight_map"]
+        names = sorted(set(weight_map.values()))
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as error:
+        raise ConversionError(f"{index_file} is damaged: no readable weight_map ({type(error).__name__})") from error
+    for name in names:
+        if not isinstance(name, str) or Path(name).name != name:
+            raise ConversionError(f"{index_file} names a shard outside its folder: {name!r}")
+    return names
+
+
 def read_hf_weights(hf_dir: Path) -> Tensors:
     """All tensors of a checkpoint folder: model.safetensors, a sharded safetensors index, or
     pytorch_model.bin read with weights_only=True (no arbitrary objects unpickled)."""
-    if (hf_dir / WEIGHTS_FILE).is_file():  # checked against the checksum attnlab's exports carry
+    if (hf_dir / WEIGHTS_FILE).is_file():  # the header checked first, then attnlab's checksum if it carries one
         return load_safetensors(hf_dir / WEIGHTS_FILE)
     if (hf_dir / SHARDED_INDEX_FILE).is_file():
-        shards = sorted(set(json.loads((hf_dir / SHARDED_INDEX_FILE).read_text())["weight_map"].values()))
+        shards = sharded_files(hf_dir / SHARDED_INDEX_FILE)
         tensors: Tensors = {}
         for shard in shards:
             tensors.update(load_safetensors(hf_dir / shard))

@@ -23,7 +23,7 @@ from attnlab.data.corpus import encode_prompt, load_corpus, tokenizer_for
 from attnlab.data.sampler import eval_windows, prime_tokens
 from attnlab.data.tokenizer import Tokenizer
 from attnlab.errors import AttnlabError
-from attnlab.generate.sampling import SamplingConfig, generate
+from attnlab.generate.sampling import SamplingConfig, check_finite, check_length, generate
 from attnlab.generate.speculative import CachedLanguageModel, EarlyExitDraft, SpeculativeResult, speculative_generate
 from attnlab.model.quantize import decoding_products, quantize_weights
 from attnlab.model.transformer import Transformer
@@ -82,6 +82,9 @@ def load_pair(bench: SpeculativeBench, device: torch.device) -> tuple[Transforme
     if bench.compile:
         target.compile_decoding()
     if bench.early_exit is not None:
+        if not 1 <= bench.early_exit <= target.config.depth:
+            raise AttnlabError(f"--early-exit {bench.early_exit}: the target has {target.config.depth} layers; give "
+                               f"1 to {target.config.depth}")
         draft_name = f"early exit after layer {bench.early_exit} of the target"
         return target, EarlyExitDraft(target, bench.early_exit), draft_name
     draft = load_model(bench.draft, device=device, weights=bench.weights)
@@ -178,6 +181,10 @@ def run_speculative_bench(bench: SpeculativeBench) -> dict[str, Any]:
     tokenizer = tokenizer_for(target.run_config.data, run_directory(bench.target))  # None: a byte-level run
     decode = decode_bytes if tokenizer is None else tokenizer.decode
     prompt = build_prompt(bench, target, tokenizer)  # [B, T]
+    for name, model in (("the target", target), ("the draft", draft)):
+        check_length(model, prompt.shape[1] + bench.max_new_tokens + bench.gamma)  # verification runs gamma past
+        with torch.inference_mode():  # damaged (NaN) weights: refused here, not an index error mid-decoding
+            check_finite(model(prompt).logits[:, -1], 0, name)
     warn_beyond_training(target, "target", prompt.shape[1] + bench.max_new_tokens)
     warn_beyond_training(draft, "draft", prompt.shape[1] + bench.max_new_tokens)
     per_row = rollback_scheme(bench.batch_scheme)

@@ -17,6 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+
 import attnlab.attention  # noqa: F401  (registers the variants)
 from attnlab.bench.runner import decode_table, model_values, run_isolated, train_table
 from attnlab.errors import AttnlabError
@@ -81,33 +84,47 @@ def git_revision() -> str | None:
         return None
 
 
-def run_suite(plan: SuitePlan, out_dir: Path, command: str) -> list[dict[str, Any]]:
+def run_suite(plan: SuitePlan, out_dir: Path, command: str, progress: bool = False) -> list[dict[str, Any]]:
+    """Every measurement of `plan`, each in a fresh process, into out_dir (suite.jsonl as they come,
+    then the report and plots). progress: a bar over the measurements, the log lines above it."""
     out_dir.mkdir(parents=True, exist_ok=True)
     jsonl = out_dir / "suite.jsonl"
     jsonl.write_text("")
     results: list[dict[str, Any]] = []
-    for attention in plan.attention:
-        values = model_values(plan.dim, plan.depth, plan.heads, attention, plan.overrides)
-        jobs: list[tuple[str, dict[str, Any]]] = []
-        for length in plan.lengths:
-            jobs.append(("train", dict(model_values=values, seq_len=length, batch_size=plan.batch_size,
-                                       steps=plan.steps, warmup=plan.warmup, device=plan.device, dtype=plan.dtype)))
-            jobs.append(("layer", dict(model_values=values, seq_len=length, batch_size=plan.batch_size,
-                                       repeats=plan.steps, warmup=plan.warmup, device=plan.device, dtype=plan.dtype)))
-        for context in plan.contexts:
-            jobs.append(("decode", dict(model_values=values, context=context, new_tokens=plan.new_tokens,
-                                        use_cache=True, device=plan.device, dtype=plan.dtype)))
-        for task, arguments in jobs:
-            try:
-                result = run_isolated(task, arguments, plan.threads)
-            except (AttnlabError, subprocess.TimeoutExpired) as error:
-                result = {"kind": task, "attention": attention, "error": str(error)[:300],
-                          **{k: arguments.get(k) for k in ("seq_len", "context")}}
-            results.append(result)
-            with open(jsonl, "a") as handle:
-                handle.write(json.dumps(result) + "\n")
-            log.info("%s", json.dumps(result))
+    n_jobs = len(plan.attention) * (2 * len(plan.lengths) + len(plan.contexts))
+    bar = tqdm(total=n_jobs, desc="bench suite", unit=" measurements", disable=not progress)
+    with bar, logging_redirect_tqdm():
+        for attention in plan.attention:
+            results += _measure_variant(plan, attention, jsonl, bar)
     write_report(plan, results, out_dir, command)
+    return results
+
+
+def _measure_variant(plan: SuitePlan, attention: str, jsonl: Path, bar: tqdm) -> list[dict[str, Any]]:
+    """One variant's training, layer and decoding measurements, appended to `jsonl` one by one."""
+    results = []
+    values = model_values(plan.dim, plan.depth, plan.heads, attention, plan.overrides)
+    jobs: list[tuple[str, dict[str, Any]]] = []
+    for length in plan.lengths:
+        jobs.append(("train", dict(model_values=values, seq_len=length, batch_size=plan.batch_size,
+                                   steps=plan.steps, warmup=plan.warmup, device=plan.device, dtype=plan.dtype)))
+        jobs.append(("layer", dict(model_values=values, seq_len=length, batch_size=plan.batch_size,
+                                   repeats=plan.steps, warmup=plan.warmup, device=plan.device, dtype=plan.dtype)))
+    for context in plan.contexts:
+        jobs.append(("decode", dict(model_values=values, context=context, new_tokens=plan.new_tokens,
+                                    use_cache=True, device=plan.device, dtype=plan.dtype)))
+    for task, arguments in jobs:
+        bar.set_postfix_str(f"{task} {attention} {arguments.get('seq_len') or arguments.get('context')}")
+        try:
+            result = run_isolated(task, arguments, plan.threads)
+        except (AttnlabError, subprocess.TimeoutExpired) as error:
+            result = {"kind": task, "attention": attention, "error": str(error)[:300],
+                      **{k: arguments.get(k) for k in ("seq_len", "context")}}
+        results.append(result)
+        with open(jsonl, "a") as handle:
+            handle.write(json.dumps(result) + "\n")
+        log.info("%s", json.dumps(result))
+        bar.update()
     return results
 
 

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from attnlab.bench.runner import decode_jobs, decode_table, model_values, run_jobs, train_jobs, train_table
+from attnlab.cli import arguments
 
 
 def register(subparsers) -> None:
@@ -16,24 +16,25 @@ def register(subparsers) -> None:
                            ("decode", "per-token decode latency with and without the cache, per context")]:
         sub = kinds.add_parser(name, help=helptext)
         sub.add_argument("--attention", nargs="+", default=["full", "local"], help="registered attention kinds")
-        sub.add_argument("--dim", type=int, default=256)
-        sub.add_argument("--depth", type=int, default=4)
-        sub.add_argument("--heads", type=int, default=4)
+        sub.add_argument("--dim", type=arguments.positive, default=256)
+        sub.add_argument("--depth", type=arguments.positive, default=4)
+        sub.add_argument("--heads", type=arguments.positive, default=4)
         sub.add_argument("--set", dest="overrides", nargs="*", default=[], metavar="key=value",
                          help="model config overrides, e.g. attention.local.window_size=64")
-        sub.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS of each worker")
+        sub.add_argument("--threads", type=arguments.positive, default=2, help="OMP_NUM_THREADS of each worker")
         sub.add_argument("--device", default="cpu")
         sub.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
         sub.add_argument("--out", type=Path, default=None, help="append JSON lines here")
         sub.add_argument("--markdown", type=Path, default=None, help="write the markdown table here")
         if name == "train":
-            sub.add_argument("--seq-len", type=int, nargs="+", default=[512, 1024, 2048])
-            sub.add_argument("--batch-size", type=int, default=1)
-            sub.add_argument("--steps", type=int, default=5, help="measured steps (median reported)")
-            sub.add_argument("--warmup", type=int, default=2)
+            sub.add_argument("--seq-len", type=arguments.positive, nargs="+", default=[512, 1024, 2048])
+            sub.add_argument("--batch-size", type=arguments.positive, default=1)
+            sub.add_argument("--steps", type=arguments.positive, default=5, help="measured steps (median reported)")
+            sub.add_argument("--warmup", type=arguments.count, default=2)
         else:
-            sub.add_argument("--context", type=int, nargs="+", default=[64, 256, 1024])
-            sub.add_argument("--new-tokens", type=int, default=16, help="tokens timed per context (median)")
+            sub.add_argument("--context", type=arguments.positive, nargs="+", default=[64, 256, 1024])
+            sub.add_argument("--new-tokens", type=arguments.positive, default=16,
+                             help="tokens timed per context (median)")
             sub.add_argument("--no-uncached", action="store_true", help="skip the no-cache baseline")
             sub.add_argument("--compile", action="store_true", help="cached decoding with the compiled step")
         sub.set_defaults(func=run)
@@ -42,7 +43,7 @@ def register(subparsers) -> None:
     suite.add_argument("--device", default="cpu", help="cpu or cuda")
     suite.add_argument("--quick", action="store_true", help="a few small sizes (CI-sized)")
     suite.add_argument("--attention", nargs="+", default=None, help="variants (default: every registered one)")
-    suite.add_argument("--threads", type=int, default=2)
+    suite.add_argument("--threads", type=arguments.positive, default=2)
     suite.add_argument("--out", type=Path, default=Path("bench-results"), help="folder for jsonl, report, plots")
     suite.add_argument("--doc", type=Path, default=None,
                        help="also put the report into this markdown file's bench-suite block (docs/benchmarks.md)")
@@ -50,6 +51,8 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from attnlab.bench.runner import decode_jobs, decode_table, model_values, run_jobs, train_jobs, train_table
+
     if args.bench_kind == "suite":
         return run_suite_command(args)
     results = []
@@ -81,7 +84,7 @@ def run_suite_command(args: argparse.Namespace) -> int:
     plan = default_plan(args.device, args.quick, args.attention)
     plan.threads = args.threads
     command = "attnlab " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("attnlab") else "attnlab bench suite"
-    results = run_suite(plan, args.out, command)
+    results = run_suite(plan, args.out, command, progress=sys.stderr.isatty())
     if args.doc is not None:
         from attnlab.bench.suite import update_doc
 

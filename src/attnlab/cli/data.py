@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
-from attnlab.config import DataConfig, load_config
-from attnlab.data.byte_corpus import ENWIK8_URL, download_enwik8, prepare_builtin
-from attnlab.data.corpus import load_corpus
-from attnlab.data.pretrain import write_builtin_jsonl
-from attnlab.data.shards import prepare_token_shards
+from attnlab.cli import arguments
+from attnlab.config import DataConfig, check_preset_name, load_config
 from attnlab.errors import DataError
+
+# the corpora's modules import numpy and torch: each command imports what it uses when it runs
 
 
 def register(subparsers) -> None:
@@ -33,29 +33,45 @@ def register(subparsers) -> None:
     prepare.add_argument("--tokenizer", type=Path, default=None, metavar="DIR", help="from `attnlab tokenizer train`")
     prepare.add_argument("--out", type=Path, default=None, metavar="DATA", help="folder for the shards")
     prepare.add_argument("--skip-bad", action="store_true", help="skip malformed lines (counted) instead of failing")
-    prepare.add_argument("--shard-tokens", type=int, default=1 << 25, help="tokens per shard (a soft limit)")
-    prepare.add_argument("--workers", type=int, default=None, help="tokenizing processes (default: CPU count)")
+    prepare.add_argument("--shard-tokens", type=arguments.positive, default=1 << 25,
+                         help="tokens per shard (a soft limit)")
+    prepare.add_argument("--workers", type=arguments.positive, default=None,
+                         help="tokenizing processes (default: CPU count)")
+    for role, meaning in (("eos", "end of text, stored after every document"), ("bos", "beginning of text"),
+                          ("pad", "padding")):
+        prepare.add_argument(f"--{role}-token", default=None, metavar="TOKEN",
+                             help=f"the tokenizer's {meaning} token, when its folder does not name one (default: "
+                                  "special_tokens_map.json, then MiniMind's, then well-known names)")
     prepare.set_defaults(func=run_prepare)
 
     download = actions.add_parser("download", help="download a public corpus, verifying its checksum")
     download.add_argument("corpus", choices=["enwik8"])
     download.add_argument("--dest", type=Path, default=None, help="folder (default: the cache)")
-    download.add_argument("--url", default=ENWIK8_URL)
+    download.add_argument("--url", default=None, help="(default: the official archive, mattmahoney.net)")
     download.add_argument("--sha256", default=None, help="expected checksum (default: the official archive's)")
     download.set_defaults(func=run_download)
 
     info = actions.add_parser("info", help="describe the corpus a preset or config would train on")
-    info.add_argument("-p", "--preset", default="demo")
+    source = info.add_mutually_exclusive_group()
+    source.add_argument("-p", "--preset", default=None, help="named preset (default: demo)")
+    source.add_argument("-c", "--config", type=Path, default=None, help="YAML config file")
     info.add_argument("overrides", nargs="*", metavar="key.path=value")
     info.set_defaults(func=run_info)
 
 
 def run_prepare(args: argparse.Namespace) -> int:
+    from attnlab.data.byte_corpus import prepare_builtin
+    from attnlab.data.pretrain import write_builtin_jsonl
+    from attnlab.data.shards import prepare_token_shards
+
     if args.input is not None:
         if args.corpus is not None or args.tokenizer is None or args.out is None:
             raise DataError("use either `prepare builtin` or `prepare --input FILES --tokenizer DIR --out DATA`")
+        special_tokens = {"pad": args.pad_token, "bos": args.bos_token, "eos": args.eos_token}
         result = prepare_token_shards(args.input, args.tokenizer, args.out, skip_bad=args.skip_bad,
-                                      shard_tokens=args.shard_tokens, workers=args.workers)
+                                      shard_tokens=args.shard_tokens, workers=args.workers,
+                                      special_tokens={role: token for role, token in special_tokens.items() if token},
+                                      progress=sys.stderr.isatty())
         meta = result.meta
         print(f"{result.out_dir}\n  {meta['n_documents']:,} documents, {meta['n_tokens']:,} tokens ({meta['dtype']}) "
               f"in {len(meta['shards'])} shards, {meta['skipped_lines']} lines skipped\n  "
@@ -74,13 +90,20 @@ def run_prepare(args: argparse.Namespace) -> int:
 
 
 def run_download(args: argparse.Namespace) -> int:
+    from attnlab.data.byte_corpus import download_enwik8
+
     kwargs = {} if args.sha256 is None else {"sha256": args.sha256}
-    print(download_enwik8(args.dest, url=args.url, **kwargs))
+    if args.url is not None:
+        kwargs["url"] = args.url
+    print(download_enwik8(args.dest, **kwargs))
     return 0
 
 
 def run_info(args: argparse.Namespace) -> int:
-    corpus = load_corpus(load_config(args.preset, args.overrides).data)
+    from attnlab.data.corpus import load_corpus
+
+    source = args.config if args.config is not None else check_preset_name(args.preset or "demo")
+    corpus = load_corpus(load_config(source, args.overrides).data)
     if hasattr(corpus, "tokenizer"):  # tokenized documents: the description has the counts
         print(corpus.description)
         return 0

@@ -6,8 +6,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 
-from attnlab.evaluate import evaluate_run, lm_eval_run
+from attnlab.cli import arguments
 
 
 def register(subparsers) -> None:
@@ -15,30 +16,36 @@ def register(subparsers) -> None:
                                    "lm-eval benchmarks (--tasks)")
     parser.add_argument("run", help="run directory or checkpoint file")
     parser.add_argument("--data", default=None, help="evaluate on this file's validation split instead")
-    parser.add_argument("--windows", type=int, default=64, help="number of validation windows")
+    parser.add_argument("--windows", type=arguments.positive, default=64, help="number of validation windows")
     parser.add_argument("--full", action="store_true", help="the whole validation split, every target once "
                         "(consecutive windows, or every document), instead of --windows sampled windows")
-    parser.add_argument("--seq-len", type=int, default=None, help="window length (default: the run's)")
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--seed", type=int, default=1234, help="which windows (fixed: results are deterministic)")
+    parser.add_argument("--seq-len", type=arguments.positive, default=None, help="window length (default: the run's)")
+    parser.add_argument("--batch-size", type=arguments.positive, default=8)
+    parser.add_argument("--seed", type=arguments.seed, default=1234,
+                        help="which windows (fixed: results are deterministic)")
     parser.add_argument("--weights", choices=["auto", "model", "ema"], default="auto")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", type=arguments.device, default="cpu")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     benchmarks = parser.add_argument_group("lm-eval benchmarks (pip install 'attnlab[eval]')")
     benchmarks.add_argument("--tasks", default=None, metavar="A,B",
                             help="lm-eval task, group or tag names (or YAML files), comma-separated: runs lm-eval's "
                             "Hugging Face model on the exported run; results JSON in RUN/lm-eval/")
     benchmarks.add_argument("--include-path", default=None, metavar="DIR", help="a folder of YAML tasks of your own")
-    benchmarks.add_argument("--limit", type=int, default=None, help="at most this many examples per task")
-    benchmarks.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples (default: the task's)")
+    benchmarks.add_argument("--limit", type=arguments.positive, default=None,
+                            help="at most this many examples per task")
+    benchmarks.add_argument("--num-fewshot", type=arguments.count, default=None,
+                            help="few-shot examples (default: the task's)")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.tasks:
         return run_benchmarks(args)
+    from attnlab.evaluate import evaluate_run
+
     report = evaluate_run(args.run, args.windows, args.seq_len, args.batch_size, args.seed, data_path=args.data,
-                          weights=args.weights, device=args.device, full=args.full)
+                          weights=args.weights, device=arguments.usable_device(args.device), full=args.full,
+                          progress=sys.stderr.isatty())
     if args.json:
         print(json.dumps(report))
     else:
@@ -57,11 +64,13 @@ def run(args: argparse.Namespace) -> int:
 
 def run_benchmarks(args: argparse.Namespace) -> int:
     """lm-eval on the run; one line per task with its metrics (a metric's standard error after ±)."""
+    from attnlab.evaluate import lm_eval_run
+
     logging.getLogger("lm_eval").setLevel(logging.WARNING)  # its per-request chatter
     tasks = [name.strip() for name in args.tasks.split(",") if name.strip()]
     report = lm_eval_run(args.run, tasks, include_path=args.include_path, limit=args.limit,
                          num_fewshot=args.num_fewshot, batch_size=args.batch_size, weights=args.weights,
-                         device=args.device)
+                         device=arguments.usable_device(args.device))
     if args.json:
         print(json.dumps(report))
         return 0

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from attnlab.hf import DTYPES, MODEL_TYPES, export_run
+DTYPES = ("float32", "bfloat16", "float16")  # hf.DTYPES' names, here without importing torch
+MODEL_TYPES = ("auto", "native", "attnlab")  # hf.MODEL_TYPES
 
 
 def register(subparsers) -> None:
@@ -25,6 +26,8 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from attnlab.hf import export_run
+
     out_dir = export_run(args.run, args.out, weights=args.weights, dtype=args.dtype,
                          tokenizer_dir=args.tokenizer, overwrite=args.force, model_type=args.model_type)
     print(out_dir)

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-from attnlab.hf import import_hf
-
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
@@ -18,5 +16,7 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from attnlab.hf import import_hf
+
     print(import_hf(args.hf_dir, args.out, overwrite=args.force))
     return 0

@@ -2,7 +2,12 @@
 
 A command module exposes `register(subparsers)`, which adds its parser and sets `func` to a
 function taking the parsed namespace and returning an exit code. Errors of the user's making
-(`AttnlabError`) are printed as one line; anything else is a bug and keeps its traceback.
+(`AttnlabError`, and arguments argparse refuses) are printed as one line; anything else is a bug
+and keeps its traceback.
+
+`attnlab --help` must be quick: command modules import torch (and everything that imports it)
+inside their functions, never at the top, and so does the `attnlab` package itself
+(tests/test_cli_inputs.py checks that building the parser imports no torch).
 """
 
 from __future__ import annotations
@@ -18,10 +23,17 @@ COMMAND_MODULES = [
 ]
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, with a refused argument reported as one line (argparse prints the usage first)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} -h)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     import importlib
 
-    parser = argparse.ArgumentParser(prog="attnlab", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="attnlab", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
@@ -69,6 +81,26 @@ def main(argv: list[str] | None = None) -> int:
     except AttnlabError as error:
         print(f"attnlab {args.command}: error: {error}", file=sys.stderr)
         return 2
+    except Exception as error:
+        line = system_error(error)
+        if line is None or args.verbose:
+            raise
+        print(f"attnlab {args.command}: error: {line} (-v shows where)", file=sys.stderr)
+        return 1
+
+
+def system_error(error: Exception) -> str | None:
+    """One line for what the machine refused (a path, a permission, a full disk, not enough memory),
+    which no fix to attnlab would change; None for anything else, which is a bug to show in full."""
+    if isinstance(error, OSError):
+        return str(error)  # "[Errno 28] No space left on device: 'runs/x/...'" names the file
+    if isinstance(error, MemoryError):
+        return f"out of memory ({error})" if str(error) else "out of memory"
+    message = str(error).strip()
+    # torch's allocators: CUDA raises torch.OutOfMemoryError, the CPU one a RuntimeError saying so
+    if type(error).__name__ == "OutOfMemoryError" or "can't allocate memory" in message:
+        return "out of memory: " + message.splitlines()[0][:300]
+    return None
 
 
 if __name__ == "__main__":

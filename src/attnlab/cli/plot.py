@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from attnlab.bench.plots import plot_run_dirs
-
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser("plot", help="plot loss and bits per byte of runs against steps, tokens, time")
@@ -16,5 +14,7 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from attnlab.bench.plots import plot_run_dirs
+
     print(plot_run_dirs(args.runs, args.out))
     return 0

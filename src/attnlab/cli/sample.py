@@ -5,12 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-import torch
-
-from attnlab.data.corpus import encode_prompt, tokenizer_for
-from attnlab.generate.sampling import SamplingConfig, stream_text
-from attnlab.train.checkpoint import load_model
-from attnlab.train.portable import run_directory
+from attnlab.cli import arguments
 
 
 def register(subparsers) -> None:
@@ -18,29 +13,38 @@ def register(subparsers) -> None:
                                    "run stops at its end token)")
     parser.add_argument("run", help="run directory or checkpoint file")
     parser.add_argument("--prompt", default="", help="text to continue")
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--top-p", type=float, default=None)
-    parser.add_argument("--min-p", type=float, default=None)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-new-tokens", type=arguments.count, default=256)
+    parser.add_argument("--temperature", type=arguments.temperature, default=1.0, help="0 = greedy")
+    parser.add_argument("--top-k", type=arguments.positive, default=None)
+    parser.add_argument("--top-p", type=arguments.top_p, default=None)
+    parser.add_argument("--min-p", type=arguments.min_p, default=None)
+    parser.add_argument("--seed", type=arguments.seed, default=0)
     parser.add_argument("--no-cache", action="store_true", help="recompute the whole prefix each token (slow path)")
     parser.add_argument("--weights", choices=["auto", "model", "ema"], default="auto")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", type=arguments.device, default="cpu")
     parser.add_argument("--compile", action="store_true",
                         help="decode with a compiled step (torch.compile; CUDA graphs on a GPU)")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    model = load_model(args.run, device=args.device, weights=args.weights)
+    import torch
+
+    from attnlab.data.corpus import encode_prompt, tokenizer_for
+    from attnlab.generate.sampling import SamplingConfig, stream_text
+    from attnlab.train.checkpoint import load_model
+    from attnlab.train.portable import run_directory
+
+    device = arguments.usable_device(args.device)
+    model = load_model(args.run, device=device, weights=args.weights)
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
     tokenizer = tokenizer_for(model.run_config.data, run_directory(args.run))  # None: a byte-level run
-    prompt = torch.tensor([encode_prompt(tokenizer, args.prompt)], device=args.device)
-    generator = torch.Generator(device=args.device).manual_seed(args.seed)
-    sys.stdout.write(args.prompt)
+    prompt = torch.tensor([encode_prompt(tokenizer, args.prompt)], device=device)
+    generator = torch.Generator(device=device).manual_seed(args.seed)
     pieces = stream_text(model, prompt, args.max_new_tokens, sampling, not args.no_cache, generator, tokenizer,
                          args.compile)
+    # a prompt from the command line may hold bytes that are not UTF-8 (as surrogates): shown replaced
+    sys.stdout.write(args.prompt.encode("utf-8", "surrogateescape").decode("utf-8", "replace"))
     for piece in pieces:
         sys.stdout.write(piece)
         sys.stdout.flush()

@@ -17,12 +17,10 @@ import json
 import sys
 from pathlib import Path
 
-from attnlab.bench.speculative import SpeculativeBench, run_speculative_bench
+from attnlab.cli import arguments
 from attnlab.config import known_presets, load_config
-from attnlab.generate.sampling import SamplingConfig
-from attnlab.model.quantize import QUANTIZATIONS
-from attnlab.train.draft import existing_target_settings, split_overrides, train_pair
-from attnlab.train.signals import exit_status
+
+QUANTIZATIONS = ("none", "int8")  # model/quantize.py's, here without importing torch
 
 
 def register(subparsers) -> None:
@@ -36,22 +34,23 @@ def register(subparsers) -> None:
     drafts = parser.add_mutually_exclusive_group()
     drafts.add_argument("--draft", help="draft run directory or checkpoint")
     drafts.add_argument(
-        "--early-exit", type=int, metavar="K", help="self-speculative: the target's first K layers are the draft"
+        "--early-exit", type=arguments.positive, metavar="K",
+        help="self-speculative: the target's first K layers are the draft",
     )
-    parser.add_argument("--gamma", type=int, default=5, help="draft tokens per step")
+    parser.add_argument("--gamma", type=arguments.positive, default=5, help="draft tokens per step")
     prompts = parser.add_mutually_exclusive_group()
     prompts.add_argument("--prompt", default=None, help="text to continue (the same for every row)")
     prompts.add_argument(
         "--prime-from-val", action="store_true", help="continue windows of the target's validation data"
     )
-    parser.add_argument("--prime-length", type=int, default=128, help="tokens of each validation prime")
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--top-p", type=float, default=None)
-    parser.add_argument("--min-p", type=float, default=None)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prime-length", type=arguments.positive, default=128, help="tokens of each validation prime")
+    parser.add_argument("--max-new-tokens", type=arguments.positive, default=256)
+    parser.add_argument("--batch-size", type=arguments.positive, default=1)
+    parser.add_argument("--temperature", type=arguments.temperature, default=1.0, help="0 = greedy")
+    parser.add_argument("--top-k", type=arguments.positive, default=None)
+    parser.add_argument("--top-p", type=arguments.top_p, default=None)
+    parser.add_argument("--min-p", type=arguments.min_p, default=None)
+    parser.add_argument("--seed", type=arguments.seed, default=0)
     parser.add_argument(
         "--batch-scheme", choices=["auto", "per-row", "shared"], default="auto",
         help="how rows of a batch roll back: per-row (each to its own length), shared (all to the shortest "
@@ -64,9 +63,10 @@ def register(subparsers) -> None:
     )
     parser.add_argument("--compile", action="store_true",
                         help="both models decode with compiled steps (torch.compile; CUDA graphs on a GPU)")
-    parser.add_argument("--repeats", type=int, default=1, help="timed runs of each decoder; medians reported")
+    parser.add_argument("--repeats", type=arguments.positive, default=1,
+                        help="timed runs of each decoder; medians reported")
     parser.add_argument("--weights", choices=["auto", "model", "ema"], default="auto")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", type=arguments.device, default="cpu")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(func=run)
 
@@ -84,12 +84,12 @@ def register(subparsers) -> None:
     trainer.add_argument("--draft-preset", required=True, help="preset or YAML file of the draft")
     trainer.add_argument("--resume", action="store_true", help="continue both runs from their latest checkpoints")
     trainer.add_argument(
-        "--distill", type=float, default=None, metavar="W",
+        "--distill", type=arguments.number_in(0, 1, open_low=True), default=None, metavar="W",
         help="train the draft toward the target's distribution too: its loss is (1 - W) cross-entropy + W "
         "KL(target || draft), from the target's final checkpoint (train.distill_from / distill_weight)",
     )
     trainer.add_argument(
-        "--draft-steps", type=int, default=None, metavar="N",
+        "--draft-steps", type=arguments.positive, default=None, metavar="N",
         help="with --target RUN: train the draft for N steps (default: the target's), on the target's batches "
         "and then the ones that follow them",
     )
@@ -102,13 +102,16 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from attnlab.bench.speculative import SpeculativeBench, run_speculative_bench
+    from attnlab.generate.sampling import SamplingConfig
+
     bench = SpeculativeBench(
         target=args.target, draft=args.draft, early_exit=args.early_exit, draft_quantize=args.draft_quantize,
         gamma=args.gamma, prompt=args.prompt, prime_from_val=args.prime_from_val, prime_length=args.prime_length,
         max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
         sampling=SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p),
-        seed=args.seed, batch_scheme=args.batch_scheme, repeats=args.repeats, weights=args.weights, device=args.device,
-        compile=args.compile,
+        seed=args.seed, batch_scheme=args.batch_scheme, repeats=args.repeats, weights=args.weights,
+        device=arguments.usable_device(args.device), compile=args.compile,
     )
     report = run_speculative_bench(bench)
     if args.json:
@@ -136,6 +139,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_train(args: argparse.Namespace) -> int:
+    from attnlab.train.draft import existing_target_settings, split_overrides, train_pair
+    from attnlab.train.signals import exit_status
+
     target_overrides, draft_overrides = split_overrides(args.overrides)
     draft_config = load_config(args.draft_preset, draft_overrides)
     command_line = ["attnlab", *sys.argv[1:]]

@@ -6,7 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from attnlab.data.tokenizer import Tokenizer, train_tokenizer
+from attnlab.cli import arguments
+from attnlab.data.tokenizer import MAX_VOCAB, MIN_VOCAB, Tokenizer, train_tokenizer
 
 
 def register(subparsers) -> None:
@@ -15,7 +16,8 @@ def register(subparsers) -> None:
 
     train = actions.add_parser("train", help="train byte-level BPE on jsonl ({'text': ...} lines) or text files")
     train.add_argument("--input", type=Path, nargs="+", required=True, metavar="FILE")
-    train.add_argument("--vocab-size", type=int, default=6400, help="MiniMind: 6400")
+    train.add_argument("--vocab-size", type=arguments.integer_at_least(MIN_VOCAB, MAX_VOCAB), default=6400,
+                       help="MiniMind: 6400")
     train.add_argument("--out", type=Path, required=True, metavar="DIR")
     train.set_defaults(func=run_train)
 
@@ -26,12 +28,12 @@ def register(subparsers) -> None:
 
     decode = actions.add_parser("decode", help="print the text of token IDS")
     decode.add_argument("--tokenizer", type=Path, required=True, metavar="DIR")
-    decode.add_argument("ids", nargs="+", type=int)
+    decode.add_argument("ids", nargs="+", type=arguments.count)
     decode.set_defaults(func=run_decode)
 
 
 def run_train(args: argparse.Namespace) -> int:
-    folder = train_tokenizer(args.input, args.vocab_size, args.out)
+    folder = train_tokenizer(args.input, args.vocab_size, args.out, progress=sys.stderr.isatty())
     print(f"{folder} ({Tokenizer(folder).vocab_size} tokens)")
     return 0
 

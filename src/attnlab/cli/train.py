@@ -9,10 +9,9 @@ import signal
 import sys
 from pathlib import Path
 
-from attnlab.config import known_presets, load_config
+from attnlab.cli import arguments
+from attnlab.config import check_preset_name, known_presets, load_config
 from attnlab.errors import AttnlabError
-from attnlab.train.loop import train
-from attnlab.train.signals import Stopped, exit_status
 
 
 def register(subparsers) -> None:
@@ -29,7 +28,7 @@ def register(subparsers) -> None:
         help="continue the run: from its newest intact checkpoint, or from CHECKPOINT",
     )
     parser.add_argument(
-        "--until-step", type=int, default=None, metavar="N",
+        "--until-step", type=arguments.positive, default=None, metavar="N",
         help="stop with a checkpoint after step N, keeping the schedule of train.max_steps",
     )
     parser.add_argument(
@@ -44,7 +43,8 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    source = args.config or args.preset or "demo"
+    # -p takes a preset's name only, -c a config file's path only (config.py, `looks_like_path`)
+    source = Path(args.config) if args.config else check_preset_name(args.preset or "demo")
     overrides = list(args.overrides)
     if getattr(args, "resume_override", None) is not None:
         overrides.insert(*args.resume_override)
@@ -53,6 +53,9 @@ def run(args: argparse.Namespace) -> int:
     if args.deepspeed_config is not None:
         overrides += ["dist.strategy=deepspeed", f"dist.deepspeed_config={args.deepspeed_config}"]
     config = load_config(source, overrides)
+    from attnlab.train.loop import train  # here, not at the top: `attnlab --help` imports no torch
+    from attnlab.train.signals import Stopped, exit_status
+
     try:
         result = train(config, resume=args.resume, command_line=["attnlab", *sys.argv[1:]], until_step=args.until_step)
     except Stopped as stopped:

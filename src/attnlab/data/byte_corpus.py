@@ -20,6 +20,7 @@ import sysconfig
 import urllib.error
 import urllib.request
 import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,7 +58,8 @@ class ByteCorpus:
 
 
 def encode_text(text: str) -> list[int]:
-    return list(text.encode("utf-8"))
+    """The text's UTF-8 bytes; a command line's bytes that are not UTF-8 (surrogate-escaped) as they were."""
+    return list(text.encode("utf-8", "surrogateescape"))
 
 
 def byte_prompt(text: str) -> list[int]:
@@ -106,7 +108,9 @@ def read_bytes(path: Path) -> bytes:
     """A file's bytes: gzip and zip archives are unpacked (zip members concatenated by name)."""
     path = Path(path)
     if not path.is_file():
-        raise DataError(f"data file {path} does not exist")
+        kind = "is a folder, not a file" if path.is_dir() else "is not a regular file" if path.exists() \
+            else "does not exist"
+        raise DataError(f"data file {path} {kind}")
     try:
         if path.suffix == ".gz":
             with gzip.open(path, "rb") as handle:
@@ -117,8 +121,8 @@ def read_bytes(path: Path) -> bytes:
                 data = b"".join(archive.read(name) for name in names)
         else:
             data = path.read_bytes()
-    except (OSError, zipfile.BadZipFile, EOFError) as error:
-        raise DataError(f"cannot read data file {path}: {error}") from error
+    except (OSError, zipfile.BadZipFile, EOFError, zlib.error) as error:  # a damaged archive: gzip raises all four
+        raise DataError(f"cannot read data file {path}: {error or type(error).__name__}") from error
     if not data:
         raise DataError(f"data file {path} is empty")
     return data

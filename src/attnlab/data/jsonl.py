@@ -29,14 +29,26 @@ class SkipCounter:
 
 
 def parse_line(line: str, path: Path, line_number: int) -> str:
-    """The "text" of one jsonl line, or DataError naming `path:line_number`."""
+    """The "text" of one jsonl line, or DataError naming `path:line_number`: also for what the json
+    module refuses beyond syntax (an integer of more than 4,300 digits, nesting deeper than the
+    recursion limit) and for text that cannot be written as UTF-8 (a lone surrogate, `"\\ud800"`)."""
     try:
         record = json.loads(line)
     except json.JSONDecodeError as error:
         raise DataError(f"{path}:{line_number}: not valid JSON ({error.msg} at column {error.colno})") from error
+    except ValueError as error:  # int_max_str_digits: a number too long to convert
+        raise DataError(f"{path}:{line_number}: not usable JSON ({str(error).split(';')[0]})") from error
+    except RecursionError as error:
+        raise DataError(f"{path}:{line_number}: nested too deeply to parse") from error
     if not isinstance(record, dict) or not isinstance(record.get("text"), str):
         raise DataError(f'{path}:{line_number}: expected an object with a "text" string, got {line.strip()[:80]!r}')
-    return record["text"]
+    text = record["text"]
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise DataError(f"{path}:{line_number}: the text holds a lone surrogate ({text[error.start]!r}), which "
+                        "is not a character") from error
+    return text
 
 
 def parse_raw_line(raw: bytes, path: Path, line_number: int) -> str:

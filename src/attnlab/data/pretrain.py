@@ -56,7 +56,7 @@ from attnlab.data.shards import (
     prepare_token_shards,
     read_meta,
 )
-from attnlab.data.tokenizer import SPECIAL_TOKENS, TOKENIZER_FILE, Tokenizer, train_tokenizer
+from attnlab.data.tokenizer import TOKENIZER_FILE, Tokenizer, train_tokenizer
 from attnlab.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -68,8 +68,7 @@ SKIPPED_FOLDERS = {"test", "tests", "idle_test"}  # test suites: odd syntax, few
 def token_byte_lengths(tokenizer: Tokenizer) -> np.ndarray:
     """[V] bytes of text each id stands for; 0 for the special tokens, which are not text."""
     lengths = np.array([len(tokenizer.decode_bytes([index])) for index in range(tokenizer.vocab_size)])
-    for token in SPECIAL_TOKENS:
-        lengths[tokenizer.backend.token_to_id(token)] = 0
+    lengths[sorted(tokenizer.special_ids)] = 0
     return lengths.astype(np.int64)
 
 
@@ -190,16 +189,24 @@ def token_folder(config: DataConfig) -> Path:
 
 def document_prompt(tokenizer: Tokenizer, text: str) -> list[int]:
     """Prompt ids for generation from a tokenized model: BOS then the text (its training documents
-    start with BOS)."""
-    return [tokenizer.bos_id, *tokenizer.encode(text)]
+    start with BOS). Bytes that are not UTF-8 (surrogate-escaped, as a command line gives them) are
+    encoded as bytes."""
+    return [tokenizer.bos_id, *tokenizer.encode_bytes(text.encode("utf-8", "surrogateescape"))]
 
 
 def load_token_corpus(config: DataConfig) -> TokenCorpus:
     folder = prepare_builtin_tokens(config) if config.source == "builtin-tokens" else token_folder(config)
     shards = TokenShards(folder)
+    if not (folder / TOKENIZER_FOLDER / TOKENIZER_FILE).is_file():
+        raise DataError(f"{folder}: its tokenizer ({TOKENIZER_FOLDER}/{TOKENIZER_FILE}) is missing: prepare the "
+                        "folder again")
     tokenizer = Tokenizer(folder / TOKENIZER_FOLDER)
     if sha256_of(folder / TOKENIZER_FOLDER / TOKENIZER_FILE) != shards.meta["tokenizer_sha256"]:
         raise DataError(f"{folder}: the tokenizer beside the shards is not the one they were made with")
+    if [tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id] != [shards.meta[key] for key in ("pad_id", "bos_id",
+                                                                                                "eos_id")]:
+        raise DataError(f"{folder}: the tokenizer beside the shards names other special tokens than they were "
+                        f"made with ({TOKENIZER_FOLDER}/special_tokens_map.json): prepare the folder again")
     n_documents = shards.n_documents
     n_val = max(1, int(n_documents * config.val_fraction))
     if n_val >= n_documents:
@@ -276,6 +283,17 @@ def write_builtin_jsonl(config: DataConfig) -> Path:
     return path
 
 
+def cached_meta(folder: Path) -> dict[str, Any]:
+    """A cached token folder's meta.json; {} when it is missing or damaged (then it is built again)."""
+    if not (folder / META_FILE).is_file():
+        return {}
+    try:
+        return read_meta(folder)
+    except DataError as error:
+        log.warning("%s; building it again", error)
+        return {}
+
+
 def prepare_builtin_tokens(config: DataConfig, workers: int | None = None) -> Path:
     """jsonl corpus -> tokenizer -> shards, each stage skipped when its output is complete."""
     corpus = write_builtin_jsonl(config)
@@ -291,7 +309,7 @@ def prepare_builtin_tokens(config: DataConfig, workers: int | None = None) -> Pa
         os.replace(partial, tokenizer_dir)
     shards_dir = token_folder(config)
     sha = sha256_of(tokenizer_dir / TOKENIZER_FILE)
-    if (shards_dir / META_FILE).is_file() and read_meta(shards_dir)["tokenizer_sha256"] == sha:
+    if cached_meta(shards_dir).get("tokenizer_sha256") == sha:
         log.info("token shards: cached at %s", shards_dir)
     else:
         prepare_token_shards([corpus], tokenizer_dir, shards_dir, workers=workers)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import codecs
 import functools
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from attnlab.errors import ConfigError, GenerationError
 from attnlab.model.modes import eval_mode
 from attnlab.model.transformer import Transformer
 
@@ -31,15 +33,41 @@ class SamplingConfig:
     top_p: float | None = None  # keep the smallest set whose probability reaches p (nucleus)
     min_p: float | None = None  # keep tokens with probability >= min_p * the most likely one's
 
-    def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError("temperature must be >= 0")
+    def __post_init__(self) -> None:  # ConfigError is a ValueError too; `not 0 <= x` also refuses NaN
+        if not 0 <= self.temperature < math.inf:
+            raise ConfigError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_k is not None and self.top_k < 1:
-            raise ValueError("top_k must be >= 1")
+            raise ConfigError(f"top_k must be >= 1, got {self.top_k}")
         if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise ValueError("top_p must be in (0, 1]")
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.min_p is not None and not 0 <= self.min_p <= 1:
-            raise ValueError("min_p must be in [0, 1]")
+            raise ConfigError(f"min_p must be in [0, 1], got {self.min_p}")
+
+
+def check_prompt(model: torch.nn.Module, prompt: Tensor) -> None:
+    """GenerationError if a prompt id lies outside the model's vocabulary (a tokenizer larger than the
+    model's, say): the embedding would index past its table."""
+    config = getattr(model, "config", None)
+    if config is not None and prompt.numel() and not 0 <= int(prompt.min()) <= int(prompt.max()) < config.num_tokens:
+        raise GenerationError(f"the prompt holds token ids from {int(prompt.min())} to {int(prompt.max())}; the model "
+                              f"has {config.num_tokens} (model.num_tokens)")
+
+
+def check_length(model: torch.nn.Module, length: int, what: str = "the prompt and the new tokens") -> None:
+    """GenerationError if `model` cannot hold `length` tokens (`what` they are): learned positions end
+    at max_seq_len (rotary ones extrapolate, so their models decode past it)."""
+    config = getattr(model, "config", None)
+    if config is not None and config.position == "learned" and length > config.max_seq_len:
+        raise GenerationError(f"{what} make {length} tokens; this model's learned positions end at "
+                              f"model.max_seq_len={config.max_seq_len}")
+
+
+def check_finite(logits: Tensor, step: int, who: str = "the model") -> None:
+    """GenerationError if the logits hold NaN or infinity (the weights are damaged, or overflowed):
+    no distribution to sample from."""
+    if not bool(torch.isfinite(logits).all()):
+        raise GenerationError(f"{who} gave non-finite logits (NaN or infinity) at new token {step + 1}: its "
+                              "weights are damaged or overflow in this precision")
 
 
 def filter_logits(logits: Tensor, config: SamplingConfig) -> Tensor:
@@ -118,6 +146,8 @@ def stream(
     compile: decode with the model's compiled step (Transformer.compile_decoding; made once).
     """
     sampling = sampling or SamplingConfig()
+    check_length(model, prompt.shape[1] + max_new_tokens)
+    check_prompt(model, prompt)
     if compile and use_cache and model._compiled_step is None:
         model.compile_decoding()
     with eval_mode(model):
@@ -164,7 +194,9 @@ def stream_text(
     so a character split over tokens comes out whole. A tokenized model stops at its end token (it
     is trained with one); the last piece flushes what is left (possibly "")."""
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    for token, _ in stream(model, prompt, max_new_tokens, sampling, use_cache, generator, compile):
+    pieces = stream(model, prompt, max_new_tokens, sampling, use_cache, generator, compile)
+    for step, (token, logits) in enumerate(pieces):
+        check_finite(logits[0], step)  # before the token drawn from them is used (it may lie past the vocabulary)
         token_id = int(token[0])
         if tokenizer is not None and token_id == tokenizer.eos_id:
             break  # the document ends here

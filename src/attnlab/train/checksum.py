@@ -100,14 +100,13 @@ def safetensors_metadata(tensors: dict[str, Tensor]) -> dict[str, str]:
 
 
 def load_safetensors(path: Path) -> dict[str, Tensor]:
-    """A safetensors file's tensors, checked against the checksum attnlab wrote into it (files
-    written elsewhere carry none and are read as they are)."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file
+    """A safetensors file's tensors, its header checked against the format first (safetensors_file.py)
+    and its tensors against the checksum attnlab wrote into it (files written elsewhere carry none and
+    are read as they are); a damaged file is one error naming it."""
+    from attnlab.safetensors_file import load_file, read_header
 
-    tensors = load_file(str(path))
-    with safe_open(str(path), framework="pt") as handle:
-        expected = (handle.metadata() or {}).get(SAFETENSORS_KEY)
+    expected = read_header(Path(path)).get("__metadata__", {}).get(SAFETENSORS_KEY)
+    tensors = load_file(path)
     if expected is not None and safetensors_metadata(tensors)[SAFETENSORS_KEY] != expected:
         raise CheckpointError(f"{path} is corrupt: its tensors do not match their checksum")
     return tensors
