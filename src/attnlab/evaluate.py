@@ -77,7 +77,7 @@ def evaluate(
     """Loss over `n_windows` windows of seq_len + 1 tokens drawn with `seed` from `data`, or over the
     whole split (`full`, see full_split; n_windows is then ignored). progress: a bar over the windows
     (stderr)."""
-    for name, value in (("windows", n_windows), ("seq_len", seq_len), ("batch_size", batch_size)):
+    for name, value in (("windows", 1 if full else n_windows), ("seq_len", seq_len), ("batch_size", batch_size)):
         if value < 1:
             raise ConfigError(f"evaluation needs {name} >= 1, got {value}")
     check_length(model, seq_len, "evaluation windows of seq_len")
