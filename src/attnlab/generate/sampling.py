@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from attnlab.config import ModelConfig
 from attnlab.errors import ConfigError, GenerationError
 from attnlab.model.modes import eval_mode
 from attnlab.model.transformer import Transformer
@@ -47,16 +48,25 @@ class SamplingConfig:
 def check_prompt(model: torch.nn.Module, prompt: Tensor) -> None:
     """GenerationError if a prompt id lies outside the model's vocabulary (a tokenizer larger than the
     model's, say): the embedding would index past its table."""
-    config = getattr(model, "config", None)
+    config = model_config(model)
     if config is not None and prompt.numel() and not 0 <= int(prompt.min()) <= int(prompt.max()) < config.num_tokens:
         raise GenerationError(f"the prompt holds token ids from {int(prompt.min())} to {int(prompt.max())}; the model "
                               f"has {config.num_tokens} (model.num_tokens)")
 
 
+def model_config(model: torch.nn.Module) -> ModelConfig | None:
+    """The ModelConfig of an attnlab model, also inside a DDP or DeepSpeed wrapper (`.module`);
+    None for another module."""
+    config = getattr(model, "config", None)
+    if not isinstance(config, ModelConfig) and hasattr(model, "module"):
+        config = getattr(model.module, "config", None)
+    return config if isinstance(config, ModelConfig) else None
+
+
 def check_length(model: torch.nn.Module, length: int, what: str = "the prompt and the new tokens") -> None:
     """GenerationError if `model` cannot hold `length` tokens (`what` they are): learned positions end
     at max_seq_len (rotary ones extrapolate, so their models decode past it)."""
-    config = getattr(model, "config", None)
+    config = model_config(model)
     if config is not None and config.position == "learned" and length > config.max_seq_len:
         raise GenerationError(f"{what} make {length} tokens; this model's learned positions end at "
                               f"model.max_seq_len={config.max_seq_len}")
