@@ -25,8 +25,8 @@ def twins(name: str, backend: str = "aot_eager", **overrides) -> tuple[Transform
     """The same model twice, in eval mode: eager, and with compiled decoding."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    eager = Transformer(variant_config(name, max_seq_len=512, **overrides)).eval()
-    compiled = Transformer(variant_config(name, max_seq_len=512, **overrides)).eval()
+    config = variant_config(name, **{"max_seq_len": 512, **overrides})
+    eager, compiled = Transformer(config).eval(), Transformer(config).eval()
     compiled.load_state_dict(eager.state_dict())
     assert compiled.compile_decoding(backend=backend)
     return eager, compiled
@@ -81,6 +81,29 @@ def test_compiled_decoding_through_inductor():
 
     with torch.no_grad():
         torch.testing.assert_close(steps(compiled), steps(eager), atol=1e-5, rtol=1e-5)
+
+
+def test_a_changed_model_is_checked_in_full():
+    """After two alike calls the compiled step skips most of dynamo's guards; quantising the model
+    in place, or a cache longer than the rotary tables (which regrows them), changes what the step
+    depends on, and the steps after it still give the eager logits."""
+    from attnlab.model.quantize import quantize_weights
+
+    eager, compiled = twins("full", max_seq_len=64)
+    tokens = torch.randint(0, 61, (2, 40), generator=torch.Generator().manual_seed(3))
+
+    def steps(model: Transformer, max_len: int) -> torch.Tensor:
+        cache = model.new_cache(2, max_len)
+        logits = [model(tokens[:, :10], cache=cache).logits]
+        logits += [model(tokens[:, p : p + 1], cache=cache).logits for p in range(10, 16)]
+        return torch.cat(logits, dim=1)
+
+    with torch.no_grad():
+        torch.testing.assert_close(steps(compiled, 32), steps(eager, 32), atol=1e-5, rtol=1e-5)
+        assert max(compiled._decode_calls.values()) >= 2  # the later steps skipped the guards
+        assert quantize_weights(compiled) == quantize_weights(eager) > 0
+        torch.testing.assert_close(steps(compiled, 32), steps(eager, 32), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(steps(compiled, 200), steps(eager, 200), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("batch, n_samples", [(1, 600), (4, 1200)])

@@ -29,8 +29,10 @@ Back-ends (kernels/__init__.py), for whole sequences: `cpu`, the listed-key C++ 
 (kernels/listed_cpu.py: one unit per bucket lists its chosen buckets' tokens, then its own, with
 the log sorting weight as a per-key bias that gets its gradient directly, and no scores kept for
 the backward); `flex`, a FlexAttention bucket mask (kernels/flex_sinkhorn.py). Decoding through the
-cache (`cached_bucket_attention`) sorts every bucket of the static storage and gathers each query's
-keys: the same shapes at every step.
+cache keeps every bucket's choice (SinkhornCache.sort): a bucket's choice is fixed once its
+predecessor is finished, so the sorting runs when a token opens a bucket (one in bucket_size), not
+at every step; `cached_bucket_attention` then gathers each query's keys from the static storage:
+the same shapes at every step.
 
 Legend: B batch, T tokens, H query heads, G key/value heads, D head width, N buckets, M buckets
 holding queries, b bucket size, S n_sortcut, L local heads.
@@ -172,9 +174,11 @@ class SinkhornCache(KVCache):
     summaries are made of, [B, H, L, D] (L: max_len in whole buckets); and the summary of every
     bucket, [B, H, N, D]. A forward summarises again each bucket its new tokens fall in (from the
     storage, after writing them), so a finished bucket's summary is always of its row's own tokens;
-    an unfinished bucket's is never read (bucket n sorts on buckets before n only)."""
+    an unfinished bucket's is never read (bucket n sorts on buckets before n only). And every
+    bucket's choice, [B, H, N, S] indices and log weights, made when a token opens a bucket (sort)."""
 
-    def __init__(self, lengths: Tensor, max_len: int, n_heads: int, dim_head: int, bucket_size: int, dtype) -> None:
+    def __init__(self, lengths: Tensor, max_len: int, n_heads: int, dim_head: int, bucket_size: int, n_sortcut: int,
+                 dtype) -> None:
         super().__init__(lengths, max_len)
         n_buckets = math.ceil(max_len / bucket_size)
         shape = (lengths.shape[0], n_heads, n_buckets * bucket_size, dim_head)
@@ -184,6 +188,9 @@ class SinkhornCache(KVCache):
         self.raw_keys = torch.zeros_like(self.keys)
         self.query_means = torch.zeros(*shape[:2], n_buckets, shape[-1], device=lengths.device, dtype=dtype)
         self.key_means = torch.zeros_like(self.query_means)
+        # every bucket's choice (sort_buckets' output) for all heads (local heads leave theirs unused)
+        self.chosen = torch.zeros(*shape[:2], n_buckets, n_sortcut, device=lengths.device, dtype=torch.int64)
+        self.choice_weights = torch.full(self.chosen.shape, float("-inf"), device=lengths.device)
         self.bucket_size = bucket_size
 
     def append(self, k: Tensor, v: Tensor, raw_q: Tensor, raw_k: Tensor, positions: Tensor) -> None:
@@ -195,6 +202,30 @@ class SinkhornCache(KVCache):
         rows = rows[:, None].expand(-1, k.shape[1], -1, -1)  # [B, H, T, b]
         for means, raw in ((self.query_means, self.raw_queries), (self.key_means, self.raw_keys)):
             write_rows(means, select_rows(raw, rows).mean(dim=3), bucket)  # [B, H, T, D] at each bucket
+
+    def sort(self, heads: slice, positions: Tensor, sort) -> None:
+        """Every bucket's choice for these heads, made again (`sort(query_means, key_means)`, as
+        sort_buckets) when a token at positions [B, T] opens a bucket. Bucket n's choice depends on
+        buckets 0..n-1 only (causal Sinkhorn), which are finished once its first token is fed: so a
+        kept choice stays exact until a rollback past that token, after which feeding the token
+        again makes it anew. A prefill starts at position 0, which opens bucket 0."""
+        opens = (positions % self.bucket_size == 0).any()
+
+        def sorted_again(query_means: Tensor, key_means: Tensor) -> tuple[Tensor, Tensor]:
+            return sort(query_means, key_means)
+
+        def kept(query_means: Tensor, key_means: Tensor) -> tuple[Tensor, Tensor]:
+            return self.chosen[:, heads].clone(), self.choice_weights[:, heads].clone()
+
+        means = (self.query_means[:, heads], self.key_means[:, heads])
+        if torch.compiler.is_compiling():
+            chosen, weights = torch.cond(opens, sorted_again, kept, means)
+        elif bool(opens):
+            chosen, weights = sorted_again(*means)
+        else:
+            return
+        self.chosen[:, heads] = chosen
+        self.choice_weights[:, heads] = weights
 
 
 @ATTENTION.register("sinkhorn")
@@ -229,6 +260,8 @@ class SinkhornAttention(Attention):
         q, k = self.heads.rotate(raw_q, raw_k, positions)
         if cache is not None:
             cache.append(k, v, raw_q, raw_k, positions)
+            if local < spec.n_heads:
+                cache.sort(slice(local, None), positions, self._sort_cached)
             if not cache.prefill:  # a chunk after earlier tokens: read them from the storage
                 return self.heads.merge(self._cached(q, cache, positions))
         parts = []  # a whole sequence (training, or a prefill into an empty cache)
@@ -241,17 +274,22 @@ class SinkhornAttention(Attention):
 
     def _cached(self, q: Tensor, cache: SinkhornCache, positions: Tensor) -> Tensor:
         """Queries q [B, H, T, D] at positions [B, T] over the cache's storage -> [B, H, T, D]."""
-        config, local, size = self.config, self.n_local, self.config.bucket_size
+        local, size = self.n_local, self.config.bucket_size
         parts = []
         if local:
             parts.append(window_attention(q[:, :local], cache.keys[:, :local], cache.values[:, :local], positions,
                                           size))
         if local < self.spec.n_heads:
-            chosen, weights = sort_buckets(cache.query_means[:, local:], cache.key_means[:, local:], config.n_sortcut,
-                                           config.sinkhorn_iter, config.temperature, gumbel=False)
-            parts.append(cached_bucket_attention(q[:, local:], cache.keys[:, local:], cache.values[:, local:], chosen,
-                                                 weights, positions, size))
+            parts.append(cached_bucket_attention(q[:, local:], cache.keys[:, local:], cache.values[:, local:],
+                                                 cache.chosen[:, local:], cache.choice_weights[:, local:], positions,
+                                                 size))
         return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+
+    def _sort_cached(self, query_means: Tensor, key_means: Tensor) -> tuple[Tensor, Tensor]:
+        """Every bucket's choice from a cache's summaries [B, H', N, D] (as in evaluation: no noise)."""
+        config = self.config
+        return sort_buckets(query_means, key_means, config.n_sortcut, config.sinkhorn_iter, config.temperature,
+                            gumbel=False)
 
     def _sorted(self, q, k, v, query_means, key_means, dropout) -> Tensor:
         """Sorted heads of a whole sequence q, k, v [B, H', T, D] -> [B, H', T, D], on the chosen back-end."""
@@ -271,4 +309,5 @@ class SinkhornAttention(Attention):
                   lengths: Tensor | None = None) -> SinkhornCache:
         lengths = new_lengths(batch, device) if lengths is None else lengths
         self.heads.reserve(max_len, lengths.device)
-        return SinkhornCache(lengths, max_len, self.spec.n_heads, self.spec.dim_head, self.config.bucket_size, dtype)
+        return SinkhornCache(lengths, max_len, self.spec.n_heads, self.spec.dim_head, self.config.bucket_size,
+                             self.config.n_sortcut, dtype)

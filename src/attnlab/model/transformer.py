@@ -34,6 +34,19 @@ log = logging.getLogger(__name__)
 DECODE_GRAPH_LIMIT = 256  # compiled decode steps kept (one per model, cache layout and chunk length)
 
 
+STRUCTURE_CHANGES = [0]  # modules, parameters and buffers registered in this process (any module's)
+
+
+def _count_structure_change(*args) -> None:
+    STRUCTURE_CHANGES[0] += 1
+
+
+for _register in (nn.modules.module.register_module_module_registration_hook,
+                  nn.modules.module.register_module_parameter_registration_hook,
+                  nn.modules.module.register_module_buffer_registration_hook):
+    _register(_count_structure_change)
+
+
 @dataclass
 class ModelOutput:
     logits: Tensor | None  # [B, T, V]; None when targets are given and model.loss_chunk_size > 0
@@ -47,10 +60,12 @@ class ModelCache:
     count: speculative decoding rolls rows back to lengths of their own). The host keeps the longest
     and shortest row's count beside it, for checks outside any compiled step."""
 
-    def __init__(self, layers: list[KVCache], lengths: Tensor, max_len: int) -> None:
+    def __init__(self, layers: list[KVCache], lengths: Tensor, max_len: int, dtype: torch.dtype | None = None
+                 ) -> None:
         self.layers = layers
         self.lengths = lengths  # [B], shared by every layer
         self.max_len = max_len
+        self.dtype = dtype  # of the stored keys and values
         self.length = 0  # the longest row's count, on the host
         self.shortest = 0
 
@@ -105,7 +120,7 @@ def new_model_cache(model: nn.Module, attention_layers: list[nn.Module], batch_s
     dtype = dtype or parameter.dtype
     layers = [layer.new_cache(batch_size, max_len, lengths.device, dtype, lengths=lengths)
               for layer in attention_layers]
-    return ModelCache(layers, lengths, max_len)
+    return ModelCache(layers, lengths, max_len, dtype)
 
 
 def token_positions(cache: ModelCache | None, n_tokens: int, device: torch.device) -> Tensor:
@@ -181,6 +196,7 @@ class Transformer(nn.Module):
             self.head.weight = self.token_embedding.embed.weight
         self._aux_modules: list[nn.Module] | None = None  # modules reporting aux_losses, found on first use
         self._compiled_step = None  # compile_decoding()
+        self._decode_calls: dict[tuple, int] = {}  # times the compiled step served a call (_decode_call)
         self.apply(self._init_weights)
         for name, parameter in self.named_parameters():
             if name.endswith(("to_out.weight", "down.weight")):  # GPT-2: scale residual projections
@@ -219,13 +235,45 @@ class Transformer(nn.Module):
 
     def _compiled_decode(self, tokens, targets, cache, loss_mask) -> ModelOutput:
         """The compiled step; where torch.compile fails on this machine (before running anything),
-        one warning and eager decoding from then on."""
+        one warning and eager decoding from then on.
+
+        A call like ones the step has served twice in a row skips most of dynamo's guards
+        (skip_guard_eval_unsafe: only those telling its graphs apart are checked). Checking them all
+        costs more than a small model's whole step on a CPU (0.2-1 ms), and what they check cannot
+        have changed: `_decode_call` holds what a graph depends on that a caller could change
+        between calls (shapes, dtypes, modes, the modules; the cache's tensors are always made
+        alike by new_cache). Should a guard fail all the same, dynamo refuses to compile under that
+        stance before running anything, and the call is made again with every guard checked."""
+        call = self._decode_call(tokens, targets, cache, loss_mask)
+        served = self._decode_calls.get(call, 0)
         try:
-            return self._compiled_step(tokens, targets, cache, loss_mask)
+            if served >= 2:
+                try:
+                    with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                        return self._compiled_step(tokens, targets, cache, loss_mask)
+                except Exception as error:  # noqa: BLE001 - only dynamo's refusal under the stance is retried
+                    if "skip_guard_eval_unsafe" not in repr(error) + repr(error.__cause__):
+                        raise
+                    log.debug("a compiled decode call failed a guard dynamo skipped: checked in full")
+                    served = 0
+            output = self._compiled_step(tokens, targets, cache, loss_mask)
+            self._decode_calls[call] = served + 1
+            return output
         except torch._dynamo.exc.TorchDynamoException as error:
             log.warning("compiled decoding failed, decoding eagerly: %s", str(error).splitlines()[0])
             self._compiled_step = None
             return self.run(tokens, targets, cache, loss_mask)
+
+    def _decode_call(self, tokens, targets, cache, loss_mask) -> tuple:
+        """What tells one compiled decode call from another: the inputs' shapes, strides and kinds,
+        the cache's layout (and whether inference mode made it), the grad and inference modes, the
+        parameters' dtype and device, and the modules' structure (STRUCTURE_CHANGES: quantising the
+        model, or a longer cache regrowing the rotary tables, registers new modules or buffers)."""
+        parameter = next(self.parameters())
+        return (tokens.shape, tokens.stride(), tokens.device, targets is None, loss_mask is None, cache.max_len,
+                len(cache.layers), cache.dtype, cache.lengths.is_inference(), torch.is_grad_enabled(),
+                torch.is_inference_mode_enabled(), self.training, parameter.dtype, parameter.device,
+                STRUCTURE_CHANGES[0])
 
     def compile_decoding(self, mode: str | None = None, backend: str = "inductor") -> bool:
         """Compile the cached forward of a chunk after earlier tokens (a decode step, a speculative
@@ -242,6 +290,7 @@ class Transformer(nn.Module):
         try:
             mode = mode or ("reduce-overhead" if device.type == "cuda" and backend == "inductor" else None)
             self._compiled_step = torch.compile(self.run, fullgraph=True, dynamic=False, mode=mode, backend=backend)
+            self._decode_calls.clear()
         except Exception as error:  # noqa: BLE001 - any failure: decode eagerly, and say so once
             log.warning("compiled decoding unavailable on %s, decoding eagerly: %s", device.type, error)
             self._compiled_step = None
