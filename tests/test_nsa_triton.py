@@ -173,3 +173,43 @@ def test_broken_causal_bound_in_selected_kernel_is_caught(kernels):
         else:
             with pytest.raises(AssertionError):
                 torch.testing.assert_close(got, want, **TOLERANCE)
+
+
+def test_layer_on_triton_equals_torch(kernels):
+    """The whole layer with the paper's kind of blocks (compressed 16 / stride 8, selection 16),
+    GQA groups of 4 and straight-through top-k: forward and every parameter's gradient."""
+    from attnlab.attention.base import AttentionSpec, RotaryEmbedding
+    from attnlab.attention.nsa import NativeSparseAttention
+
+    def layer(backend: str) -> NativeSparseAttention:
+        config = NSAAttentionConfig(compress_block_size=16, compress_stride=8, selection_block_size=16, num_selected=3,
+                                    sliding_window_size=8, use_diff_topk=True, query_chunk_size=16, backend=backend)
+        spec = AttentionSpec(dim=32, n_heads=8, dim_head=8, n_kv_heads=2, dropout=0.0, max_seq_len=128,
+                             layer_index=0, n_layers=1, rotary=RotaryEmbedding(8))
+        torch.manual_seed(0)
+        return NativeSparseAttention(spec, config)
+
+    reference, triton_layer = layer("torch"), layer("triton")
+    triton_layer.load_state_dict(reference.state_dict())
+    x = torch.randn(1, 50, 32, requires_grad=True)
+    want, got = reference(x), triton_layer(x)
+    torch.testing.assert_close(got, want, **TOLERANCE)
+    need = torch.autograd.grad(want.square().sum(), [x, *reference.parameters()])
+    have = torch.autograd.grad(got.square().sum(), [x, *triton_layer.parameters()])
+    names = ["x"] + [name for name, _ in reference.named_parameters()]
+    for name, a, b in zip(names, have, need, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_operator_registrations(kernels):
+    """torch.library.opcheck: schema, fake (meta) kernels and autograd registration of the
+    compressed-branch and selection ops (what torch.compile relies on)."""
+    compressed, _ = kernels
+    config = nsa_config(16, 8, 16, 3)
+    q, keys, values = compressed_inputs(1, 1, 2, 20, 8, config)
+    grouped = q.detach().view(1, 1, 2, 20, 8).transpose(2, 3).contiguous().requires_grad_()
+    checks = ("test_schema", "test_autograd_registration", "test_faketensor")
+    torch.library.opcheck(compressed.compressed_attention_op, (grouped, keys, values, 16, 8, 16, True),
+                          test_utils=checks)
+    importance = compressed.compressed_forward(grouped.detach(), keys.detach(), values.detach(), 16, 8, 16)[2]
+    torch.library.opcheck(compressed.select_blocks_op, (importance, 3, 16), test_utils=checks)

@@ -45,6 +45,12 @@ ROW_TILE = 64  # query rows (query x head) per step of the key-centric backward
 SELECTION_UNITS = 64  # stride units covered by one step of the importance loop
 
 
+def precision(dtype: torch.dtype) -> str | None:
+    """fp32 scores in full precision (not tf32): the selection compares them, and the tests compare
+    selections with the reference's; other dtypes take tl.dot's default."""
+    return "ieee" if dtype == torch.float32 else None
+
+
 def padded(size: int) -> int:
     """The power of two at or above size, at least 16 (tl.dot's minimum)."""
     return max(16, 1 << (size - 1).bit_length())
@@ -67,7 +73,7 @@ def _kernels(interpreted: bool) -> dict:
         n_queries, n_keys, n_selection, scale, causal_shift,
         HEADS_PER_GROUP: tl.constexpr, DIM: tl.constexpr, BLOCK: tl.constexpr, STRIDE: tl.constexpr,
         SELECTION_BLOCK: tl.constexpr, R_PAD: tl.constexpr, DIM_PAD: tl.constexpr, KEYS: tl.constexpr,
-        SELECTIONS: tl.constexpr, COVER_PAD: tl.constexpr,
+        SELECTIONS: tl.constexpr, COVER_PAD: tl.constexpr, PRECISION: tl.constexpr,
     ):
         # program = (t, b g); q, out [B, G, T, R, D]; k, v [B, G, J, D]; lse [B, G, T, R]; importance [B, G, T, M]
         query = tl.program_id(0)
@@ -92,7 +98,8 @@ def _kernels(interpreted: bool) -> dict:
             key_mask = key_ok[:, None] & (dims < DIM)[None, :]
             k = tl.load(k_ptr + (key_base + keys)[:, None] * DIM + dims[None, :], mask=key_mask, other=0.0)
             v = tl.load(v_ptr + (key_base + keys)[:, None] * DIM + dims[None, :], mask=key_mask, other=0.0)
-            scores = tl.where(key_ok[None, :], tl.dot(q, tl.trans(k)) * scale, float("-inf"))  # [R, KEYS]
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [R, KEYS]
+            scores = tl.where(key_ok[None, :], scores, float("-inf"))
             new_max = tl.maximum(running_max, tl.max(scores, axis=1))  # finite: the memory slot is in tile 0
             correction = tl.exp(running_max - new_max)
             probs = tl.exp(scores - new_max[:, None])
@@ -117,7 +124,7 @@ def _kernels(interpreted: bool) -> dict:
                                                            + units_per_block - 1)
             k = tl.load(k_ptr + (key_base + keys)[:, None] * DIM + dims[None, :],
                         mask=key_ok[:, None] & (dims < DIM)[None, :], other=0.0)  # [COVER, D]
-            probs = tl.exp(tl.dot(q, tl.trans(k)) * scale - lse[:, None])
+            probs = tl.exp(tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale - lse[:, None])
             probs = tl.where(head_ok[:, None] & key_ok[None, :], probs, 0.0)
             per_block = tl.sum(probs, axis=0)  # eq. 10: summed over the group's heads [COVER]
             # eq. 9: a block counts once for every stride unit it shares with a selection block
@@ -134,7 +141,7 @@ def _kernels(interpreted: bool) -> dict:
         n_queries, n_keys, n_selection, scale,
         HEADS_PER_GROUP: tl.constexpr, DIM: tl.constexpr, BLOCK: tl.constexpr, STRIDE: tl.constexpr,
         SELECTION_BLOCK: tl.constexpr, R_PAD: tl.constexpr, DIM_PAD: tl.constexpr, KEYS: tl.constexpr,
-        HAS_IMPORTANCE: tl.constexpr,
+        HAS_IMPORTANCE: tl.constexpr, PRECISION: tl.constexpr,
     ):
         # program = (t, b g): grad_q [B, G, T, R, D]; delta [B, G, T, R] for the key-centric kernel
         query = tl.program_id(0)
@@ -159,7 +166,8 @@ def _kernels(interpreted: bool) -> dict:
                 key_ok = keys < n_visible
                 k = tl.load(k_ptr + (key_base + keys)[:, None] * DIM + dims[None, :],
                             mask=key_ok[:, None] & (dims < DIM)[None, :], other=0.0).to(tl.float32)
-                probs = tl.where(key_ok[None, :], tl.exp(tl.dot(q, tl.trans(k)) * scale - lse[:, None]), 0.0)
+                scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+                probs = tl.where(key_ok[None, :], tl.exp(scores - lse[:, None]), 0.0)
                 extra = tl.zeros((KEYS,), tl.float32)  # dL/dP of each block from the importance
                 for shift in tl.static_range(BLOCK // STRIDE):  # eq. 9 transposed: dI over the block's units
                     selection = (keys - 1 + shift) // (SELECTION_BLOCK // STRIDE)
@@ -176,7 +184,8 @@ def _kernels(interpreted: bool) -> dict:
                         ).to(tl.float32)
             v = tl.load(v_ptr + (key_base + keys)[:, None] * DIM + dims[None, :], mask=key_mask, other=0.0
                         ).to(tl.float32)
-            probs = tl.where(key_ok[None, :], tl.exp(tl.dot(q, tl.trans(k)) * scale - lse[:, None]), 0.0)
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            probs = tl.where(key_ok[None, :], tl.exp(scores - lse[:, None]), 0.0)
             grad_probs = tl.dot(grad_out, tl.trans(v))  # [R, KEYS]
             if HAS_IMPORTANCE:
                 for shift in tl.static_range(BLOCK // STRIDE):
@@ -193,7 +202,7 @@ def _kernels(interpreted: bool) -> dict:
         n_queries, n_keys, n_selection, scale,
         HEADS_PER_GROUP: tl.constexpr, DIM: tl.constexpr, BLOCK: tl.constexpr, STRIDE: tl.constexpr,
         SELECTION_BLOCK: tl.constexpr, DIM_PAD: tl.constexpr, KEYS: tl.constexpr, ROWS: tl.constexpr,
-        HAS_IMPORTANCE: tl.constexpr,
+        HAS_IMPORTANCE: tl.constexpr, PRECISION: tl.constexpr,
     ):
         # program = (key tile, b g): grad_k, grad_v [B, G, J, D]; rows are (query, head) pairs, T R of them
         tile = tl.program_id(0)
@@ -223,7 +232,8 @@ def _kernels(interpreted: bool) -> dict:
             lse = tl.load(lse_ptr + global_rows, mask=row_ok, other=0.0)
             delta = tl.load(delta_ptr + global_rows, mask=row_ok, other=0.0)
             visible = row_ok[:, None] & key_ok[None, :] & ((keys[None, :] == 0) | (key_end[None, :] <= query[:, None]))
-            probs = tl.where(visible, tl.exp(tl.dot(q, tl.trans(k)) * scale - lse[:, None]), 0.0)  # [ROWS, KEYS]
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [ROWS, KEYS]
+            probs = tl.where(visible, tl.exp(scores - lse[:, None]), 0.0)
             grad_v += tl.dot(tl.trans(probs), grad_out)
             grad_probs = tl.dot(grad_out, tl.trans(v))
             if HAS_IMPORTANCE:
@@ -304,7 +314,7 @@ def compressed_forward(q: Tensor, keys: Tensor, values: Tensor, block: int, stri
         q, keys, values, output, lse, importance, n_queries, keys.shape[2], n_selection,
         1 / math.sqrt(dim_head), causal_shift, HEADS_PER_GROUP=heads_per_group, DIM=dim_head,
         **block_sizes(block, stride, selection_block), R_PAD=padded(heads_per_group), DIM_PAD=padded(dim_head),
-        KEYS=KEY_TILE, SELECTIONS=selections, COVER_PAD=padded(cover),
+        KEYS=KEY_TILE, SELECTIONS=selections, COVER_PAD=padded(cover), PRECISION=precision(q.dtype),
     )
     return output, lse, importance
 
@@ -357,7 +367,8 @@ def compressed_attention_backward(grad_output: Tensor, grad_importance: Tensor, 
     delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)  # [B, G, T, R]
     grad_keys, grad_values = torch.empty_like(keys), torch.empty_like(values)
     common = dict(HEADS_PER_GROUP=heads_per_group, DIM=dim_head, **block_sizes(block, stride, selection_block),
-                  DIM_PAD=padded(dim_head), KEYS=KEY_TILE, HAS_IMPORTANCE=has_importance)
+                  DIM_PAD=padded(dim_head), KEYS=KEY_TILE, HAS_IMPORTANCE=has_importance,
+                  PRECISION=precision(q.dtype))
     scale = 1 / math.sqrt(dim_head)
     importance_pointer = grad_importance if has_importance else lse
     kernels()["backward_query"][(n_queries, batch * n_groups)](
