@@ -175,21 +175,23 @@ def test_broken_causal_bound_in_selected_kernel_is_caught(kernels):
                 torch.testing.assert_close(got, want, **TOLERANCE)
 
 
-def test_layer_on_triton_equals_torch(kernels):
-    """The whole layer with the paper's kind of blocks (compressed 16 / stride 8, selection 16),
-    GQA groups of 4 and straight-through top-k: forward and every parameter's gradient."""
+def nsa_layer(backend: str):
+    """Compressed 16 / stride 8, selection 16, GQA groups of 4, straight-through top-k."""
     from attnlab.attention.base import AttentionSpec, RotaryEmbedding
     from attnlab.attention.nsa import NativeSparseAttention
 
-    def layer(backend: str) -> NativeSparseAttention:
-        config = NSAAttentionConfig(compress_block_size=16, compress_stride=8, selection_block_size=16, num_selected=3,
-                                    sliding_window_size=8, use_diff_topk=True, query_chunk_size=16, backend=backend)
-        spec = AttentionSpec(dim=32, n_heads=8, dim_head=8, n_kv_heads=2, dropout=0.0, max_seq_len=128,
-                             layer_index=0, n_layers=1, rotary=RotaryEmbedding(8))
-        torch.manual_seed(0)
-        return NativeSparseAttention(spec, config)
+    config = NSAAttentionConfig(compress_block_size=16, compress_stride=8, selection_block_size=16, num_selected=3,
+                                sliding_window_size=8, use_diff_topk=True, query_chunk_size=16, backend=backend)
+    spec = AttentionSpec(dim=32, n_heads=8, dim_head=8, n_kv_heads=2, dropout=0.0, max_seq_len=128,
+                         layer_index=0, n_layers=1, rotary=RotaryEmbedding(8))
+    torch.manual_seed(0)
+    return NativeSparseAttention(spec, config)
 
-    reference, triton_layer = layer("torch"), layer("triton")
+
+def test_layer_on_triton_equals_torch(kernels):
+    """The whole layer with the paper's kind of blocks (compressed 16 / stride 8, selection 16),
+    GQA groups of 4 and straight-through top-k: forward and every parameter's gradient."""
+    reference, triton_layer = nsa_layer("torch"), nsa_layer("triton")
     triton_layer.load_state_dict(reference.state_dict())
     x = torch.randn(1, 50, 32, requires_grad=True)
     want, got = reference(x), triton_layer(x)
@@ -213,3 +215,17 @@ def test_operator_registrations(kernels):
                           test_utils=checks)
     importance = compressed.compressed_forward(grouped.detach(), keys.detach(), values.detach(), 16, 8, 16)[2]
     torch.library.opcheck(compressed.select_blocks_op, (importance, 3, 16), test_utils=checks)
+
+
+def test_layer_on_triton_compiles_whole(kernels):
+    """torch.compile(fullgraph=True) traces the layer on the triton back-end through its custom ops
+    (fake kernels, autograd registrations): the same output and input gradient as eager."""
+    layer = nsa_layer("triton")
+    x = torch.randn(1, 18, 32, requires_grad=True)
+    want = layer(x)
+    (want_grad,) = torch.autograd.grad(want.square().sum(), [x])
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    got = compiled(x)
+    (got_grad,) = torch.autograd.grad(got.square().sum(), [x])
+    torch.testing.assert_close(got, want, **TOLERANCE)
+    torch.testing.assert_close(got_grad, want_grad, **TOLERANCE)
