@@ -16,9 +16,9 @@ ascending order, valid blocks first (the reference's canonical order).
 
 Backward, flash-attention style, recomputing the probabilities from the log-sum-exp:
 - query-centric (one program per query and group): dq, and each head's delta = sum_j P_j dP_j;
-- key-centric (one program per tile of compressed keys and group): walks the queries that see the
-  tile (from the first one at which its first block is complete) and accumulates dK, dV in
-  registers, no atomics.
+- key-centric (one program per tile of compressed keys, group and split of the query rows): walks
+  the queries that see the tile (from the first one at which its first block is complete) and
+  accumulates dK, dV in registers, no atomics; the splits' partial sums are added after.
 The importance's gradient (from the straight-through gates, use_diff_topk) reaches a compressed
 block's probability as the sum of dI over the selection blocks of its units (eq. 9 transposed).
 
@@ -42,6 +42,9 @@ from attnlab.attention.kernels.nsa_triton import check_available, interpreting
 
 KEY_TILE = 64  # compressed keys per loop step (forward) and per key-centric program (backward)
 ROW_TILE = 64  # query rows (query x head) per step of the key-centric backward
+# rows one key-centric program walks at most: long sequences split each key tile's rows over several
+# programs (their partial dK, dV summed after), so the grid is more than one program per key tile
+ROWS_PER_PROGRAM = 16384
 SELECTION_UNITS = 64  # stride units covered by one step of the importance loop
 
 
@@ -202,11 +205,13 @@ def _kernels(interpreted: bool) -> dict:
         n_queries, n_keys, n_selection, scale,
         HEADS_PER_GROUP: tl.constexpr, DIM: tl.constexpr, BLOCK: tl.constexpr, STRIDE: tl.constexpr,
         SELECTION_BLOCK: tl.constexpr, DIM_PAD: tl.constexpr, KEYS: tl.constexpr, ROWS: tl.constexpr,
-        HAS_IMPORTANCE: tl.constexpr, PRECISION: tl.constexpr,
+        ROWS_PER_PROGRAM: tl.constexpr, HAS_IMPORTANCE: tl.constexpr, PRECISION: tl.constexpr,
     ):
-        # program = (key tile, b g): grad_k, grad_v [B, G, J, D]; rows are (query, head) pairs, T R of them
+        # program = (key tile, b g, split): rows are (query, head) pairs, T R of them, and the program
+        # takes those of its split; partial grad_k, grad_v [splits, B, G, J, D] fp32
         tile = tl.program_id(0)
         batch_group = tl.program_id(1)
+        split = tl.program_id(2)
         dims = tl.arange(0, DIM_PAD)
         dim_ok = dims < DIM
         keys = tile * KEYS + tl.arange(0, KEYS)
@@ -220,9 +225,10 @@ def _kernels(interpreted: bool) -> dict:
         grad_v = tl.zeros((KEYS, DIM_PAD), tl.float32)
         n_rows = n_queries * HEADS_PER_GROUP
         first_query = tl.where(tile == 0, 0, (tile * KEYS - 1) * STRIDE + BLOCK - 1)  # sees the tile's first key
-        for start in range(first_query * HEADS_PER_GROUP, n_rows, ROWS):
+        split_end = tl.minimum(n_rows, (split + 1) * ROWS_PER_PROGRAM)
+        for start in range(tl.maximum(first_query * HEADS_PER_GROUP, split * ROWS_PER_PROGRAM), split_end, ROWS):
             rows = start + tl.arange(0, ROWS)
-            row_ok = rows < n_rows
+            row_ok = rows < split_end
             query = rows // HEADS_PER_GROUP
             global_rows = batch_group * n_rows + rows
             row_mask = row_ok[:, None] & dim_ok[None, :]
@@ -244,8 +250,9 @@ def _kernels(interpreted: bool) -> dict:
                                           mask=visible & (keys[None, :] >= 1) & (selection < n_selection), other=0.0)
             grad_scores = probs * (grad_probs - delta[:, None]) * scale
             grad_k += tl.dot(tl.trans(grad_scores), q)
-        tl.store(grad_k_ptr + key_offsets, grad_k.to(grad_k_ptr.dtype.element_ty), mask=key_mask)
-        tl.store(grad_v_ptr + key_offsets, grad_v.to(grad_v_ptr.dtype.element_ty), mask=key_mask)
+        partial = split * (tl.num_programs(1) * n_keys * DIM)
+        tl.store(grad_k_ptr + partial + key_offsets, grad_k, mask=key_mask)
+        tl.store(grad_v_ptr + partial + key_offsets, grad_v, mask=key_mask)
 
     @triton.jit
     def selection_kernel(
@@ -365,7 +372,9 @@ def compressed_attention_backward(grad_output: Tensor, grad_importance: Tensor, 
     n_selection = n_selection_blocks(n_queries, selection_block)
     grad_q = torch.empty_like(q)
     delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)  # [B, G, T, R]
-    grad_keys, grad_values = torch.empty_like(keys), torch.empty_like(values)
+    n_splits = triton_cdiv(n_queries * heads_per_group, ROWS_PER_PROGRAM)
+    grad_keys, grad_values = (torch.empty(n_splits, *keys.shape, dtype=torch.float32, device=q.device)
+                              for _ in range(2))  # [splits, B, G, J, D], summed below
     common = dict(HEADS_PER_GROUP=heads_per_group, DIM=dim_head, **block_sizes(block, stride, selection_block),
                   DIM_PAD=padded(dim_head), KEYS=KEY_TILE, HAS_IMPORTANCE=has_importance,
                   PRECISION=precision(q.dtype))
@@ -374,10 +383,10 @@ def compressed_attention_backward(grad_output: Tensor, grad_importance: Tensor, 
     kernels()["backward_query"][(n_queries, batch * n_groups)](
         q, keys, values, output, lse, grad_output, importance_pointer, grad_q, delta,
         n_queries, keys.shape[2], n_selection, scale, R_PAD=padded(heads_per_group), **common)
-    kernels()["backward_key"][(triton_cdiv(keys.shape[2], KEY_TILE), batch * n_groups)](
+    kernels()["backward_key"][(triton_cdiv(keys.shape[2], KEY_TILE), batch * n_groups, n_splits)](
         q, keys, values, lse, delta, grad_output, importance_pointer, grad_keys, grad_values,
-        n_queries, keys.shape[2], n_selection, scale, ROWS=ROW_TILE, **common)
-    return grad_q, grad_keys, grad_values
+        n_queries, keys.shape[2], n_selection, scale, ROWS=ROW_TILE, ROWS_PER_PROGRAM=ROWS_PER_PROGRAM, **common)
+    return grad_q, grad_keys.sum(0).to(keys.dtype), grad_values.sum(0).to(values.dtype)
 
 
 @compressed_attention_backward.register_fake
