@@ -8,8 +8,10 @@ online softmax (flash attention) over them; keys after the query are masked (que
 each key block is loaded once for the whole group). The backward recomputes the probabilities from
 the saved log-sum-exp in two kernels: a query-centric one (dq, the gates' gradient and each head's
 delta = dO . O), and a key-block-centric one: one program per key block, which walks the list of
-(query, slot) pairs that chose the block (built by a stable sort of the selections, `query_lists`)
-and accumulates the block's dK, dV in registers, stored once, with no atomics. The selection block need not equal
+(query, slot) pairs that chose the block (built by a stable sort of the selections, `query_lists`;
+a long list, as the initial block's, split over several programs, `work_items`) and accumulates
+the block's dK, dV in registers, stored once per program, with no atomics; a last kernel adds each
+block's pieces in order. The selection block need not equal
 the compression block, and any R >= 1 works: R, the block and the head width are padded to powers
 of two (at least 16, tl.dot's minimum) and masked.
 
@@ -188,18 +190,21 @@ def _backward_kernels(interpreted: bool) -> tuple:
 
     @triton.jit
     def backward_key_kernel(
-        q_ptr, k_ptr, v_ptr, gates_ptr, lse_ptr, delta_ptr, grad_out_ptr, order_ptr, starts_ptr,
-        grad_k_ptr, grad_v_ptr,
-        n_queries, n_keys, n_blocks, offset, scale,
+        q_ptr, k_ptr, v_ptr, gates_ptr, lse_ptr, delta_ptr, grad_out_ptr, order_ptr,
+        item_block_ptr, item_begin_ptr, item_end_ptr, partial_k_ptr, partial_v_ptr,
+        n_queries, n_keys, n_items, offset, scale,
         HEADS_PER_GROUP: tl.constexpr, N_SELECTED: tl.constexpr, BLOCK: tl.constexpr, DIM: tl.constexpr,
         R_PAD: tl.constexpr, BLOCK_PAD: tl.constexpr, DIM_PAD: tl.constexpr, HAS_GATES: tl.constexpr,
         QUERIES: tl.constexpr,
     ):
-        # program = (m, b g): the key block m of group g, loaded once; its list of (query, slot) pairs
-        # that chose it (order [B G, T n] grouped by block, starts [B G, M + 1]) walked QUERIES at a
-        # time, each with its R heads; dK, dV [l', D] accumulated in registers, stored once: no atomics
-        block_index = tl.program_id(0)
+        # program = (work item, b g): an item is a key block m of group g, loaded once, and a piece of
+        # its list of (query, slot) pairs that chose it (order [B G, T n] grouped by block; a long list,
+        # such as the initial block's, is split over several items), walked QUERIES at a time, each with
+        # its R heads; dK, dV [l', D] accumulated in registers and stored once per item into
+        # partial [B G, items, l', D] (fp32): no atomics
+        item = tl.program_id(0)
         batch_group = tl.program_id(1)
+        block_index = tl.load(item_block_ptr + batch_group * n_items + item)
         dims = tl.arange(0, DIM_PAD)
         tokens = tl.arange(0, BLOCK_PAD)
         dim_ok = dims < DIM
@@ -211,8 +216,8 @@ def _backward_kernels(interpreted: bool) -> tuple:
         v = tl.load(v_ptr + key_offsets, mask=key_mask, other=0.0).to(tl.float32)
         grad_k = tl.zeros((BLOCK_PAD, DIM_PAD), tl.float32)
         grad_v = tl.zeros((BLOCK_PAD, DIM_PAD), tl.float32)
-        list_start = tl.load(starts_ptr + batch_group * (n_blocks + 1) + block_index)
-        list_end = tl.load(starts_ptr + batch_group * (n_blocks + 1) + block_index + 1)
+        list_start = tl.load(item_begin_ptr + batch_group * n_items + item)
+        list_end = tl.load(item_end_ptr + batch_group * n_items + item)
         lanes = tl.arange(0, QUERIES * R_PAD)  # (query of the list, head) pairs
         heads = lanes % R_PAD
         for first in range(list_start, list_end, QUERIES):
@@ -239,10 +244,37 @@ def _backward_kernels(interpreted: bool) -> tuple:
                 weighted = probs
             grad_v += tl.dot(tl.trans(weighted), grad_out)
             grad_k += tl.dot(tl.trans(probs * (grad_probs - delta[:, None]) * scale), q)
+        partial = ((batch_group * n_items + item) * BLOCK + tokens)[:, None] * DIM + dims[None, :]
+        tl.store(partial_k_ptr + partial, grad_k, mask=(tokens < BLOCK)[:, None] & dim_ok[None, :])
+        tl.store(partial_v_ptr + partial, grad_v, mask=(tokens < BLOCK)[:, None] & dim_ok[None, :])
+
+    @triton.jit
+    def sum_items_kernel(
+        partial_k_ptr, partial_v_ptr, item_first_ptr, item_count_ptr, grad_k_ptr, grad_v_ptr,
+        n_keys, n_blocks, n_items,
+        BLOCK: tl.constexpr, DIM: tl.constexpr, BLOCK_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
+    ):
+        # program = (m, b g): the sum of key block m's items (consecutive, in order: deterministic)
+        block_index = tl.program_id(0)
+        batch_group = tl.program_id(1)
+        dims = tl.arange(0, DIM_PAD)
+        tokens = tl.arange(0, BLOCK_PAD)
+        tile_mask = (tokens < BLOCK)[:, None] & (dims < DIM)[None, :]
+        first = tl.load(item_first_ptr + batch_group * n_blocks + block_index)
+        count = tl.load(item_count_ptr + batch_group * n_blocks + block_index)
+        grad_k = tl.zeros((BLOCK_PAD, DIM_PAD), tl.float32)
+        grad_v = tl.zeros((BLOCK_PAD, DIM_PAD), tl.float32)
+        for item in range(first, first + count):
+            partial = ((batch_group * n_items + item) * BLOCK + tokens)[:, None] * DIM + dims[None, :]
+            grad_k += tl.load(partial_k_ptr + partial, mask=tile_mask, other=0.0)
+            grad_v += tl.load(partial_v_ptr + partial, mask=tile_mask, other=0.0)
+        key = block_index * BLOCK + tokens
+        key_mask = (tokens < BLOCK)[:, None] & (key < n_keys)[:, None] & (dims < DIM)[None, :]
+        key_offsets = (batch_group * n_keys + key)[:, None] * DIM + dims[None, :]
         tl.store(grad_k_ptr + key_offsets, grad_k.to(grad_k_ptr.dtype.element_ty), mask=key_mask)
         tl.store(grad_v_ptr + key_offsets, grad_v.to(grad_v_ptr.dtype.element_ty), mask=key_mask)
 
-    return backward_query_kernel, backward_key_kernel
+    return backward_query_kernel, backward_key_kernel, sum_items_kernel
 
 
 def query_lists(indices: Tensor, valid: Tensor, n_blocks: int) -> tuple[Tensor, Tensor]:
@@ -255,6 +287,28 @@ def query_lists(indices: Tensor, valid: Tensor, n_blocks: int) -> tuple[Tensor, 
     edges = torch.arange(n_blocks + 1, device=indices.device, dtype=sorted_blocks.dtype)
     starts = torch.searchsorted(sorted_blocks, edges.expand(batch * n_groups, -1).contiguous())
     return order.to(torch.int32).contiguous(), starts.to(torch.int32).contiguous()
+
+
+def work_items(starts: Tensor, n_entries: int, per_item: int) -> dict[str, Tensor]:
+    """Split each key block's list (starts [B G, M + 1] from query_lists, n_entries = T n in all)
+    into items of at most per_item entries, at least one per block (its dK, dV are written even when
+    no query chose it). The number of items I = M + ceil(T n / per_item) bounds their count from the
+    shapes alone; the unused ones have empty ranges. -> block, begin, end [B G, I] of each item; first
+    item and item count [B G, M] of each block (all int32)."""
+    n_blocks = starts.shape[1] - 1
+    counts = starts[:, 1:] - starts[:, :-1]  # [B G, M]
+    chunks = ((counts + per_item - 1) // per_item).clamp(min=1)
+    ends = chunks.cumsum(-1)  # [B G, M] one past each block's last item
+    first = ends - chunks
+    n_items = n_blocks + -(-n_entries // per_item)
+    items = torch.arange(n_items, device=starts.device, dtype=ends.dtype).expand(starts.shape[0], -1).contiguous()
+    block = torch.searchsorted(ends, items, right=True).clamp(max=n_blocks - 1)  # [B G, I]
+    begin = starts.gather(-1, block) + (items - first.gather(-1, block)) * per_item
+    end = torch.minimum(starts.gather(-1, block + 1), begin + per_item)
+    used = items < ends[:, -1:]
+    tables = {"block": block, "begin": torch.where(used, begin, 0), "end": torch.where(used, end, 0),
+              "first": first, "count": chunks}
+    return {name: table.to(torch.int32).contiguous() for name, table in tables.items()}
 
 
 def _sizes(heads_per_group: int, n_selected: int, block: int, dim_head: int, has_gates: bool) -> dict:
@@ -301,6 +355,9 @@ def _(q, k, v, indices, valid, gates, offset, block):
 
 
 QUERY_LANES = 64  # (query, head) pairs per step of the key-block-centric backward
+# list entries (query, slot) one key-block program walks at most: the initial block is chosen by
+# every query, so its list is split over several programs (their partial dK, dV summed after)
+ENTRIES_PER_PROGRAM = 4096
 
 
 @torch.library.custom_op("attnlab::nsa_selected_attention_triton_backward", mutates_args=())
@@ -309,13 +366,15 @@ def selected_attention_backward(grad_output: Tensor, q: Tensor, k: Tensor, v: Te
                                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Two kernels: query-centric (dq, the gates' gradient, delta) and key-block-centric (dK, dV,
     each key block walking the list of queries that chose it)."""
-    query_kernel, key_kernel = _backward_kernels(interpreting())
+    query_kernel, key_kernel, sum_kernel = _backward_kernels(interpreting())
     batch, n_groups, n_queries, heads_per_group, dim_head = q.shape
     q, k, v, output = q.contiguous(), k.contiguous(), v.contiguous(), output.contiguous()
     has_gates = gates.numel() > 0
     gates, grad_output = gates.contiguous(), grad_output.contiguous()
     n_blocks = -(-k.shape[2] // block)
     order, starts = query_lists(indices, valid, n_blocks)
+    items = work_items(starts, order.shape[1], ENTRIES_PER_PROGRAM)
+    n_items = items["block"].shape[1]
     indices, valid = indices.contiguous().to(torch.int32), valid.contiguous().to(torch.int8)
     grad_q = torch.empty_like(q)
     grad_gates = torch.zeros(gates.shape, dtype=torch.float32, device=gates.device)
@@ -328,10 +387,17 @@ def selected_attention_backward(grad_output: Tensor, q: Tensor, k: Tensor, v: Te
         grad_q, grad_gates if has_gates else grad_q, delta, n_queries, k.shape[2], offset, scale, **sizes,
     )
     heads_padded = 1 << (heads_per_group - 1).bit_length()  # a power of two; lanes = queries x heads >= 16
-    key_kernel[(n_blocks, batch * n_groups)](
-        q, k, v, gates if has_gates else q, lse, delta, grad_output, order, starts, grad_k, grad_v,
-        n_queries, k.shape[2], n_blocks, offset, scale,
+    partial_k, partial_v = (torch.empty(batch * n_groups, n_items, block, dim_head, dtype=torch.float32,
+                                        device=q.device) for _ in range(2))
+    key_kernel[(n_items, batch * n_groups)](
+        q, k, v, gates if has_gates else q, lse, delta, grad_output, order,
+        items["block"], items["begin"], items["end"], partial_k, partial_v,
+        n_queries, k.shape[2], n_items, offset, scale,
         **{**sizes, "R_PAD": heads_padded}, QUERIES=max(1, QUERY_LANES // heads_padded),
+    )
+    sum_kernel[(n_blocks, batch * n_groups)](
+        partial_k, partial_v, items["first"], items["count"], grad_k, grad_v, k.shape[2], n_blocks, n_items,
+        BLOCK=block, DIM=dim_head, BLOCK_PAD=sizes["BLOCK_PAD"], DIM_PAD=sizes["DIM_PAD"],
     )
     return grad_q, grad_k, grad_v, grad_gates.to(gates.dtype)
 
