@@ -3,10 +3,17 @@
 # sections), on a machine with one CUDA GPU and a torch
 # with CUDA and triton already installed (attnlab is installed without touching them).
 #   bench/gpu.sh tests        pytest tests/test_gpu.py (Triton and FlexAttention at real sizes, every variant)
-#   bench/gpu.sh layer        one NSA layer vs SDPA flash at 8k-64k tokens, bf16 (bench/nsa_gpu.py)
+#   bench/gpu.sh layer        one NSA layer (triton back-end, torch reference) vs SDPA flash at 8k-64k
+#                             tokens, bf16: forward, forward+backward, peak memory (bench/nsa_gpu.py)
+#   bench/gpu.sh kernels      each NSA branch alone at 8k-64k: the triton kernels (compressed branch with
+#                             the selection, selected branch) and FlexAttention's window vs the torch
+#                             reference, and full attention alone (SDPA flash, flash-attn if installed)
+#   bench/gpu.sh train        a short training run (4 layers, 8k tokens, bf16): tokens/s and MFU, NSA on
+#                             triton and torch vs full attention
 #   bench/gpu.sh decode       per-token decoding with the cache at 8k-64k context, and a profile at 64k
 #   bench/gpu.sh speculative  train the seed-sized pair (dim 512, depth 10 / 2) on the built-in corpus
 #                             and time speculative decoding at gamma 5, batch 1 and 4 (per-row and shared)
+# No part given: all of them, in one command (planned to fit 25 minutes on one H100; not yet timed).
 # OUT=dir (default docs/bench/gpu)  RUNS=dir (default runs/gpu)  SPEC_STEPS=n (default 1500)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,7 +27,7 @@ fi
 stamp() { echo "{\"date\": \"$(date -u +%FT%TZ)\"}"; }  # (a copied tree's git metadata may be stale)
 
 parts=("$@")
-if [[ ${#parts[@]} -eq 0 ]]; then parts=(tests layer decode speculative); fi
+if [[ ${#parts[@]} -eq 0 ]]; then parts=(tests layer kernels decode train speculative); fi
 for part in "${parts[@]}"; do
 case $part in
 tests)
@@ -34,9 +41,17 @@ layer)
     stamp
     python3 bench/nsa_gpu.py --out "$out" --context
     ;;
+kernels)
+    stamp
+    python3 bench/nsa_gpu.py --out "$out" --seq-len --context --kernels 8192 16384 32768 65536
+    ;;
 decode)
     stamp
     python3 bench/nsa_gpu.py --out "$out" --seq-len --profile
+    ;;
+train)
+    stamp
+    python3 bench/nsa_gpu.py --out "$out" --seq-len --context --train
     ;;
 speculative)
     stamp
@@ -61,6 +76,6 @@ speculative)
         done
     done
     ;;
-*) echo "unknown part $part (tests, layer, decode, speculative)"; exit 2 ;;
+*) echo "unknown part $part (tests, layer, kernels, decode, train, speculative)"; exit 2 ;;
 esac
 done

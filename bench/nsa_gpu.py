@@ -5,6 +5,15 @@ attnlab.bench.measure (device-synchronised wall clock).
 
     python bench/nsa_gpu.py --out docs/bench/nsa-gpu        # 8k-64k, bf16, paper-sized layer
 
+    python bench/nsa_gpu.py --out DIR --seq-len --context --kernels 8192 65536   # each branch alone
+    python bench/nsa_gpu.py --out DIR --seq-len --context --train                 # tokens/s and MFU
+
+`--kernels`: each NSA branch on the triton back-end's kernels (compressed branch with the
+selection, selected branch, the sliding window on FlexAttention) and on the torch reference, and
+full causal attention alone (SDPA flash, and flash-attn's flash_attn_func where installed), forward
+and forward+backward, without the projections. `--train`: a short training run of a small model
+(`--train-depth` layers at `--train-len` tokens, bf16 autocast) per configuration, tokens/s and MFU.
+
 Layer (defaults, the NSA paper's settings): 32 query heads of 64 over 2 key/value heads (GQA groups
 of 16), compressed blocks of 32 with stride 16 (MLP compressor), selection blocks of 64, 16
 selected, sliding window 512. Both layers include their projections. Writes layer.jsonl,
@@ -56,6 +65,148 @@ def profile_layer(args, backend: str, seq_len: int, device: torch.device, path: 
     sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
     table = profiler.key_averages().table(sort_by=sort, row_limit=30)
     path.write_text(f"NSA backend={backend} seq_len={seq_len}\n{table}")
+
+
+def timed_ms(function, device: torch.device, warmup: int, repeats: int) -> float:
+    """Median milliseconds of function() (device-synchronised wall clock), after warm-up."""
+    import statistics
+    import time
+
+    for _ in range(warmup):
+        function()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        function()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1e3
+
+
+def kernel_cases(args, seq_len: int, device: torch.device) -> dict[str, Any]:
+    """Each NSA branch on its triton kernels and on the torch reference, and full causal attention
+    (SDPA flash; flash-attn where installed), on random bf16/fp32 inputs of one sequence: name ->
+    a function of requires_grad returning the output(s) to sum."""
+    from attnlab.attention.kernels import nsa_compressed_triton, nsa_triton
+    from attnlab.attention.kernels.flex_local import flex_local_attention
+    from attnlab.attention.local import local_attention
+    from attnlab.attention.nsa import compressed_branch, n_complete_blocks, selected_attention
+    from attnlab.config import NSAAttentionConfig
+
+    dtype, heads, groups, dim_head = DTYPES[args.dtype], args.heads, args.kv_heads, args.dim_head
+    config = NSAAttentionConfig(compress_block_size=args.compress_block, compress_stride=args.compress_stride,
+                                selection_block_size=args.selection_block, num_selected=args.num_selected,
+                                sliding_window_size=args.window, query_chunk_size=args.query_chunk)
+    n_blocks = n_complete_blocks(seq_len, args.compress_block, args.compress_stride)
+    q = torch.randn(1, heads, seq_len, dim_head, device=device, dtype=dtype)
+    k, v = (torch.randn(1, groups, seq_len, dim_head, device=device, dtype=dtype) for _ in range(2))
+    compressed_k, compressed_v = (torch.randn(1, groups, 1 + n_blocks, dim_head, device=device, dtype=dtype)
+                                  for _ in range(2))
+    positions = torch.arange(seq_len, device=device)
+    with torch.no_grad():  # one selection, made once, for the selected branch's timings
+        _, indices, valid, _ = nsa_compressed_triton.compressed_branch(
+            q, compressed_k, compressed_v, config.compress_block_size, config.compress_stride,
+            config.selection_block_size, config.num_selected, False)
+    sizes = (config.compress_block_size, config.compress_stride, config.selection_block_size, config.num_selected)
+    cases = {
+        ("compressed+selection", "triton"): lambda q, ck, cv, k, v: nsa_compressed_triton.compressed_branch(
+            q, ck, cv, *sizes, False)[0],
+        ("compressed+selection", "torch"): lambda q, ck, cv, k, v: compressed_branch(
+            q, ck, cv, positions, 0, config)[0],
+        ("selected", "triton"): lambda q, ck, cv, k, v: nsa_triton.selected_attention(
+            q, k, v, indices, valid, None, 0, config.selection_block_size),
+        ("selected", "torch"): lambda q, ck, cv, k, v: selected_attention(
+            q, k, v, indices, valid, None, positions, config.selection_block_size, config.query_chunk_size),
+        ("sliding", "flex"): lambda q, ck, cv, k, v: flex_local_attention(q, k, v, config.sliding_window_size),
+        ("sliding", "torch"): lambda q, ck, cv, k, v: local_attention(q, k, v, config.sliding_window_size),
+        ("full", "sdpa flash"): lambda q, ck, cv, k, v: sdpa_flash(q, k, v),
+    }
+    if flash_attn_function() is not None:
+        cases[("full", "flash-attn")] = lambda q, ck, cv, k, v: flash_attn_function()(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
+    return {"cases": cases, "inputs": (q, compressed_k, compressed_v, k, v)}
+
+
+def sdpa_flash(q, k, v):
+    """Causal SDPA on its flash kernel, the key/value heads repeated to the query heads' count."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    repeat = q.shape[1] // k.shape[1]
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1), is_causal=True)
+
+
+def flash_attn_function():
+    try:
+        from flash_attn import flash_attn_func
+    except ImportError:
+        return None
+    return flash_attn_func
+
+
+def measure_kernels(args, seq_len: int, device: torch.device) -> list[dict[str, Any]]:
+    """Forward and forward+backward of each case of kernel_cases at one length."""
+    built = kernel_cases(args, seq_len, device)
+    results = []
+    for (branch, backend), function in built["cases"].items():
+        details = {"kind": "kernel", "branch": branch, "backend": backend, "seq_len": seq_len}
+        results.append({**details, **run_guarded(time_kernel, details, function, built["inputs"], args, device)})
+    return results
+
+
+def time_kernel(function, inputs, args, device) -> dict[str, Any]:
+    leaves = [tensor.detach().requires_grad_() for tensor in inputs]
+
+    def forward() -> None:
+        with torch.no_grad():
+            function(*inputs)
+
+    def forward_backward() -> None:
+        function(*leaves).float().sum().backward()
+        for leaf in leaves:
+            leaf.grad = None
+
+    return {"forward_ms": timed_ms(forward, device, args.warmup, args.repeats),
+            "forward_backward_ms": timed_ms(forward_backward, device, args.warmup, args.repeats)}
+
+
+def kernel_markdown(kernels: list[dict[str, Any]]) -> list[str]:
+    lines = ["", "### Each NSA branch on its kernels and on the torch reference, and full attention alone", "",
+             "| branch | backend | seq_len | forward (ms) | fwd+bwd (ms) |", "|---|---|---:|---:|---:|"]
+    for r in kernels:
+        if "error" in r:
+            lines.append(f"| {r['branch']} | {r['backend']} | {r['seq_len']} | failed: {r['error'][:80]} | |")
+        else:
+            lines.append(f"| {r['branch']} | {r['backend']} | {r['seq_len']} | {r['forward_ms']:.2f} "
+                         f"| {r['forward_backward_ms']:.2f} |")
+    return lines
+
+
+def measure_training(args, backend: str | None, device: torch.device) -> dict[str, Any]:
+    """A short training run of a small model (autocast to --dtype, AdamW): tokens/s and MFU."""
+    from attnlab.bench.measure import measure_train
+
+    kind = "full" if backend is None else "nsa"
+    values = layer_values(args, kind, backend, args.train_len, depth=args.train_depth)
+    result = measure_train(values, args.train_len, 1, args.train_steps, 2, device=args.device, dtype=args.dtype)
+    return {**result, "backend": backend}
+
+
+def train_markdown(trains: list[dict[str, Any]]) -> list[str]:
+    lines = ["", "### A short training run (AdamW, autocast to the table's dtype)", "",
+             "| attention | backend | seq_len | step (ms) | tokens/s | MFU |", "|---|---|---:|---:|---:|---:|"]
+    for r in trains:
+        if "error" in r:
+            lines.append(f"| {r['attention']} | {r.get('backend') or 'sdpa'} | | failed: {r['error'][:80]} | | |")
+            continue
+        mfu = "n/a" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%"
+        lines.append(f"| {r['attention']} | {r.get('backend') or 'sdpa'} | {r['seq_len']} | {r['step_ms']:.1f} "
+                     f"| {r['tokens_per_s']:.0f} | {mfu} |")
+    return lines
 
 
 def record(result: dict[str, Any], path: Path) -> dict[str, Any]:
@@ -136,6 +287,12 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--kernels", type=int, nargs="*", default=[],
+                        help="lengths at which each NSA branch's kernels, its reference and full attention are timed")
+    parser.add_argument("--train", action="store_true", help="a short training run per configuration: tokens/s, MFU")
+    parser.add_argument("--train-len", type=int, default=8192)
+    parser.add_argument("--train-depth", type=int, default=4)
+    parser.add_argument("--train-steps", type=int, default=10)
     parser.add_argument("--profile", action="store_true", help="profile one NSA layer (first back-end)")
     parser.add_argument("--profile-len", type=int, default=65536)
     parser.add_argument("--out", type=Path, required=True, help="folder for the JSON lines, table and profile")
@@ -157,6 +314,14 @@ def main() -> None:
             result = run_guarded(measure_decode, details, values, context, args.new_tokens, use_cache=True,
                                  device=args.device, dtype=args.dtype)
             decodes.append(record({**result, "backend": backend}, args.out / "decode.jsonl"))
+    kernels = [record(result, args.out / "kernels.jsonl")
+               for seq_len in args.kernels for result in measure_kernels(args, seq_len, device)]
+    trains = []
+    if args.train:
+        for kind, backend in configurations:
+            details = {"kind": "train", "attention": kind, "backend": backend}
+            trains.append(record(run_guarded(measure_training, details, args, backend, device),
+                                 args.out / "train.jsonl"))
     if args.profile:
         run_guarded(profile_layer, {}, args, args.backends[0], args.profile_len, device, args.out / "profile.txt")
     header = (f"Machine: {info.get('gpu', info['machine'])}, torch {info.get('torch')}, "
@@ -165,7 +330,10 @@ def main() -> None:
               f"{args.num_selected}, window {args.window}. Decoding: a {args.decode_depth}-layer model, median of "
               f"{args.new_tokens} tokens. Medians of {args.repeats} after {args.warmup} warm-up.")
     table = markdown(layers, decodes, header)
-    (args.out / ("layer.md" if layers else "decode.md")).write_text(table)
+    extra = (kernel_markdown(kernels) if kernels else []) + (train_markdown(trains) if trains else [])
+    table += "\n".join(extra) + ("\n" if extra else "")
+    name = "layer.md" if layers else "decode.md" if decodes else "kernels.md" if kernels else "train.md"
+    (args.out / name).write_text(table)
     print(table)
 
 

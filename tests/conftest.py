@@ -11,6 +11,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
+# Without CUDA the Triton kernels are checked on the CPU under Triton's interpreter, which triton
+# reads when it is first imported (its language library is built interpreted or compiled then):
+# set here, before any test imports it (tests/test_nsa_triton.py, tests/test_nsa_kernels.py)
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)

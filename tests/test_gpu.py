@@ -1,6 +1,7 @@
-"""Checks that need a CUDA GPU (skipped without one): the Triton NSA kernels and the FlexAttention
-back-ends at real sizes, forward and backward (flex has no backward on the CPU), against the torch
-path; training and the cache on the GPU for every variant.
+"""Checks that need a CUDA GPU (skipped without one): the Triton NSA kernels (compressed branch with
+the selection importance, selection, selected branch) and the FlexAttention back-ends at real
+sizes, forward and backward (flex has no backward on the CPU), against the torch path; training
+and the cache on the GPU for every variant.
 
     pytest tests/test_gpu.py        # on a machine with a GPU
 
@@ -61,6 +62,46 @@ def test_triton_selected_kernel_equals_torch(dtype, gated, heads_per_group, bloc
     need = torch.autograd.grad((want * weight).sum(), high)
     for name, a, b in zip("qkvg", have, need, strict=False):
         assert relative_error(a, b) < TOLERANCE[dtype], f"grad {name}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads_per_group, block, stride, selection_block", [(16, 32, 16, 64), (4, 16, 8, 32)])
+def test_triton_compressed_kernel_equals_torch(dtype, heads_per_group, block, stride, selection_block):
+    """The compressed branch's kernel at 2048 queries: output and the group's importance of every
+    selection block (eq. 8-10), forward and the gradients of q, keys and values through both (the
+    importance's gradient is the straight-through path's); and the selection kernel on that
+    importance equals choose_blocks, 16 blocks per query."""
+    from attnlab.attention.kernels import nsa_compressed_triton
+    from attnlab.attention.nsa import block_importance, choose_blocks, compressed_visibility, n_complete_blocks
+
+    torch.manual_seed(0)
+    batch, groups, length, dim_head, n_selected = 1, 2, 2048, 64, 16
+    config = NSAAttentionConfig(compress_block_size=block, compress_stride=stride, selection_block_size=selection_block,
+                                num_selected=n_selected)
+    n_blocks, n_selection = n_complete_blocks(length, block, stride), -(-length // selection_block)
+    q = torch.randn(batch, groups, length, heads_per_group, dim_head, device=DEVICE)
+    keys, values = (torch.randn(batch, groups, 1 + n_blocks, dim_head, device=DEVICE) for _ in range(2))
+    low = [tensor.to(dtype).requires_grad_() for tensor in (q, keys, values)]
+    high = [tensor.to(dtype).float().requires_grad_() for tensor in (q, keys, values)]  # same values, fp32
+    output, _, importance = nsa_compressed_triton.compressed_attention_op(*low, block, stride, selection_block, True)
+    # the reference in one chunk: [B, G, R, T, 1 + N] probabilities (eq. 7-10)
+    grouped = high[0].transpose(2, 3)  # [B, G, R, T, D]
+    visible = compressed_visibility(torch.arange(length, device=DEVICE), n_blocks, config)
+    scores = grouped @ high[1][:, :, None].transpose(-1, -2) / dim_head**0.5
+    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    want_output = (probs @ high[2][:, :, None]).transpose(2, 3)  # [B, G, T, R, D]
+    want_importance = block_importance(probs[..., 1:], config, n_selection)  # [B, G, T, M]
+    assert relative_error(output, want_output) < TOLERANCE[dtype]
+    assert relative_error(importance, want_importance) < TOLERANCE[dtype]
+    weight, importance_weight = torch.randn_like(want_output), torch.randn_like(want_importance)
+    have = torch.autograd.grad((output.float() * weight).sum() + (importance * importance_weight).sum(), low)
+    need = torch.autograd.grad((want_output * weight).sum() + (want_importance * importance_weight).sum(), high)
+    for name, a, b in zip(("q", "keys", "values"), have, need, strict=True):
+        assert relative_error(a, b) < TOLERANCE[dtype], f"grad {name}"
+    chosen = importance.detach()
+    indices, valid = nsa_compressed_triton.select_blocks_op(chosen, n_selected, selection_block)
+    want_indices, want_valid = choose_blocks(chosen, torch.arange(length, device=DEVICE), config)
+    assert torch.equal(valid, want_valid) and torch.equal(indices[valid], want_indices[valid])
 
 
 def nsa_layer(backend: str, heads: int = 16, kv_heads: int = 2, **options) -> NativeSparseAttention:

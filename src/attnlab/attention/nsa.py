@@ -37,7 +37,9 @@ Back-ends (kernels/__init__.py): `cpu`, block-listed C++ kernels for all three b
 sequence (kernels/nsa_cpu.py: each query lists its key blocks and reads them in place; the
 compressed pass also makes the selection); `flex`, FlexAttention block masks for the selected and
 sliding branches (kernels/nsa_flex.py, kernels/flex_local.py); `triton`, Triton kernels for the
-selected branch (kernels/nsa_triton.py). One semantics, tested against the reference.
+compressed branch with the selection (kernels/nsa_compressed_triton.py) and the selected branch
+(kernels/nsa_triton.py), the sliding branch on FlexAttention's window (on CUDA). One semantics,
+tested against the reference.
 
 Legend: B batch, T queries, S keys (cached + new), H query heads, G key/value heads, R = H / G query
 heads per group, D head width, C chunk of queries, N compressed blocks, M selection blocks,
@@ -63,7 +65,15 @@ from attnlab.attention.base import (
     select_rows,
     write_rows,
 )
-from attnlab.attention.kernels import check_backend, choose, nsa_cpu, nsa_flex, nsa_triton
+from attnlab.attention.kernels import (
+    check_backend,
+    choose,
+    nsa_compressed_triton,
+    nsa_cpu,
+    nsa_flex,
+    nsa_triton,
+    serves_call,
+)
 from attnlab.attention.kernels.flex_local import flex_local_attention
 from attnlab.attention.local import local_attention, window_attention
 from attnlab.config import NSAAttentionConfig
@@ -498,7 +508,12 @@ class NativeSparseAttention(Attention):
         """-> output [B, H, T, D], indices, valid and selection scores [B, G, T, n]."""
         config = self.config
         heads_per_group = q.shape[1] // keys.shape[1]
-        if choose(config.backend, OFFERED, q, True) == "cpu" and nsa_cpu.fits(0, heads_per_group):
+        backend = choose(config.backend, OFFERED, q, True)
+        if backend == "triton":
+            return nsa_compressed_triton.compressed_branch(
+                q, keys, values, config.compress_block_size, config.compress_stride, config.selection_block_size,
+                config.num_selected, straight_through)
+        if backend == "cpu" and nsa_cpu.fits(0, heads_per_group):
             out, blocks, score = nsa_cpu.compressed_attention(
                 q, keys, values, config.compress_block_size, config.compress_stride, config.selection_block_size,
                 config.num_selected, straight_through)
@@ -520,7 +535,8 @@ class NativeSparseAttention(Attention):
     def _sliding(self, q, k, v) -> Tensor:
         window = self.config.sliding_window_size
         backend = choose(self.config.backend, OFFERED, q, True)
-        if backend == "flex":
+        # triton's sliding branch is FlexAttention's window on CUDA (torch has no flex backward on the CPU)
+        if backend == "flex" or (backend == "triton" and q.device.type == "cuda" and serves_call("flex", q, True)):
             self._check_flex(q)
             return flex_local_attention(q, k, v, window)
         if backend == "cpu" and nsa_cpu.fits(0, q.shape[1] // k.shape[1]):

@@ -8,9 +8,10 @@ its config (`model.attention.<kind>.backend`) names the faster path that serves 
             sequences (training, prefill); registered as torch custom ops, so torch.compile traces them
     flex    FlexAttention with block masks (kernels/flex*.py): whole sequences or long chunks, no
             dropout; compiled on CUDA, forward-only eager reference on the CPU (for checks)
-    triton  Triton kernels (kernels/nsa_triton.py): CUDA, or the CPU under TRITON_INTERPRET=1
+    triton  Triton kernels (kernels/nsa_compressed_triton.py, nsa_triton.py): CUDA, or the CPU under
+            TRITON_INTERPRET=1
     auto    the fastest back-end that serves the call: cpu where it serves it, else on CUDA for whole
-            sequences triton (NSA's selected branch) or flex (local, routing, sinkhorn), else torch
+            sequences triton (NSA) or flex (local, routing, sinkhorn), else torch
 
 A call a back-end does not serve (a cached chunk for `cpu`, a short chunk for `flex`) runs on the
 reference path: every back-end has one semantics, tested against the reference
