@@ -18,7 +18,7 @@ DeepSeek, arXiv 2502.11089). For every query (eq. 5):
 - Sliding: the last `sliding_window_size` tokens (attention/local.py).
 - Gates: a sigmoid of a linear map of the input, one per head and branch. They start favouring the
   sliding branch (`gate_init_bias`: logits -2, -2, +2), as the reference library does; with every gate
-  at 0.5 the layer learned slower than local attention (docs/nsa.md#learning-quality).
+  at 0.5 the layer learned slower early on (docs/nsa.md#learning-quality).
 
 Deliberate departures, each for exact causality or for memory:
 - The compressed branch's query and compressed keys carry no rotary positions (positions enter the
@@ -268,8 +268,8 @@ class BlockCompressor(nn.Module):
     The paper's phi is "an MLP with intra-block position encoding" of unstated width. The MLP's
     hidden width is `compress_mlp_mult` x l x D: by default l x D / 64 (16 at blocks of 16 and heads
     of 64), so both compressors hold fewer parameters than the layer's projections; as wide as its
-    input (1.0, the earlier default) they held six times the rest of a small model and learned no
-    better (docs/nsa.md#learning-quality)."""
+    input (1.0, the earlier default) they held six times the rest of a small model and learned
+    about as well (docs/nsa.md#learning-quality)."""
 
     def __init__(self, kind: str, n_groups: int, block: int, dim_head: int, mlp_mult: float, positions: bool) -> None:
         super().__init__()
