@@ -25,3 +25,8 @@ def test_kernel_scripts_print_their_tables():
     branches = run_script("nsa_kernel.py", "--seq-len", "128", "--heads", "2", "--kv-heads", "1", "--dim-head", "16",
                           "--rounds", "1")
     assert all(f"| {name} |" in branches for name in ("compressed + selection", "selected", "sliding"))
+
+
+def test_nsa_default_speed_prints_the_ratio():
+    printed = run_script("nsa_default_speed.py", "--seq-len", "64", "--rounds", "1")
+    assert '"what": "layer"' in printed and "current_over_earlier" in printed

@@ -43,3 +43,27 @@ def test_unknown_format_refused(tmp_path):
     torch.save({"format_version": FORMAT_VERSION + 1, "model": {}, "config": {}}, path)
     with pytest.raises(Exception, match="format"):
         read_checkpoint(path)
+
+
+def test_nsa_checkpoint_of_the_earlier_defaults_keeps_its_shapes(tmp_path):
+    """A checkpoint saved before the compressor's default width changed holds its resolved config
+    (compress_mlp_mult 1.0, no gate_init_bias or compress_positions keys): it loads with the wide
+    compressor it was trained with and gives the same logits."""
+    from attnlab.config import ModelConfig, config_from_dict, config_to_dict
+    from attnlab.model import Transformer
+
+    values = dict(dim=32, depth=1, heads=4, dim_head=8, kv_heads=2, max_seq_len=64,
+                  attention=dict(kind="nsa", nsa=dict(compress_block_size=4, compress_stride=2,
+                                                      selection_block_size=4, compress_mlp_mult=1.0)))
+    torch.manual_seed(0)
+    model = Transformer(config_from_dict(values, ModelConfig)).eval()
+    config = {"model": config_to_dict(model.config)}
+    for key in ("gate_init_bias", "compress_positions"):  # keys the earlier release did not have
+        del config["model"]["attention"]["nsa"][key]
+    path = tmp_path / "earlier.pt"
+    save_checkpoint(path, {"config": config, "model": model.state_dict(), "step": 0})
+    loaded = load_model(path)
+    assert loaded.blocks[0].attention.compress_keys.w1.shape == (2, 4 * 8, 4 * 8)  # hidden = block x dim_head
+    tokens = torch.randint(0, 256, (2, 20))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(tokens).logits, model(tokens).logits)

@@ -24,8 +24,10 @@ DIM, HEADS, KV_HEADS, DIM_HEAD = 24, 4, 2, 6
 
 
 def make_layer(seed: int = 0, kv_heads: int = KV_HEADS, **options) -> NativeSparseAttention:
+    # a compressor as wide as its input: at these toy widths the default's (1/64) would be one unit wide,
+    # and its near-equal compressed keys would tie the selection scores
     defaults = dict(compress_block_size=4, compress_stride=2, selection_block_size=6, num_selected=3,
-                    sliding_window_size=5, query_chunk_size=8)
+                    sliding_window_size=5, query_chunk_size=8, compress_mlp_mult=1.0)
     config = NSAAttentionConfig(**{**defaults, **options})
     spec = AttentionSpec(dim=DIM, n_heads=HEADS, dim_head=DIM_HEAD, n_kv_heads=kv_heads, dropout=0.0,
                          max_seq_len=128, layer_index=0, n_layers=1, rotary=RotaryEmbedding(DIM_HEAD))
@@ -108,6 +110,7 @@ CASES = {
     "conv-separate": dict(compressor="conv", separate_branch_kv=True, num_selected=4),
     "attention-pool": dict(compressor="attention", selection_block_size=2, query_chunk_size=5),
     "only-forced-blocks": dict(num_selected=2, selection_block_size=4),  # no block gathered per query
+    "no-compress-positions": dict(compress_positions=False, compress_mlp_mult=1.0),
 }
 
 
@@ -153,12 +156,12 @@ def test_each_option_changes_behaviour():
         reference_output = base(x)
     changes = dict(
         compress_block_size=6, compress_stride=1, selection_block_size=4, num_selected=2,
-        sliding_window_size=9, compressor="conv", separate_branch_kv=True,
+        sliding_window_size=9, compressor="conv", separate_branch_kv=True, compress_positions=False,
     )
     for key, value in changes.items():
         layer = make_layer(**{key: value})
         if key not in ("compressor", "separate_branch_kv", "compress_block_size"):
-            layer.load_state_dict(base.state_dict())
+            layer.load_state_dict(base.state_dict(), strict=key != "compress_positions")  # positions dropped
         with torch.no_grad():
             assert not torch.allclose(layer(x), reference_output), f"{key} has no effect"
     # chunking and diff top-k leave the forward unchanged; diff top-k adds gradient paths
@@ -248,3 +251,34 @@ def test_rows_of_their_own_length_across_query_chunks(chunk):
         for row, length in enumerate(kept):
             own = torch.cat((x[row, :length], new[row, :8]))[None]
             torch.testing.assert_close(got[row], layer(own)[0, length:], rtol=1e-9, atol=1e-9)
+
+
+def test_gates_start_favouring_the_sliding_branch():
+    """Default gates: sigmoid(-2) for the compressed and selected branches, sigmoid(2) for the
+    sliding one, in every head, also after the model's generic initialisation; 0 puts all at 0.5."""
+    from attnlab.config import ModelConfig, config_from_dict
+    from attnlab.model import Transformer
+
+    for options, expected in (({}, [-2.0, -2.0, 2.0]), ({"gate_init_bias": 0.0}, [0.0, 0.0, 0.0])):
+        values = dict(dim=32, depth=2, heads=4, dim_head=8, kv_heads=2, attention=dict(kind="nsa", nsa=options))
+        model = Transformer(config_from_dict(values, ModelConfig))
+        for block in model.blocks:
+            torch.testing.assert_close(block.attention.to_gates.bias, torch.tensor(expected * 4))
+    spec = AttentionSpec(dim=DIM, n_heads=HEADS, dim_head=DIM_HEAD, n_kv_heads=KV_HEADS, dropout=0.0,
+                         max_seq_len=64, layer_index=0, n_layers=1, rotary=None)
+    torch.testing.assert_close(NativeSparseAttention(spec, NSAAttentionConfig()).to_gates.bias,
+                               torch.tensor([-2.0, -2.0, 2.0] * HEADS))
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+def test_default_compressor_smaller_than_the_projections(kv_heads):
+    """At the default shapes (dim 256, 4 heads of 64, blocks of 16) the two compression networks hold
+    fewer parameters than the layer's query, key, value and output projections, with or without
+    GQA; the earlier default (compress_mlp_mult 1.0) held several times more."""
+    spec = AttentionSpec(dim=256, n_heads=4, dim_head=64, n_kv_heads=kv_heads, dropout=0.0, max_seq_len=64,
+                         layer_index=0, n_layers=1, rotary=None)
+    for options, smaller in (({}, True), ({"compress_mlp_mult": 1.0}, False)):
+        layer = NativeSparseAttention(spec, NSAAttentionConfig(**options))
+        compressors = sum(p.numel() for name, p in layer.named_parameters() if name.startswith("compress_"))
+        projections = sum(p.numel() for p in layer.heads.parameters())
+        assert (compressors <= projections) == smaller, (options, compressors, projections)

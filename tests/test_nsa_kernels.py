@@ -18,9 +18,10 @@ DIM, HEADS, DIM_HEAD = 24, 6, 6
 
 
 def make_layer(backend: str, kv_heads: int = 2, **options) -> NativeSparseAttention:
-    """Overlapping compression (block 4, stride 2), selection blocks of 6 != compression block."""
+    """Overlapping compression (block 4, stride 2), selection blocks of 6 != compression block, a
+    compressor as wide as its input (the default's would be one unit wide at these widths)."""
     defaults = dict(compress_block_size=4, compress_stride=2, selection_block_size=6, num_selected=3,
-                    sliding_window_size=5, query_chunk_size=8)
+                    sliding_window_size=5, query_chunk_size=8, compress_mlp_mult=1.0)
     config = NSAAttentionConfig(**{**defaults, **options, "backend": backend})
     spec = AttentionSpec(dim=DIM, n_heads=HEADS, dim_head=DIM_HEAD, n_kv_heads=kv_heads, dropout=0.0,
                          max_seq_len=64, layer_index=0, n_layers=1, rotary=RotaryEmbedding(DIM_HEAD))

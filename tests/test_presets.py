@@ -56,3 +56,17 @@ def test_enwik8_nsa_reproduces_seed_002():
     assert (train.schedule, train.eval_every, train.sample_every, train.sample_length, train.prime_length) == (
         "constant", 100, 500, 512, 64)
     assert config.data.source == "enwik8"
+
+
+@pytest.mark.parametrize("name", sorted(path.stem for path in PRESET_DIR.glob("*.yaml")))
+def test_nsa_compressors_smaller_than_the_projections(name):
+    """Every NSA preset's compression networks hold at most its attention projections' parameters,
+    but enwik8-nsa, which reproduces seed 002's compressor (as wide as its input)."""
+    config = load_config(name)
+    if config.model.attention.kind != "nsa":
+        return
+    with torch.device("meta"):
+        attention = Transformer(config.model).blocks[0].attention
+    compressors = sum(p.numel() for key, p in attention.named_parameters() if key.startswith("compress_"))
+    projections = sum(p.numel() for p in attention.heads.parameters())
+    assert (compressors <= projections) == (name != "enwik8-nsa"), (compressors, projections)

@@ -144,12 +144,19 @@ class NSAAttentionConfig:
     compress_block_size: Size = 16  # compressed branch: tokens summarised by one compressed key (paper's l)
     compress_stride: Size = 8  # compressed branch: distance between block starts (paper's d); divides both block sizes
     compressor: Literal["mlp", "mean", "conv", "attention"] = "mlp"  # network turning a block into one key/value
-    compress_mlp_mult: Positive = 1.0  # mlp compressor hidden width, as a multiple of block * dim_head
+    # mlp compressor hidden width, as a multiple of block * dim_head (1/64: 16 at blocks of 16 and heads of 64,
+    # so the compressors hold fewer parameters than the layer's projections; 1.0, as wide as its input, was
+    # the earlier default: six times the rest of a small model for about the same learning, docs/nsa.md)
+    compress_mlp_mult: Positive = 1 / 64
+    compress_positions: bool = True  # learned intra-block position embeddings added before compressing
     selection_block_size: Size = 16  # selected branch: tokens per selectable block (paper's l')
     # selected blocks per query, the initial and the current block included (n)
     num_selected: Annotated[int, Range(2)] = 4
     use_diff_topk: bool = False  # straight-through gates so the selection scores get gradients (seed 002)
     separate_branch_kv: bool = False  # own key/value projections for each of the three branches
+    # initial gate logits: -b for the compressed and selected branches, +b for the sliding one, so the layer
+    # starts as local attention (0: every gate at 0.5, the earlier default, which learned slower early on)
+    gate_init_bias: NonNegative = 2.0
     backend: Literal["auto", "torch", "cpu", "flex", "triton"] = "auto"  # attention/kernels/__init__.py
     query_chunk_size: Size = 256  # queries processed together; bounds the selected and compressed scores
 

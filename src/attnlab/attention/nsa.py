@@ -16,7 +16,9 @@ DeepSeek, arXiv 2502.11089). For every query (eq. 5):
   `num_selected` blocks. The initial block and the query's own block are always among them (as in
   the paper's "1 initial block and local blocks").
 - Sliding: the last `sliding_window_size` tokens (attention/local.py).
-- Gates: a sigmoid of a linear map of the input, one per head and branch.
+- Gates: a sigmoid of a linear map of the input, one per head and branch. They start favouring the
+  sliding branch (`gate_init_bias`: logits -2, -2, +2), as the reference library does; with every gate
+  at 0.5 the layer learned slower early on (docs/nsa.md#learning-quality).
 
 Deliberate departures, each for exact causality or for memory:
 - The compressed branch's query and compressed keys carry no rotary positions (positions enter the
@@ -271,9 +273,15 @@ def _gather_blocks(blocked: Tensor, indices: Tensor) -> Tensor:
 
 
 class BlockCompressor(nn.Module):
-    """One compressor per kind, weights per key/value head. blocks [B, G, N, l, D] -> [B, G, N, D]."""
+    """One compressor per kind, weights per key/value head. blocks [B, G, N, l, D] -> [B, G, N, D].
 
-    def __init__(self, kind: str, n_groups: int, block: int, dim_head: int, mlp_mult: float) -> None:
+    The paper's phi is "an MLP with intra-block position encoding" of unstated width. The MLP's
+    hidden width is `compress_mlp_mult` x l x D: by default l x D / 64 (16 at blocks of 16 and heads
+    of 64), so both compressors hold fewer parameters than the layer's projections; as wide as its
+    input (1.0, the earlier default) they held six times the rest of a small model and learned
+    about as well (docs/nsa.md#learning-quality)."""
+
+    def __init__(self, kind: str, n_groups: int, block: int, dim_head: int, mlp_mult: float, positions: bool) -> None:
         super().__init__()
         self.kind = kind
         flat = block * dim_head
@@ -281,7 +289,8 @@ class BlockCompressor(nn.Module):
         def weight(*shape: int) -> nn.Parameter:
             return nn.Parameter(torch.randn(*shape) * shape[-2] ** -0.5)
 
-        if kind != "mean":  # intra-block positions (section 3.3.1)
+        self.positions = None
+        if kind != "mean" and positions:  # intra-block positions (section 3.3.1)
             self.positions = nn.Parameter(torch.zeros(n_groups, block, dim_head))
         if kind == "mlp":
             hidden = max(1, int(flat * mlp_mult))
@@ -295,7 +304,8 @@ class BlockCompressor(nn.Module):
     def forward(self, blocks: Tensor) -> Tensor:
         if self.kind == "mean":
             return blocks.mean(dim=-2)
-        blocks = blocks + self.positions[:, None]  # [B, G, N, l, D]
+        if self.positions is not None:
+            blocks = blocks + self.positions[:, None]  # [B, G, N, l, D]
         if self.kind == "attention":
             weights = torch.softmax(torch.einsum("bgnld,gd->bgnl", blocks, self.score), dim=-1)
             return torch.einsum("bgnl,bgnld->bgnd", weights, blocks)
@@ -401,9 +411,20 @@ class NativeSparseAttention(Attention):
         if config.separate_branch_kv:  # selected and sliding branches' own keys and values
             self.branch_kv = nn.Linear(spec.dim, 4 * groups * dim_head, bias=False)
         self.to_gates = nn.Linear(spec.dim, 3 * heads)  # eq. 5: g_c in [0, 1] per head and branch
-        args = (config.compressor, groups, config.compress_block_size, dim_head, config.compress_mlp_mult)
+        args = (config.compressor, groups, config.compress_block_size, dim_head, config.compress_mlp_mult,
+                config.compress_positions)
         self.compress_keys, self.compress_values = BlockCompressor(*args), BlockCompressor(*args)
         self.memory = nn.Parameter(torch.randn(2, groups, dim_head) * 0.02)  # always-visible compressed key, value
+        self.init_own_parameters()
+
+    def init_own_parameters(self) -> None:
+        """The gates start favouring the sliding branch (logits -b, -b, +b per head: compressed,
+        selected, sliding), so the layer first learns local attention and the compressed and
+        selected branches grow in as their keys become useful; the paper leaves the gates'
+        initialisation open. The model calls this again after its generic initialisation."""
+        bias = self.config.gate_init_bias
+        with torch.no_grad():
+            self.to_gates.bias.copy_(torch.tensor([-bias, -bias, bias]).repeat(self.spec.n_heads))
 
     def migrate_state_dict(self, state_dict: dict[str, Tensor], prefix: str) -> None:
         """Earlier releases named the projections to_q, to_out and one fused to_kv (k, v and, with

@@ -201,6 +201,9 @@ class Transformer(nn.Module):
         for name, parameter in self.named_parameters():
             if name.endswith(("to_out.weight", "down.weight")):  # GPT-2: scale residual projections
                 nn.init.normal_(parameter, std=0.02 / math.sqrt(2 * config.depth))
+        for module in self.modules():  # layers whose own initialisation the generic one replaced (NSA's gates)
+            if hasattr(module, "init_own_parameters"):
+                module.init_own_parameters()
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
