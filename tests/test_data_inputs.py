@@ -364,13 +364,19 @@ HEADERS = {
 }
 
 
-@pytest.mark.parametrize("name", list(HEADERS))
-def test_bad_safetensors_header(name, tmp_path, capsys):
+def llama_folder(tmp_path: Path) -> Path:
+    """A folder with a small Llama config.json and no weights yet."""
     folder = tmp_path / "hf"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({
         "model_type": "llama", "vocab_size": 256, "hidden_size": 16, "num_hidden_layers": 1,
         "num_attention_heads": 2, "intermediate_size": 32}))
+    return folder
+
+
+@pytest.mark.parametrize("name", list(HEADERS))
+def test_bad_safetensors_header(name, tmp_path, capsys):
+    folder = llama_folder(tmp_path)
     (folder / "model.safetensors").write_bytes(HEADERS[name])
     line = refused(["import-hf", str(folder), "--out", str(tmp_path / "run")], capsys)
     assert f"{folder / 'model.safetensors'} is not a valid safetensors file" in line
@@ -386,11 +392,7 @@ INDEXES = {
 
 @pytest.mark.parametrize("name", list(INDEXES))
 def test_damaged_sharded_index(name, tmp_path, capsys):
-    folder = tmp_path / "hf"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({
-        "model_type": "llama", "vocab_size": 256, "hidden_size": 16, "num_hidden_layers": 1,
-        "num_attention_heads": 2, "intermediate_size": 32}))
+    folder = llama_folder(tmp_path)
     (folder / "model.safetensors.index.json").write_bytes(INDEXES[name])
     line = refused(["import-hf", str(folder), "--out", str(tmp_path / "run")], capsys)
     assert str(folder / "model.safetensors.index.json") in line

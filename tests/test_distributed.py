@@ -87,7 +87,9 @@ def assert_same_run(run_dir: Path, reference: Path) -> None:
     for weights in ("model", "ema") if (reference / "checkpoints").exists() and _has_ema(reference) else ("model",):
         final = load_model(run_dir, weights=weights).state_dict()
         for key, value in load_model(reference, weights=weights).state_dict().items():
-            torch.testing.assert_close(final[key], value, atol=1e-5, rtol=1e-4)
+            # atol 5e-5: summing gradients in another order changes them by float rounding, and Adam
+            # scales a near-zero gradient's rounding up to a full step (one weight in 4096 moved 1.6e-5)
+            torch.testing.assert_close(final[key], value, atol=5e-5, rtol=1e-4)
 
 
 def _has_ema(run_dir: Path) -> bool:

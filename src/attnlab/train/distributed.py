@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import json
 import logging
 import math
@@ -258,6 +259,13 @@ class _ProcessGroupStrategy(SingleProcess):
 
     def close(self) -> None:
         if dist.is_initialized():
+            dist.barrier()
+            # the engine's wrapper holds the process group (DDP's Reducer): freed while every rank
+            # is still here, the group is torn down by destroy_process_group on every rank, not by
+            # the deallocation of the wrapper after the other ranks have exited (a process once hung
+            # there, joining gloo's worker threads)
+            self.forward = None
+            gc.collect()
             dist.barrier()
             dist.destroy_process_group()
 
