@@ -48,8 +48,7 @@ def timed_forward(model: Transformer, batch: int, context: int, n_tokens: int) -
     tokens = torch.randint(0, 256, (batch, n_tokens))
     started = time.perf_counter()
     model(tokens, cache=cache)
-    elapsed = time.perf_counter() - started
-    return elapsed
+    return time.perf_counter() - started
 
 
 def measure(batch: int, context: int, rounds: int, gamma: int) -> dict:

@@ -93,10 +93,15 @@ def _damaged(path: Path, problem: str) -> ConversionError:
 
 def load_file(path: str | Path) -> dict[str, Any]:
     """safetensors.torch.load_file, after the header is checked; ConversionError for a bad file."""
+    return load_with_metadata(path)[0]
+
+
+def load_with_metadata(path: str | Path) -> tuple[dict[str, Any], dict[str, str]]:
+    """The file's tensors and its __metadata__ ({} without), the header checked first (read once)."""
     from safetensors.torch import load_file as load
 
-    read_header(Path(path))
+    metadata = read_header(Path(path)).get("__metadata__", {})
     try:
-        return load(str(path))
+        return load(str(path)), metadata
     except Exception as error:  # SafetensorError (a bare Exception subclass) for what the checks above missed
         raise _damaged(Path(path), f"{type(error).__name__}: {str(error)[:200]}") from error

@@ -84,3 +84,11 @@ def usable_device(name: str) -> str:
     elif kind == "xpu" and not (hasattr(torch, "xpu") and torch.xpu.is_available()):
         raise AttnlabError(f"--device {name}: XPU is not available on this machine")
     return name
+
+
+def add_sampling(parser) -> None:
+    """The sampling options of every decoding command (generate/sampling.py's SamplingConfig)."""
+    parser.add_argument("--temperature", type=temperature, default=1.0, help="0 = greedy")
+    parser.add_argument("--top-k", type=positive, default=None)
+    parser.add_argument("--top-p", type=top_p, default=None)
+    parser.add_argument("--min-p", type=min_p, default=None)

@@ -46,10 +46,7 @@ def register(subparsers) -> None:
     parser.add_argument("--prime-length", type=arguments.positive, default=128, help="tokens of each validation prime")
     parser.add_argument("--max-new-tokens", type=arguments.positive, default=256)
     parser.add_argument("--batch-size", type=arguments.positive, default=1)
-    parser.add_argument("--temperature", type=arguments.temperature, default=1.0, help="0 = greedy")
-    parser.add_argument("--top-k", type=arguments.positive, default=None)
-    parser.add_argument("--top-p", type=arguments.top_p, default=None)
-    parser.add_argument("--min-p", type=arguments.min_p, default=None)
+    arguments.add_sampling(parser)
     parser.add_argument("--seed", type=arguments.seed, default=0)
     parser.add_argument(
         "--batch-scheme", choices=["auto", "per-row", "shared"], default="auto",

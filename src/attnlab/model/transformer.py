@@ -197,6 +197,7 @@ class Transformer(nn.Module):
         self._aux_modules: list[nn.Module] | None = None  # modules reporting aux_losses, found on first use
         self._compiled_step = None  # compile_decoding()
         self._decode_calls: dict[tuple, int] = {}  # times the compiled step served a call (_decode_call)
+        self._decode_structure = -1  # STRUCTURE_CHANGES when _decode_calls was last cleared
         self.apply(self._init_weights)
         for name, parameter in self.named_parameters():
             if name.endswith(("to_out.weight", "down.weight")):  # GPT-2: scale residual projections
@@ -247,6 +248,9 @@ class Transformer(nn.Module):
         between calls (shapes, dtypes, modes, the modules; the cache's tensors are always made
         alike by new_cache). Should a guard fail all the same, dynamo refuses to compile under that
         stance before running anything, and the call is made again with every guard checked."""
+        if self._decode_structure != STRUCTURE_CHANGES[0]:  # modules changed: every call is new again
+            self._decode_calls.clear()
+            self._decode_structure = STRUCTURE_CHANGES[0]
         call = self._decode_call(tokens, targets, cache, loss_mask)
         served = self._decode_calls.get(call, 0)
         try:
@@ -270,13 +274,13 @@ class Transformer(nn.Module):
     def _decode_call(self, tokens, targets, cache, loss_mask) -> tuple:
         """What tells one compiled decode call from another: the inputs' shapes, strides and kinds,
         the cache's layout (and whether inference mode made it), the grad and inference modes, the
-        parameters' dtype and device, and the modules' structure (STRUCTURE_CHANGES: quantising the
-        model, or a longer cache regrowing the rotary tables, registers new modules or buffers)."""
+        parameters' dtype and device. The modules' structure is checked before (STRUCTURE_CHANGES:
+        quantising the model, or a longer cache regrowing the rotary tables, registers new modules or
+        buffers, and then every call counts as new)."""
         parameter = next(self.parameters())
         return (tokens.shape, tokens.stride(), tokens.device, targets is None, loss_mask is None, cache.max_len,
                 len(cache.layers), cache.dtype, cache.lengths.is_inference(), torch.is_grad_enabled(),
-                torch.is_inference_mode_enabled(), self.training, parameter.dtype, parameter.device,
-                STRUCTURE_CHANGES[0])
+                torch.is_inference_mode_enabled(), self.training, parameter.dtype, parameter.device)
 
     def compile_decoding(self, mode: str | None = None, backend: str = "inductor") -> bool:
         """Compile the cached forward of a chunk after earlier tokens (a decode step, a speculative

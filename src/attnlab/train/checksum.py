@@ -103,10 +103,10 @@ def load_safetensors(path: Path) -> dict[str, Tensor]:
     """A safetensors file's tensors, its header checked against the format first (safetensors_file.py)
     and its tensors against the checksum attnlab wrote into it (files written elsewhere carry none and
     are read as they are); a damaged file is one error naming it."""
-    from attnlab.safetensors_file import load_file, read_header
+    from attnlab.safetensors_file import load_with_metadata
 
-    expected = read_header(Path(path)).get("__metadata__", {}).get(SAFETENSORS_KEY)
-    tensors = load_file(path)
+    tensors, metadata = load_with_metadata(path)
+    expected = metadata.get(SAFETENSORS_KEY)
     if expected is not None and safetensors_metadata(tensors)[SAFETENSORS_KEY] != expected:
         raise CheckpointError(f"{path} is corrupt: its tensors do not match their checksum")
     return tensors
