@@ -241,9 +241,9 @@ class Transformer(nn.Module):
         """The compiled step; where torch.compile fails on this machine (before running anything),
         one warning and eager decoding from then on.
 
-        A call like ones the step has served twice in a row skips most of dynamo's guards
+        A call like one the step has served twice skips most of dynamo's guards
         (skip_guard_eval_unsafe: only those telling its graphs apart are checked). Checking them all
-        costs more than a small model's whole step on a CPU (0.2-1 ms), and what they check cannot
+        costs a small model a large share of its step on a CPU, and what they check cannot
         have changed: `_decode_call` holds what a graph depends on that a caller could change
         between calls (shapes, dtypes, modes, the modules; the cache's tensors are always made
         alike by new_cache). Should a guard fail all the same, dynamo refuses to compile under that
