@@ -24,8 +24,12 @@ demo: setup
 lint: setup
 	$(PY) -m ruff check src tests bench
 
+# Tests run as TEST_WORKERS processes of one thread each, a test file per worker at a time (a file's
+# module fixtures, such as the distributed tests' single-process runs, are made once).
+TEST_WORKERS ?= 2
+
 test: lint
-	$(PY) -m pytest
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

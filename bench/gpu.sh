@@ -12,7 +12,8 @@
 #                             triton and torch vs full attention
 #   bench/gpu.sh decode       per-token decoding with the cache at 8k-64k context, and a profile at 64k
 #   bench/gpu.sh speculative  train the seed-sized pair (dim 512, depth 10 / 2) on the built-in corpus
-#                             and time speculative decoding at gamma 5, batch 1 and 4 (per-row and shared)
+#                             and time speculative decoding at gamma 5, batch 1 and 4 (per-row and shared),
+#                             eager and with compiled steps (CUDA graphs)
 # No part given: all of them, in one command (planned to fit 25 minutes on one H100; not yet timed).
 # OUT=dir (default docs/bench/gpu)  RUNS=dir (default runs/gpu)  SPEC_STEPS=n (default 1500)
 set -euo pipefail
@@ -66,14 +67,15 @@ speculative)
         tail -8 "$out/spec-train.log"
     fi
     : > "$out/speculative.jsonl"
-    for temperature in 1 0; do
-        # batch 4 twice: each row's caches rolled back to its own length, and all rows to the shortest
-        for run in "1 auto" "4 per-row" "4 shared"; do
-            read -r batch scheme <<< "$run"
-            attnlab speculative --target "$runs/spec-target" --draft "$runs/spec-draft" --gamma 5 --prime-from-val \
-                --max-new-tokens 256 --batch-size "$batch" --batch-scheme "$scheme" --temperature "$temperature" \
-                --repeats 5 --device cuda --json | tee -a "$out/speculative.jsonl"
-        done
+    # eager: temperature 1 and 0; batch 4 twice: each row's caches rolled back to its own length, and
+    # all rows to the shortest. Then compiled (both models' steps under CUDA graphs, the target's own
+    # compiled decoding as the base: issue 24's goals) at temperature 1, batch 1 and 4 per-row.
+    for run in "1 auto 1" "4 per-row 1" "4 shared 1" "1 auto 0" "4 per-row 0" "4 shared 0" \
+               "1 auto 1 --compile" "4 per-row 1 --compile"; do
+        read -r batch scheme temperature compile <<< "$run"
+        attnlab speculative --target "$runs/spec-target" --draft "$runs/spec-draft" --gamma 5 --prime-from-val \
+            --max-new-tokens 256 --batch-size "$batch" --batch-scheme "$scheme" --temperature "$temperature" \
+            --repeats 5 --device cuda --json $compile | tee -a "$out/speculative.jsonl"
     done
     ;;
 *) echo "unknown part $part (tests, layer, kernels, decode, train, speculative)"; exit 2 ;;

@@ -91,7 +91,8 @@ def test_deepspeed_launcher_arguments(monkeypatch):
     """`deepspeed -m attnlab.cli.main train ...` runs `... --local_rank=N train ...`."""
     from attnlab.cli.main import take_local_rank
 
-    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "0")  # recorded, so the value the test leaves is undone (lm-eval reads it)
+    monkeypatch.delenv("LOCAL_RANK")
     assert take_local_rank(["--local_rank=1", "train", "-p", "demo"]) == ["train", "-p", "demo"]
     assert os.environ["LOCAL_RANK"] == "1"
     assert take_local_rank(["train", "--local-rank", "2", "x=1"]) == ["train", "x=1"]

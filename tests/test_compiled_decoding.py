@@ -64,6 +64,26 @@ def test_compiled_decoding_equals_eager_and_never_recompiles(name):
     assert counters["stats"]["unique_graphs"] == graphs, "a decode step compiled again"
 
 
+@pytest.mark.parametrize("name", ["sinkhorn", "nsa"])
+def test_cuda_graph_bookkeeping_keeps_compiled_equal_to_eager(name):
+    """What a CUDA-graph step adds (each cache's tensors marked as fixed addresses, a step mark before
+    each call, the logits copied out of the graph's memory), exercised on the CPU: still the eager
+    logits, over a cache and then a second one at other addresses (the marks are unguarded, so the
+    graphs made for the first serve the second without baking its addresses in)."""
+    eager, compiled = twins(name)
+    compiled._cuda_graphs = True
+    tokens = torch.randint(0, 61, (2, 300), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        for _ in range(2):
+            torch.testing.assert_close(decode(compiled, tokens), decode(eager, tokens), atol=1e-5, rtol=1e-5)
+        cache = compiled.new_cache(2, 300)
+        compiled(tokens[:, :10], cache=cache)
+        compiled(tokens[:, 10:11], cache=cache)
+    storage = [cache.lengths, *(tensor for layer in cache.layers for tensor in vars(layer).values()
+                                if isinstance(tensor, torch.Tensor))]
+    assert cache.pinned and all(getattr(tensor, "_dynamo_static_input_type", None) for tensor in storage)
+
+
 def test_compiled_decoding_through_inductor():
     """Routing's decode step (top-k over the cluster storage) in inductor's generated code: one-token
     steps, a level and a per-row rollback (one graph)."""

@@ -199,6 +199,7 @@ def run_speculative_bench(bench: SpeculativeBench) -> dict[str, Any]:
         "target": str(bench.target),
         "draft": draft_name,
         "draft_quantize": bench.draft_quantize,
+        "compile": bench.compile,  # both models decode with compiled steps
         "device": str(device),
         "gamma": bench.gamma,
         "batch_size": bench.batch_size,

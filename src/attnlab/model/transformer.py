@@ -68,6 +68,7 @@ class ModelCache:
         self.dtype = dtype  # of the stored keys and values
         self.length = 0  # the longest row's count, on the host
         self.shortest = 0
+        self.pinned = False  # its tensors marked as fixed addresses for CUDA graphs (pin_cache_storage)
 
     @property
     def per_row_rollback(self) -> bool:
@@ -121,6 +122,23 @@ def new_model_cache(model: nn.Module, attention_layers: list[nn.Module], batch_s
     layers = [layer.new_cache(batch_size, max_len, lengths.device, dtype, lengths=lengths)
               for layer in attention_layers]
     return ModelCache(layers, lengths, max_len, dtype)
+
+
+def pin_cache_storage(cache: ModelCache) -> None:
+    """Mark every tensor a cache holds (each layer's storage, the shared lengths) as having a fixed
+    address, once per cache. The compiled step writes them in place; CUDA graphs replay only steps
+    whose mutated inputs are such static inputs (others would be skipped, or copied in at every
+    replay). A new cache has new addresses: its first step records the graphs again (inductor allows
+    config.triton.cudagraph_unexpected_rerecord_limit such re-recordings before it stops replaying)."""
+    if cache.pinned:
+        return
+    for holder in (cache, *cache.layers):
+        for value in vars(holder).values():
+            members = value.values() if isinstance(value, dict) else value if isinstance(value, list) else [value]
+            for member in members:
+                if isinstance(member, Tensor):
+                    torch._dynamo.mark_static_address(member)
+    cache.pinned = True
 
 
 def token_positions(cache: ModelCache | None, n_tokens: int, device: torch.device) -> Tensor:
@@ -196,6 +214,7 @@ class Transformer(nn.Module):
             self.head.weight = self.token_embedding.embed.weight
         self._aux_modules: list[nn.Module] | None = None  # modules reporting aux_losses, found on first use
         self._compiled_step = None  # compile_decoding()
+        self._cuda_graphs = False  # the compiled step replays CUDA graphs (compile_decoding on CUDA)
         self._decode_calls: dict[tuple, int] = {}  # times the compiled step served a call (_decode_call)
         self._decode_structure = -1  # STRUCTURE_CHANGES when _decode_calls was last cleared
         self.apply(self._init_weights)
@@ -253,11 +272,14 @@ class Transformer(nn.Module):
             self._decode_structure = STRUCTURE_CHANGES[0]
         call = self._decode_call(tokens, targets, cache, loss_mask)
         served = self._decode_calls.get(call, 0)
+        if self._cuda_graphs:
+            pin_cache_storage(cache)
+            torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are no longer read
         try:
             if served >= 2:
                 try:
                     with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-                        return self._compiled_step(tokens, targets, cache, loss_mask)
+                        return self._own_outputs(self._compiled_step(tokens, targets, cache, loss_mask))
                 except Exception as error:  # noqa: BLE001 - only dynamo's refusal under the stance is retried
                     if "skip_guard_eval_unsafe" not in repr(error) + repr(error.__cause__):
                         raise
@@ -265,11 +287,19 @@ class Transformer(nn.Module):
                     served = 0
             output = self._compiled_step(tokens, targets, cache, loss_mask)
             self._decode_calls[call] = served + 1
-            return output
+            return self._own_outputs(output)
         except torch._dynamo.exc.TorchDynamoException as error:
             log.warning("compiled decoding failed, decoding eagerly: %s", str(error).splitlines()[0])
             self._compiled_step = None
             return self.run(tokens, targets, cache, loss_mask)
+
+    def _own_outputs(self, output: ModelOutput) -> ModelOutput:
+        """Under CUDA graphs a step's outputs live in the graph's memory, which its next replay
+        overwrites: callers keep logits across steps (speculative decoding keeps a verification's),
+        so the logits are copied out ([B, T, V], small beside the step)."""
+        if self._cuda_graphs and output.logits is not None:
+            output.logits = output.logits.clone()
+        return output
 
     def _decode_call(self, tokens, targets, cache, loss_mask) -> tuple:
         """What tells one compiled decode call from another: the inputs' shapes, strides and kinds,
@@ -297,6 +327,7 @@ class Transformer(nn.Module):
         try:
             mode = mode or ("reduce-overhead" if device.type == "cuda" and backend == "inductor" else None)
             self._compiled_step = torch.compile(self.run, fullgraph=True, dynamic=False, mode=mode, backend=backend)
+            self._cuda_graphs = device.type == "cuda" and mode in ("reduce-overhead", "max-autotune")
             self._decode_calls.clear()
         except Exception as error:  # noqa: BLE001 - any failure: decode eagerly, and say so once
             log.warning("compiled decoding unavailable on %s, decoding eagerly: %s", device.type, error)
