@@ -65,11 +65,16 @@ def test_compiled_decoding_equals_eager_and_never_recompiles(name):
 
 
 @pytest.mark.parametrize("name", ["sinkhorn", "nsa"])
-def test_cuda_graph_bookkeeping_keeps_compiled_equal_to_eager(name):
-    """What a CUDA-graph step adds (each cache's tensors marked as fixed addresses, a step mark before
-    each call, the logits copied out of the graph's memory), exercised on the CPU: still the eager
-    logits, over a cache and then a second one at other addresses (the marks are unguarded, so the
-    graphs made for the first serve the second without baking its addresses in)."""
+def test_cuda_graph_step_keeps_compiled_equal_to_eager(name, monkeypatch):
+    """What a compiled step does on CUDA, exercised on the CPU: the choices torch.cond makes
+    elsewhere computed branch-free (sinkhorn's bucket choice, NSA's compression: a CUDA graph holds
+    no branch), each cache's tensors marked as fixed addresses, a step mark before each call, the
+    logits copied out of the graph's memory. Still the eager logits, over a cache and then a second
+    one at other addresses (the marks are unguarded, so the graphs made for the first serve it)."""
+    from attnlab.attention import nsa, sinkhorn
+
+    for module in (nsa, sinkhorn):
+        monkeypatch.setattr(module, "branch_free", lambda tensor: True)
     eager, compiled = twins(name)
     compiled._cuda_graphs = True
     tokens = torch.randint(0, 61, (2, 300), generator=torch.Generator().manual_seed(3))

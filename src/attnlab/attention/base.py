@@ -81,6 +81,14 @@ def new_lengths(batch: int, device=None) -> Tensor:
     return torch.zeros(batch, dtype=torch.long, device=device)
 
 
+def branch_free(tensor: Tensor) -> bool:
+    """Whether a compiled decode step on tensor's device computes both sides of a data-dependent
+    choice and keeps one (torch.where) rather than branching (torch.cond): on CUDA, where the step
+    replays as a CUDA graph, which cannot hold a torch.cond (inductor would skip graphs for the whole
+    step). Elsewhere the branch skips work most steps do not need."""
+    return tensor.is_cuda
+
+
 def window_positions(positions: Tensor, window: int) -> tuple[Tensor, Tensor]:
     """The positions of each query's sliding window, itself last: positions [B, T] -> (index [B, T, W]
     clamped at 0, valid [B, T, W])."""

@@ -62,6 +62,7 @@ from attnlab.attention.base import (
     Attention,
     AttentionSpec,
     KVCache,
+    branch_free,
     new_lengths,
     overlapping_windows,
     select_rows,
@@ -361,7 +362,8 @@ class NSACache(KVCache):
                  value_network: nn.Module) -> None:
         """Compress each block that a token at positions [B, T] completes (its last token), from the
         stored keys and values [B, G, L, D] (eq. 7). Most tokens complete none (one in every stride
-        does): the networks run only when some token does (a torch.cond in a compiled step)."""
+        does): the networks run only when some token does (a torch.cond in a compiled step; on CUDA
+        every step, as a CUDA graph holds no branch: `branch_free`)."""
         block, stride = self.config.compress_block_size, self.config.compress_stride
         start = positions - (block - 1)  # [B, T] the first token of the block each token would end
         completes = (start >= 0) & (start % stride == 0)
@@ -377,7 +379,9 @@ class NSACache(KVCache):
             empty = keys.new_zeros(*rows.shape[:3], keys.shape[-1])
             return empty, empty.clone()
 
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() and branch_free(keys):  # tokens completing none write the spare slot
+            new_keys, new_values = compressed(rows)
+        elif torch.compiler.is_compiling():
             new_keys, new_values = torch.cond(completes.any(), compressed, nothing, (rows,))
         elif bool(completes.any()):
             new_keys, new_values = compressed(rows)

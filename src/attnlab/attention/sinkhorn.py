@@ -52,6 +52,7 @@ from attnlab.attention.base import (
     Attention,
     AttentionSpec,
     KVCache,
+    branch_free,
     expand_kv,
     new_lengths,
     select_rows,
@@ -218,7 +219,10 @@ class SinkhornCache(KVCache):
             return self.chosen[:, heads].clone(), self.choice_weights[:, heads].clone()
 
         means = (self.query_means[:, heads], self.key_means[:, heads])
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() and branch_free(self.chosen):  # both sides, one kept (CUDA graphs)
+            both = zip(sorted_again(*means), kept(*means), strict=True)
+            chosen, weights = (torch.where(opens, new, old) for new, old in both)
+        elif torch.compiler.is_compiling():
             chosen, weights = torch.cond(opens, sorted_again, kept, means)
         elif bool(opens):
             chosen, weights = sorted_again(*means)
