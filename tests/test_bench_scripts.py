@@ -30,3 +30,8 @@ def test_kernel_scripts_print_their_tables():
 def test_nsa_default_speed_prints_the_ratio():
     printed = run_script("nsa_default_speed.py", "--seq-len", "64", "--rounds", "1")
     assert '"what": "layer"' in printed and "current_over_earlier" in printed
+
+
+def test_static_cache_reference_prints_both_steps():
+    printed = run_script("static_cache_reference.py", "--context", "8", "--rounds", "1", "--repeats", "2")
+    assert '"attnlab_ms"' in printed and "static-cache reference" in printed
