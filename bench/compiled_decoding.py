@@ -4,9 +4,10 @@ compiled step's speed-up, and how much a token's cost grows from the short promp
 
 Each model decodes --new-tokens tokens with top-k sampling after a random prompt, eager and compiled
 in turn, round by round (the compiled step's compilation happens in an untimed warm-up round);
-medians of the per-round medians.
+medians of the per-round medians. --python-wrapper adds, side by side, the compiled step called from
+inductor's Python wrapper instead of its C++ one (compile_decoding(cpp_wrapper=False)).
 
-    OMP_NUM_THREADS=2 python bench/compiled_decoding.py --context 256 4096 --new-tokens 128 --rounds 3
+    OMP_NUM_THREADS=2 python bench/compiled_decoding.py --context 256 4096 --new-tokens 128 --rounds 3 --python-wrapper
 """
 
 from __future__ import annotations
@@ -30,12 +31,16 @@ KV_HEADS = {"nsa": 2}  # NSA shares its selection over a key/value group
 SAMPLING = SamplingConfig(top_k=26)
 
 
-def build(kind: str, max_len: int, compiled: bool) -> Transformer:
+def build(kind: str, max_len: int, variant: str) -> Transformer:
+    """variant: eager, compiled (compile_decoding's defaults) or python-wrapper (compiled, without the
+    C++ wrapper)."""
     values = {**MODEL, "kv_heads": KV_HEADS.get(kind), "max_seq_len": max_len, "attention": {"kind": kind, **WINDOW}}
     torch.manual_seed(0)
     model = Transformer(model_config(values)).eval()
-    if compiled:
+    if variant == "compiled":
         model.compile_decoding()
+    elif variant == "python-wrapper":
+        model.compile_decoding(cpp_wrapper=False)
     return model
 
 
@@ -54,19 +59,19 @@ def ms_per_token(model: Transformer, prompt: torch.Tensor, new_tokens: int, seed
     return statistics.median(times) * 1e3
 
 
-def measure(kinds: list[str], contexts: list[int], new_tokens: int, rounds: int) -> dict:
-    models = {(kind, context, compiled): build(kind, context + new_tokens, compiled)
-              for kind in kinds for context in contexts for compiled in (False, True)}
+def measure(kinds: list[str], contexts: list[int], new_tokens: int, rounds: int, variants: tuple[str, ...]) -> dict:
+    models = {(kind, context, variant): build(kind, context + new_tokens, variant)
+              for kind in kinds for context in contexts for variant in variants}
     prompts = {context: torch.randint(0, 256, (1, context), generator=torch.Generator().manual_seed(context))
                for context in contexts}
     times = {key: [] for key in models}
     for round_ in range(rounds + 1):  # round 0 warms up (and compiles)
-        for (kind, context, compiled), model in models.items():
+        for (kind, context, variant), model in models.items():
             elapsed = ms_per_token(model, prompts[context], new_tokens, seed=round_)
             if round_:
-                times[kind, context, compiled].append(elapsed)
-    return {f"{kind} {context} {'compiled' if compiled else 'eager'}": statistics.median(values)
-            for (kind, context, compiled), values in times.items()}
+                times[kind, context, variant].append(elapsed)
+    return {f"{kind} {context} {variant}": statistics.median(values)
+            for (kind, context, variant), values in times.items()}
 
 
 def main() -> None:
@@ -75,8 +80,11 @@ def main() -> None:
     parser.add_argument("--context", type=int, nargs="+", default=[256, 4096])
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--python-wrapper", action="store_true",
+                        help="also the compiled step through inductor's Python wrapper, side by side")
     args = parser.parse_args()
-    medians = measure(args.attention, args.context, args.new_tokens, args.rounds)
+    variants = ("eager", "compiled", "python-wrapper") if args.python_wrapper else ("eager", "compiled")
+    medians = measure(args.attention, args.context, args.new_tokens, args.rounds, variants)
     print(json.dumps({"threads": torch.get_num_threads(), "new_tokens": args.new_tokens, "rounds": args.rounds,
                       "ms_per_token": medians}), flush=True)
     short, long = args.context[0], args.context[-1]
@@ -92,6 +100,14 @@ def main() -> None:
                       f"{eager / compiled:.2f}x"]
         growth = medians[f"{kind} {long} compiled"] / medians[f"{kind} {short} compiled"]
         print(f"| {kind} | " + " | ".join(cells) + f" | {growth:.2f}x |")
+    if args.python_wrapper:
+        print("\nms/token of the compiled step: C++ wrapper (the CPU default) against Python wrapper")
+        print("| attention | context | C++ wrapper | Python wrapper | Python / C++ |")
+        print("|---|---:|---:|---:|---:|")
+        for kind in args.attention:
+            for context in args.context:
+                cpp, python = medians[f"{kind} {context} compiled"], medians[f"{kind} {context} python-wrapper"]
+                print(f"| {kind} | {context} | {cpp:.2f} | {python:.2f} | {python / cpp:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ max_len rows written with index_copy_, a mask over the whole buffer, torch's fus
 cache object, no per-row lengths, no rollback), with attnlab's benchmark shape: dim 256, depth 4,
 4 heads of 64, GELU feed-forward of 1024, rotary positions, 256 byte tokens. Both run one-token
 forwards at the same position (attnlab's cache rolled back one token after each), compiled with
-torch.compile(fullgraph=True, dynamic=False); medians of per-round medians, rounds alternating.
+torch.compile(fullgraph=True, dynamic=False) and the same inductor options (attnlab's decode
+defaults: the C++ wrapper on the CPU); medians of per-round medians, rounds alternating.
 
     OMP_NUM_THREADS=2 python bench/static_cache_reference.py --context 256 4096 --rounds 7
 """
@@ -25,6 +26,7 @@ from torch import Tensor, nn
 
 from attnlab.bench.measure import model_config
 from attnlab.model import Transformer
+from attnlab.model.transformer import decode_compile_options
 
 DIM, HEADS, DEPTH, VOCABULARY = 256, 4, 4, 256
 
@@ -97,7 +99,8 @@ def measure(context: int, rounds: int, repeats: int) -> dict:
     max_len = context + 128
     torch.manual_seed(0)
     reference = ReferenceModel(max_len).eval()
-    reference_step = torch.compile(reference, fullgraph=True, dynamic=False)
+    options = decode_compile_options(torch.device("cpu"), None, "inductor", None)  # as compile_decoding's
+    reference_step = torch.compile(reference, fullgraph=True, dynamic=False, options=options)
     values = dict(dim=DIM, depth=DEPTH, heads=HEADS, dim_head=DIM // HEADS, max_seq_len=max_len,
                   attention={"kind": "full"})
     model = Transformer(model_config(values)).eval()

@@ -89,10 +89,12 @@ def test_cuda_graph_step_keeps_compiled_equal_to_eager(name, monkeypatch):
     assert cache.pinned and all(getattr(tensor, "_dynamo_static_input_type", None) for tensor in storage)
 
 
-def test_compiled_decoding_through_inductor():
-    """Routing's decode step (top-k over the cluster storage) in inductor's generated code: one-token
+@pytest.mark.parametrize("name", ["routing", "nsa"])
+def test_compiled_decoding_through_inductor(name):
+    """Routing's decode step (top-k over the cluster storage) and NSA's (a torch.cond around the
+    compression) in inductor's generated code, called from its C++ wrapper (the CPU default): one-token
     steps, a level and a per-row rollback (one graph)."""
-    eager, compiled = twins("routing", backend="inductor")
+    eager, compiled = twins(name, backend="inductor", depth=1)
     tokens = torch.randint(0, 61, (2, 40), generator=torch.Generator().manual_seed(2))
 
     def steps(model: Transformer) -> torch.Tensor:
@@ -106,6 +108,20 @@ def test_compiled_decoding_through_inductor():
 
     with torch.no_grad():
         torch.testing.assert_close(steps(compiled), steps(eager), atol=1e-5, rtol=1e-5)
+
+
+def test_decode_compile_options():
+    """The C++ wrapper: by default for inductor on the CPU without a mode; asked for where it cannot
+    be, one error."""
+    from attnlab.model.transformer import decode_compile_options
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert decode_compile_options(cpu, None, "inductor", None) == {"cpp_wrapper": True}
+    assert decode_compile_options(cpu, None, "inductor", False) is None
+    assert decode_compile_options(cuda, "reduce-overhead", "inductor", None) is None
+    assert decode_compile_options(cpu, None, "aot_eager", None) is None
+    with pytest.raises(ValueError, match="cpp_wrapper is an option of the inductor back-end without a mode"):
+        decode_compile_options(cuda, "reduce-overhead", "inductor", True)
 
 
 def test_a_changed_model_is_checked_in_full():

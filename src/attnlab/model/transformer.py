@@ -141,6 +141,19 @@ def pin_cache_storage(cache: ModelCache) -> None:
     cache.pinned = True
 
 
+def decode_compile_options(device: torch.device, mode: str | None, backend: str, cpp_wrapper: bool | None
+                           ) -> dict | None:
+    """Inductor's options for a compiled decode step (Transformer.compile_decoding): the C++ wrapper
+    when asked, or by default on the CPU; none by default where a `mode` is given (torch.compile
+    takes one or the other) or the back-end is not inductor."""
+    if cpp_wrapper and (backend != "inductor" or mode is not None):
+        raise ValueError(f"cpp_wrapper is an option of the inductor back-end without a mode (got backend={backend!r}, "
+                         f"mode={mode!r})")
+    if cpp_wrapper is None:
+        cpp_wrapper = device.type == "cpu" and backend == "inductor" and mode is None
+    return {"cpp_wrapper": True} if cpp_wrapper else None
+
+
 def token_positions(cache: ModelCache | None, n_tokens: int, device: torch.device) -> Tensor:
     """Positions of the next n_tokens: [T] from 0 without a cache, [B, T] each row's own through one
     (learned position embeddings look them up)."""
@@ -312,21 +325,29 @@ class Transformer(nn.Module):
                 len(cache.layers), cache.dtype, cache.lengths.is_inference(), torch.is_grad_enabled(),
                 torch.is_inference_mode_enabled(), self.training, parameter.dtype, parameter.device)
 
-    def compile_decoding(self, mode: str | None = None, backend: str = "inductor") -> bool:
+    def compile_decoding(self, mode: str | None = None, backend: str = "inductor", cpp_wrapper: bool | None = None
+                         ) -> bool:
         """Compile the cached forward of a chunk after earlier tokens (a decode step, a speculative
         verification): one graph per chunk length, fullgraph (the static caches give it the same
         shapes at every position, so it never recompiles per token); on CUDA with CUDA graphs
         ("reduce-overhead") unless `mode` says otherwise. Prefill stays eager. Returns False, with
-        one warning, where torch.compile cannot serve this device."""
+        one warning, where torch.compile cannot serve this device.
+
+        cpp_wrapper: inductor calls the step's kernels from generated C++ rather than Python. A
+        small model's CPU step is mostly per-kernel calls, so this is the default there (None: on
+        for inductor on the CPU without a `mode`; docs/benchmarks.md "Compiled decoding" has the
+        effect); each graph takes longer to compile. CUDA graphs already remove that cost on a GPU."""
         device = next(self.parameters()).device
         # dynamo keeps the graphs of `run` for every model and chunk length under one code object:
         # room for many models (a target and its draft, evaluation copies) before it gives up
         config = torch._dynamo.config
         config.recompile_limit = max(config.recompile_limit, DECODE_GRAPH_LIMIT)
         config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, DECODE_GRAPH_LIMIT)
+        mode = mode or ("reduce-overhead" if device.type == "cuda" and backend == "inductor" else None)
+        options = decode_compile_options(device, mode, backend, cpp_wrapper)
         try:
-            mode = mode or ("reduce-overhead" if device.type == "cuda" and backend == "inductor" else None)
-            self._compiled_step = torch.compile(self.run, fullgraph=True, dynamic=False, mode=mode, backend=backend)
+            self._compiled_step = torch.compile(self.run, fullgraph=True, dynamic=False, mode=mode, backend=backend,
+                                                options=options)
             self._cuda_graphs = device.type == "cuda" and mode in ("reduce-overhead", "max-autotune")
             self._decode_calls.clear()
         except Exception as error:  # noqa: BLE001 - any failure: decode eagerly, and say so once
