@@ -110,6 +110,27 @@ def test_compiled_decoding_through_inductor(name):
         torch.testing.assert_close(steps(compiled), steps(eager), atol=1e-5, rtol=1e-5)
 
 
+def test_each_model_keeps_its_graphs_apart():
+    """Dynamo looks through every graph under a code object at each call: each model's step has a
+    code object of its own, so a model's one-token step is the only graph its calls look through,
+    however many other models compiled theirs."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    models = [twins(name)[1] for name in ("full", "local")]  # twins resets dynamo: made before any step
+    models.append(twins("local")[1])
+    torch._dynamo.reset()
+    tokens = torch.randint(0, 61, (1, 12), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        for model in models:
+            cache = model.new_cache(1, 32)
+            model(tokens[:, :8], cache=cache)
+            for position in range(8, 12):
+                model(tokens[:, position : position + 1], cache=cache)
+    codes = [model._compiled_step._torchdynamo_orig_callable.__func__.__code__ for model in models]
+    assert len(set(map(id, codes))) == len(models)
+    assert [len(_debug_get_cache_entry_list(code)) for code in codes] == [1] * len(models)
+
+
 def test_decode_compile_options():
     """The C++ wrapper: by default for inductor on the CPU without a mode; asked for where it cannot
     be, one error."""
