@@ -10,6 +10,12 @@ forwards at the same position (attnlab's cache rolled back one token after each)
 torch.compile(fullgraph=True, dynamic=False) and the same inductor options (attnlab's decode
 defaults: the C++ wrapper on the CPU); medians of per-round medians, rounds alternating.
 
+Beside them, the floor no decode step of this model passes on this machine: the time to read, once,
+the bytes the reference's step reads (every weight, one embedding row, and the whole key/value
+buffers, which the mask covers), measured as the sum of a float32 tensor of that size, re-read each
+time as a step re-reads its weights (so it gains from the processor's caches exactly where a step
+can: a working set that fits in the last-level cache reads faster than one that does not).
+
     OMP_NUM_THREADS=2 python bench/static_cache_reference.py --context 256 4096 --rounds 7
 """
 
@@ -85,6 +91,17 @@ class ReferenceModel(nn.Module):
         return self.head(self.norm(x))
 
 
+def bytes_read_per_step(reference: ReferenceModel) -> int:
+    """The bytes one step of the reference reads at least: every parameter but the embedding table
+    (one row of it), and the key/value buffers whole."""
+    weights = sum(p.numel() * p.element_size() for name, p in reference.named_parameters()
+                  if not name.startswith("embedding."))
+    row = reference.embedding.weight[0]
+    buffers = sum(b.numel() * b.element_size() for name, b in reference.named_buffers()
+                  if name.endswith((".keys", ".values")))
+    return weights + row.numel() * row.element_size() + buffers
+
+
 def median_ms(step, repeats: int) -> float:
     times = []
     for _ in range(repeats):
@@ -116,15 +133,23 @@ def measure(context: int, rounds: int, repeats: int) -> dict:
     def reference_step_once() -> None:
         reference_step(token, position)
 
+    n_bytes = bytes_read_per_step(reference)
+    read_once = torch.ones(n_bytes // 4)  # float32: as many bytes as a step reads
+
+    def read_step() -> None:
+        read_once.sum()
+
     for _ in range(5):  # compiles both
         attnlab_step()
         reference_step_once()
-    attnlab_ms, reference_ms = [], []
+    attnlab_ms, reference_ms, read_ms = [], [], []
     for _ in range(rounds):
         attnlab_ms.append(median_ms(attnlab_step, repeats))
         reference_ms.append(median_ms(reference_step_once, repeats))
+        read_ms.append(median_ms(read_step, repeats))
     return {"context": context, "attnlab_ms": statistics.median(attnlab_ms),
-            "reference_ms": statistics.median(reference_ms)}
+            "reference_ms": statistics.median(reference_ms), "bytes_read": n_bytes,
+            "read_ms": statistics.median(read_ms)}
 
 
 def main() -> None:
@@ -137,7 +162,8 @@ def main() -> None:
         result = measure(context, args.rounds, args.repeats)
         print(json.dumps({"threads": torch.get_num_threads(), **result}), flush=True)
         print(f"context {context}: attnlab compiled step {result['attnlab_ms']:.3f} ms, static-cache reference "
-              f"{result['reference_ms']:.3f} ms ({result['reference_ms'] / result['attnlab_ms']:.2f}x attnlab's time)")
+              f"{result['reference_ms']:.3f} ms ({result['reference_ms'] / result['attnlab_ms']:.2f}x attnlab's time); "
+              f"reading its {result['bytes_read'] / 2**20:.1f} MiB once {result['read_ms']:.3f} ms")
 
 
 if __name__ == "__main__":
