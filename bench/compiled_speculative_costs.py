@@ -1,15 +1,25 @@
-"""The forwards speculative decoding is made of, eager and compiled, side by side in one process:
-one cached target token, one verification of gamma + 1 tokens, one cached draft token, at each
-batch size, for the CPU pair's shapes (presets spec-small-target, dim 256 depth 6, and
-spec-small-draft, depth 1; weights as initialised: the cost of a forward does not depend on them).
+"""The forwards speculative decoding is made of, eager and compiled, side by side in one process,
+and the decoding loops they make: one cached target token, one verification of gamma + 1 tokens,
+one cached draft token, at each batch size, for the CPU pair's shapes (presets spec-small-target,
+dim 256 depth 6, and spec-small-draft, depth 1; weights as initialised: the cost of a forward does
+not depend on them).
 
-Each forward is timed in turn, round after round, after a warm-up that compiles the steps; medians.
-From the costs in units of one target token (d: a draft token, v: a verification) and a per-token
-acceptance alpha, the speedup at batch 1 that Leviathan et al. (section 3.1, eq. 1) give, loop
-overhead ignored: tokens per step (1 - alpha^(gamma + 1)) / (1 - alpha), divided by gamma d + v.
-This is a projection from measured costs, not a decoding measured end to end.
+Forwards: each timed warm, as in a decoding loop (a cache filled with `context` tokens once, then
+`--repeats` forwards, the cache rolled back after each, untimed), the models in turn, round after
+round; medians. From the costs in units of one target token (d: a draft token, v: a verification)
+and a per-token acceptance alpha, the speedup at batch 1 that Leviathan et al. (section 3.1, eq. 1)
+give, loop overhead ignored: tokens per step (1 - alpha^(gamma + 1)) / (1 - alpha), divided by
+gamma d + v.
 
-    OMP_NUM_THREADS=2 python bench/compiled_speculative_costs.py [--batch-size 1 4] [--context 200] [--rounds 200]
+Loops: the target's own decoding (`generate`, ms per token) and speculative decoding
+(`speculative_generate`, temperature 1, ms per step: gamma draft tokens, one verification, the
+sampling, acceptance and rollback between them), both timed end to end less the prompt's prefill
+(timed alone beside them); the projection
+tokens_per_step(alpha) x token / step then counts the loop's own work too. The acceptance comes
+from a trained pair (these weights are untrained): both are projections, not speedups measured on
+a trained pair.
+
+    OMP_NUM_THREADS=2 python bench/compiled_speculative_costs.py [--batch-size 1 4] [--context 200] [--rounds 15]
 """
 
 from __future__ import annotations
@@ -22,6 +32,8 @@ import time
 import torch
 
 from attnlab.config import load_config
+from attnlab.generate.sampling import SamplingConfig, generate
+from attnlab.generate.speculative import speculative_generate
 from attnlab.model import Transformer
 
 ALPHAS = (0.80, 0.85, 0.87, 0.90)  # per-token acceptance; the distilled CPU pair measured 0.85-0.87
@@ -40,39 +52,86 @@ def tokens_per_step(alpha: float, gamma: int) -> float:
     return (1 - alpha ** (gamma + 1)) / (1 - alpha)
 
 
-def timed_forward(model: Transformer, batch: int, context: int, n_tokens: int) -> float:
-    """Seconds of one cached forward of n_tokens after `context` tokens (the cache rolled back after
-    it, so every round sees the same length)."""
-    cache = model.new_cache(batch, context + 16)
-    model(torch.randint(0, 256, (batch, context)), cache=cache)
-    tokens = torch.randint(0, 256, (batch, n_tokens))
+def warm_forward_ms(model: Transformer, cache, context: int, tokens: torch.Tensor, repeats: int) -> float:
+    """Median ms of `repeats` cached forwards of tokens [B, n] after `context` tokens, each followed
+    by an untimed rollback to `context` (weights and cache stay warm, as in a decoding loop)."""
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        model(tokens, cache=cache)
+        times.append(time.perf_counter() - started)
+        cache.truncate(context)
+    return statistics.median(times) * 1e3
+
+
+def prefill_ms(models: list[Transformer], prompt: torch.Tensor, new_tokens: int) -> float:
+    """ms of feeding prompt [B, T] to each model through a fresh cache (what a loop spends before
+    its first token)."""
     started = time.perf_counter()
-    model(tokens, cache=cache)
-    return time.perf_counter() - started
+    for model in models:
+        model(prompt, cache=model.new_cache(prompt.shape[0], prompt.shape[1] + new_tokens + 16))
+    return (time.perf_counter() - started) * 1e3
 
 
-def measure(batch: int, context: int, rounds: int, gamma: int) -> dict:
-    models = {(role, compiled): build(preset, compiled) for role, preset in
-              (("target", "spec-small-target"), ("draft", "spec-small-draft")) for compiled in (False, True)}
-    forwards = {f"{mode} {name}": (models[role, mode == "compiled"], n_tokens)
+def loop_ms(target: Transformer, draft: Transformer, prompt: torch.Tensor, new_tokens: int, gamma: int,
+            seed: int) -> tuple[float, float]:
+    """(ms per token of the target's own decoding, ms per step of speculative decoding), end to end
+    but for the prompt's prefill (timed alone and taken off: it is not what the loops compare)."""
+    started = time.perf_counter()
+    generate(target, prompt, new_tokens, SamplingConfig(), generator=torch.Generator().manual_seed(seed))
+    token_ms = ((time.perf_counter() - started) * 1e3 - prefill_ms([target], prompt, new_tokens)) / new_tokens
+    started = time.perf_counter()
+    result = speculative_generate(target, draft, prompt, new_tokens, gamma, SamplingConfig(),
+                                  generator=torch.Generator().manual_seed(seed))
+    elapsed = (time.perf_counter() - started) * 1e3 - prefill_ms([target, draft], prompt[:, :-1], new_tokens)
+    return token_ms, elapsed / result.n_steps
+
+
+def projections(token: float, draft: float, verify: float, gamma: int) -> dict:
+    return {str(alpha): tokens_per_step(alpha, gamma) / (gamma * draft / token + verify / token) for alpha in ALPHAS}
+
+
+def measure(batch: int, context: int, rounds: int, repeats: int, gamma: int, new_tokens: int) -> dict:
+    models = {(role, mode): build(preset, mode == "compiled") for role, preset in
+              (("target", "spec-small-target"), ("draft", "spec-small-draft")) for mode in ("eager", "compiled")}
+    prompt = torch.randint(0, 256, (batch, context), generator=torch.Generator().manual_seed(0))
+    caches = {}
+    with torch.inference_mode():
+        for (role, mode), model in models.items():
+            caches[role, mode] = model.new_cache(batch, context + gamma + 1)
+            model(prompt, cache=caches[role, mode])
+    forwards = {f"{mode} {name}": (role, mode, n_tokens)
                 for mode in ("eager", "compiled")
                 for name, role, n_tokens in (("target token", "target", 1), ("verification", "target", gamma + 1),
                                              ("draft token", "draft", 1))}
     times = {name: [] for name in forwards}
+    loops = {f"{mode} {what}": [] for mode in ("eager", "compiled") for what in ("token", "step")}
     with torch.inference_mode():
-        for round_ in range(rounds + 3):  # three warm-up rounds: the compiled steps are made there
-            for name, (model, n_tokens) in forwards.items():
-                elapsed = timed_forward(model, batch, context, n_tokens)
-                if round_ >= 3:
+        for round_ in range(rounds + 1):  # round 0 warms up: the compiled steps are made there
+            for name, (role, mode, n_tokens) in forwards.items():
+                tokens = torch.randint(0, 256, (batch, n_tokens))
+                elapsed = warm_forward_ms(models[role, mode], caches[role, mode], context, tokens, repeats)
+                if round_:
                     times[name].append(elapsed)
-    medians = {name: statistics.median(values) * 1e3 for name, values in times.items()}
-    report = {"batch_size": batch, "context": context, "gamma": gamma, "rounds": rounds, "ms": medians}
+            for mode in ("eager", "compiled"):
+                token_ms, step_ms = loop_ms(models["target", mode], models["draft", mode], prompt, new_tokens, gamma,
+                                            round_)
+                if round_:
+                    loops[f"{mode} token"].append(token_ms)
+                    loops[f"{mode} step"].append(step_ms)
+    medians = {name: statistics.median(values) for name, values in times.items()}
+    loop_medians = {name: statistics.median(values) for name, values in loops.items()}
+    report = {"batch_size": batch, "context": context, "gamma": gamma, "rounds": rounds, "repeats": repeats,
+              "new_tokens": new_tokens, "ms": medians, "loop_ms": loop_medians}
     for mode in ("eager", "compiled"):
         token = medians[f"{mode} target token"]
-        draft, verify = medians[f"{mode} draft token"] / token, medians[f"{mode} verification"] / token
-        projected = {str(alpha): tokens_per_step(alpha, gamma) / (gamma * draft + verify) for alpha in ALPHAS}
-        report[mode] = {"draft_in_target_tokens": draft, "verification_in_target_tokens": verify,
-                        "projected_speedup": projected}
+        draft, verify = medians[f"{mode} draft token"], medians[f"{mode} verification"]
+        step, loop_token = loop_medians[f"{mode} step"], loop_medians[f"{mode} token"]
+        report[mode] = {"draft_in_target_tokens": draft / token, "verification_in_target_tokens": verify / token,
+                        "projected_speedup": projections(token, draft, verify, gamma),
+                        "step_in_loop_tokens": step / loop_token,
+                        "projected_speedup_with_loop": {str(alpha): tokens_per_step(alpha, gamma) * loop_token / step
+                                                        for alpha in ALPHAS}}
     return report
 
 
@@ -80,11 +139,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-size", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--context", type=int, default=200)
-    parser.add_argument("--rounds", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--repeats", type=int, default=20, help="forwards timed in a row, per model and round")
+    parser.add_argument("--new-tokens", type=int, default=64, help="tokens each decoding loop draws, per round")
     parser.add_argument("--gamma", type=int, default=5)
     args = parser.parse_args()
     for batch in args.batch_size:
-        report = measure(batch, args.context, args.rounds, args.gamma)
+        report = measure(batch, args.context, args.rounds, args.repeats, args.gamma, args.new_tokens)
         print(json.dumps({"threads": torch.get_num_threads(), **report}), flush=True)
         ms = report["ms"]
         print(f"batch {batch}: ms per forward, eager / compiled: target token {ms['eager target token']:.2f} / "
@@ -96,6 +157,11 @@ def main() -> None:
             projected = ", ".join(f"alpha {alpha}: {value:.2f}x" for alpha, value in part["projected_speedup"].items())
             print(f"  {mode}: draft {part['draft_in_target_tokens']:.2f}, verification "
                   f"{part['verification_in_target_tokens']:.2f} target tokens; projected {projected}")
+            loop = report["loop_ms"]
+            with_loop = ", ".join(f"alpha {alpha}: {value:.2f}x"
+                                  for alpha, value in part["projected_speedup_with_loop"].items())
+            print(f"  {mode} loops: target {loop[mode + ' token']:.2f} ms/token, speculative "
+                  f"{loop[mode + ' step']:.2f} ms/step ({part['step_in_loop_tokens']:.2f} tokens); projected {with_loop}")
 
 
 if __name__ == "__main__":
