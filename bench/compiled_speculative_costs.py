@@ -161,7 +161,8 @@ def main() -> None:
             with_loop = ", ".join(f"alpha {alpha}: {value:.2f}x"
                                   for alpha, value in part["projected_speedup_with_loop"].items())
             print(f"  {mode} loops: target {loop[mode + ' token']:.2f} ms/token, speculative "
-                  f"{loop[mode + ' step']:.2f} ms/step ({part['step_in_loop_tokens']:.2f} tokens); projected {with_loop}")
+                  f"{loop[mode + ' step']:.2f} ms/step ({part['step_in_loop_tokens']:.2f} tokens); "
+                  f"projected {with_loop}")
 
 
 if __name__ == "__main__":

@@ -75,15 +75,41 @@ def validation_windows(data: torch.Tensor) -> torch.Tensor:
 # ---- models: each a function tokens [B, T] -> logits [B, T, 256]
 
 
-def attnlab_model(kind: str, options: dict) -> tuple[torch.nn.Module, callable]:
+INITS = ("torch", "gpt2")  # model.init's values
+ABLATIONS = ("embedding-1", "linear-torch", "torch-reset")  # initialise's, on top of gpt2
+
+
+def attnlab_model(kind: str, options: dict, init: str) -> tuple[torch.nn.Module, callable]:
     from attnlab.config import ModelConfig, config_from_dict
     from attnlab.model import Transformer
 
     attention = {"kind": kind, "local": {"window_size": NSA["sliding_window_size"]}, "nsa": {**NSA, **options}}
     values = {key: RECIPE[key] for key in ("dim", "depth", "heads", "dim_head", "kv_heads")}
+    values["init"] = init if init in INITS else "gpt2"
     model = Transformer(config_from_dict({**values, "max_seq_len": RECIPE["seq_len"], "attention": attention},
                                          ModelConfig))
     return model, lambda tokens: model(tokens).logits
+
+
+def initialise(model: torch.nn.Module, scheme: str) -> None:
+    """The ablations of initial scales, each on top of the "gpt2" initialisation (attnlab's earlier
+    default, which attnlab_model builds for them): "embedding-1" draws the token embedding from
+    N(0, 1) (torch's nn.Embedding default); "linear-torch" resets the linear layers to torch's
+    default (Kaiming-uniform); "torch-reset" resets both, as the reference library's modules are
+    left, then the attention layers' own parameters (NSA's gates) again. "torch" and "gpt2" are
+    the model's `init` option itself: nothing to do here."""
+    if scheme in INITS:
+        return
+    if scheme == "embedding-1":
+        torch.nn.init.normal_(model.token_embedding.embed.weight, std=1.0)
+        return
+    kinds = (torch.nn.Linear,) if scheme == "linear-torch" else (torch.nn.Linear, torch.nn.Embedding)
+    for module in model.modules():
+        if isinstance(module, kinds):
+            module.reset_parameters()
+    for module in model.modules():
+        if hasattr(module, "init_own_parameters"):
+            module.init_own_parameters()
 
 
 def reference_model(options: dict) -> tuple[torch.nn.Module, callable]:
@@ -172,6 +198,8 @@ def main() -> None:
     parser.add_argument("--stop-after", type=int, default=None, help="stop after this many steps of the schedule")
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--init", choices=INITS + ABLATIONS, default="torch",
+                        help="attnlab models' initial weights: model.init, or an ablation (initialise's docstring)")
     parser.add_argument("--python", default=None, help="the reference's interpreter (--model reference)")
     parser.add_argument("--corpus", default=None, help="folder of train.bin / val.bin (set for the reference run)")
     args = parser.parse_args()
@@ -182,9 +210,13 @@ def main() -> None:
     options = dict(item.split("=", 1) for item in args.set)
     options = {key: parse_value(value) for key, value in options.items()}
     print(json.dumps({"model": args.model, "set": options, "steps": args.steps, "stop_after": args.stop_after,
-                      "seed": args.seed, "torch": torch.__version__}), flush=True)
+                      "seed": args.seed, "init": args.init, "torch": torch.__version__}), flush=True)
     torch.manual_seed(args.seed)
-    model, logits_of = reference_model(options) if args.model == "reference" else attnlab_model(args.model, options)
+    if args.model == "reference":
+        model, logits_of = reference_model(options)
+    else:
+        model, logits_of = attnlab_model(args.model, options, args.init)
+        initialise(model, args.init)
     print(json.dumps(parameter_counts(model)), flush=True)
     folder = Path(args.corpus) if args.corpus else corpus_folder()
     train(model.train(), logits_of, folder, args.steps, args.stop_after or args.steps, args.eval_every,

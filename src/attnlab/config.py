@@ -202,6 +202,10 @@ class ModelConfig:
     ff_chunks: Size = 1  # run the feed-forward over this many sequence chunks to save memory
     dropout: Rate = 0.0  # residual dropout
     tie_embeddings: bool = False  # share the input embedding with the output projection
+    # initial weights (Transformer.initialise): "torch", linear layers and embeddings as torch makes them
+    # (Kaiming-uniform, N(0, 1)); "gpt2", N(0, 0.02) with the residual projections scaled by 1/sqrt(2 depth),
+    # the earlier default, which learned markedly slower here (docs/nsa.md "Learning quality")
+    init: Literal["torch", "gpt2"] = "torch"
     reversible: bool = False  # two-stream reversible residuals: activation memory flat in depth
     loss_chunk_size: Count = 0  # >0: training loss over this many tokens at a time, full logits never built
     attention: AttentionConfig = field(default_factory=AttentionConfig)

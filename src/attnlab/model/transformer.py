@@ -240,16 +240,29 @@ class Transformer(nn.Module):
         self._cuda_graphs = False  # the compiled step replays CUDA graphs (compile_decoding on CUDA)
         self._decode_calls: dict[tuple, int] = {}  # times the compiled step served a call (_decode_call)
         self._decode_structure = -1  # STRUCTURE_CHANGES when _decode_calls was last cleared
-        self.apply(self._init_weights)
-        for name, parameter in self.named_parameters():
-            if name.endswith(("to_out.weight", "down.weight")):  # GPT-2: scale residual projections
-                nn.init.normal_(parameter, std=0.02 / math.sqrt(2 * config.depth))
-        for module in self.modules():  # layers whose own initialisation the generic one replaced (NSA's gates)
+        self.initialise()
+
+    def initialise(self) -> None:
+        """The initial weights `config.init` names. "torch" keeps what torch's modules start with
+        (linear layers Kaiming-uniform, std 1 / sqrt(3 fan_in); embeddings N(0, 1)), but a tied
+        embedding, which is the output layer too, starts as that linear layer would (N(0, 1) logits
+        would be sqrt(dim) wide). "gpt2": every linear layer and embedding N(0, 0.02), biases zero,
+        the residual projections (to_out, down) N(0, 0.02 / sqrt(2 depth)), as GPT-2. Then each layer's
+        own parameters that either would overwrite (NSA's gates)."""
+        config = self.config
+        if config.init == "gpt2":
+            self.apply(self._gpt2_weights)
+            for name, parameter in self.named_parameters():
+                if name.endswith(("to_out.weight", "down.weight")):
+                    nn.init.normal_(parameter, std=0.02 / math.sqrt(2 * config.depth))
+        elif config.tie_embeddings:
+            nn.init.kaiming_uniform_(self.head.weight, a=math.sqrt(5))  # nn.Linear's own initialisation
+        for module in self.modules():
             if hasattr(module, "init_own_parameters"):
                 module.init_own_parameters()
 
     @staticmethod
-    def _init_weights(module: nn.Module) -> None:
+    def _gpt2_weights(module: nn.Module) -> None:
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, std=0.02)
         if isinstance(module, nn.Linear) and module.bias is not None:
