@@ -79,13 +79,14 @@ INITS = ("torch", "gpt2")  # model.init's values
 ABLATIONS = ("embedding-1", "linear-torch", "torch-reset")  # initialise's, on top of gpt2
 
 
-def attnlab_model(kind: str, options: dict, init: str) -> tuple[torch.nn.Module, callable]:
+def attnlab_model(kind: str, options: dict, init: str, model_options: dict) -> tuple[torch.nn.Module, callable]:
     from attnlab.config import ModelConfig, config_from_dict
     from attnlab.model import Transformer
 
     attention = {"kind": kind, "local": {"window_size": NSA["sliding_window_size"]}, "nsa": {**NSA, **options}}
     values = {key: RECIPE[key] for key in ("dim", "depth", "heads", "dim_head", "kv_heads")}
     values["init"] = init if init in INITS else "gpt2"
+    values.update(model_options)  # e.g. norm=rmsnorm
     model = Transformer(config_from_dict({**values, "max_seq_len": RECIPE["seq_len"], "attention": attention},
                                          ModelConfig))
     return model, lambda tokens: model(tokens).logits
@@ -195,6 +196,8 @@ def main() -> None:
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                         help="NSA options (attnlab: model.attention.nsa keys; reference: SparseAttention arguments)")
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--model-set", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="attnlab model options (model.* keys, e.g. norm=rmsnorm)")
     parser.add_argument("--stop-after", type=int, default=None, help="stop after this many steps of the schedule")
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
@@ -209,13 +212,15 @@ def main() -> None:
         sys.exit(subprocess.call(command))
     options = dict(item.split("=", 1) for item in args.set)
     options = {key: parse_value(value) for key, value in options.items()}
+    model_options = {key: parse_value(value) for key, value in (item.split("=", 1) for item in args.model_set)}
     print(json.dumps({"model": args.model, "set": options, "steps": args.steps, "stop_after": args.stop_after,
-                      "seed": args.seed, "init": args.init, "torch": torch.__version__}), flush=True)
+                      "seed": args.seed, "init": args.init, "model_set": model_options,
+                      "torch": torch.__version__}), flush=True)
     torch.manual_seed(args.seed)
     if args.model == "reference":
         model, logits_of = reference_model(options)
     else:
-        model, logits_of = attnlab_model(args.model, options, args.init)
+        model, logits_of = attnlab_model(args.model, options, args.init, model_options)
         initialise(model, args.init)
     print(json.dumps(parameter_counts(model)), flush=True)
     folder = Path(args.corpus) if args.corpus else corpus_folder()
