@@ -196,9 +196,9 @@ def overlapping_windows(x: Tensor, size: int, step: int) -> Tensor:
 def masked_attention(q: Tensor, keys: Tensor, values: Tensor, visible: Tensor) -> Tensor:
     """Attention of a few queries over a cache's whole storage: q [B, H, T, D], keys and values
     [B, G, L, D], visible bool [B, 1, T, L] -> [B, H, T, D]. torch's fused attention with the mask,
-    each key/value head serving its group of query heads in place (no copy of the storage per step):
-    compiled, it matched a plain static-cache model's step at 256 and 4096 tokens, where products
-    and a softmax written out took 1.1-1.3x its time (bench/static_cache_reference.py)."""
+    each key/value head serving its group of query heads in place (no copy of the storage per step).
+    Compiled, the fused call was faster at long contexts than products and a softmax written out
+    (bench/static_cache_reference.py; docs/benchmarks.md "Compiled decoding")."""
     return F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=visible,
                                           enable_gqa=keys.shape[1] != q.shape[1])
 
