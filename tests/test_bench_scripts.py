@@ -3,6 +3,7 @@ toy sizes (their figures are in docs/benchmarks.md; this only keeps them runnabl
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -29,9 +30,17 @@ def test_kernel_scripts_print_their_tables():
 
 def test_nsa_default_speed_prints_the_ratio():
     printed = run_script("nsa_default_speed.py", "--seq-len", "64", "--rounds", "1")
-    assert '"what": "layer"' in printed and "current_over_earlier" in printed
+    assert '"what": "layer"' in printed and "current_over_earlier" in printed and "current_over_shared" in printed
 
 
 def test_static_cache_reference_prints_both_steps():
     printed = run_script("static_cache_reference.py", "--context", "8", "--rounds", "1", "--repeats", "2")
     assert '"attnlab_ms"' in printed and "static-cache reference" in printed and '"read_ms"' in printed
+
+
+def test_small_gemm_prints_each_shape():
+    printed = run_script("small_gemm.py", "--rows", "1", "3", "--repeats", "3")
+    lines = [json.loads(line) for line in printed.splitlines() if line.startswith("{")]
+    assert [line["weight"] for line in lines] == ["query/key/value", "output", "feed-forward up", "feed-forward down",
+                                                  "head"]
+    assert all(set(line["microseconds"]) == {"1", "3"} and line["most_over_fewest_rows"] > 0 for line in lines)
