@@ -44,3 +44,12 @@ def test_small_gemm_prints_each_shape():
     assert [line["weight"] for line in lines] == ["query/key/value", "output", "feed-forward up", "feed-forward down",
                                                   "head"]
     assert all(set(line["microseconds"]) == {"1", "3"} and line["most_over_fewest_rows"] > 0 for line in lines)
+
+
+def test_speculative_profile_splits_a_step():
+    printed = run_script("speculative_profile.py", "--backend", "aot_eager", "--context", "16", "--new-tokens", "12",
+                         "--warm-runs", "2")
+    report = json.loads(printed.splitlines()[-1])
+    parts = report["ms_per_step"]
+    assert parts["target forwards"] > 0 and parts["draft forwards"] > 0 and parts["between forwards"] > 0
+    assert report["compiled_calls_per_step"] >= 2 and report["dynamo_us_per_compiled_call"] > 0
