@@ -7,7 +7,9 @@ a whole depth-4 model's training step. Prints each one's median seconds and new 
     OMP_NUM_THREADS=1 python bench/nsa_default_speed.py --seq-len 4096 --rounds 5
 
 The earlier defaults are set explicitly: an MLP compressor as wide as its input (compress_mlp_mult
-1.0) and all gates starting at 0.5 (gate_init_bias 0).
+1.0), all gates starting at 0.5 (gate_init_bias 0) and one key/value projection for every branch
+(separate_branch_kv false); "shared" is today's defaults with that one projection, to show what
+the branches' own keys and values cost.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from attnlab.config import ModelConfig, NSAAttentionConfig, config_from_dict
 from attnlab.model import Transformer
 
 SHAPE = dict(sliding_window_size=64, compress_block_size=16, compress_stride=8, selection_block_size=16, num_selected=4)
-EARLIER = dict(compress_mlp_mult=1.0, gate_init_bias=0.0)
+EARLIER = dict(compress_mlp_mult=1.0, gate_init_bias=0.0, separate_branch_kv=False)
+SHARED = dict(separate_branch_kv=False)
 
 
 def layer(options: dict, seq_len: int) -> tuple[torch.nn.Module, callable]:
@@ -67,11 +70,12 @@ def main() -> None:
     builders = {"layer": layer, **({"model": model} if args.model else {})}
     for what, build in builders.items():
         torch.manual_seed(0)
-        medians = time_in_turns({"earlier": build(EARLIER, args.seq_len), "current": build({}, args.seq_len)},
-                                args.rounds)
+        medians = time_in_turns({"earlier": build(EARLIER, args.seq_len), "shared": build(SHARED, args.seq_len),
+                                 "current": build({}, args.seq_len)}, args.rounds)
         print(json.dumps({"what": what, "seq_len": args.seq_len, "threads": torch.get_num_threads(),
                           "median_seconds": {name: round(value, 4) for name, value in medians.items()},
-                          "current_over_earlier": round(medians["current"] / medians["earlier"], 3)}), flush=True)
+                          "current_over_earlier": round(medians["current"] / medians["earlier"], 3),
+                          "current_over_shared": round(medians["current"] / medians["shared"], 3)}), flush=True)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ compressed blocks of 16 with stride 8, selection blocks of 16, 4 selected.
     python bench/nsa_quality.py --model nsa --set compressor=mean --steps 100
     # the reference library (native-sparse-attention-pytorch 0.2.3) in its own virtual environment:
     # this script runs itself there, reading the same corpus files; attnlab never imports it
-    python bench/nsa_quality.py --model reference --python /work/nsa-ref-venv/bin/python --steps 300
+    python bench/nsa_quality.py --model reference --python /path/to/venv/bin/python --steps 300
 
 Prints one JSON line per validation (step, bpb) and a final line with the parameter counts; the
 figures are deterministic given the seed (load changes only the seconds).

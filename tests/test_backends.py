@@ -70,7 +70,7 @@ def step(model: Transformer, tokens: torch.Tensor) -> tuple[torch.Tensor, list[t
 
 
 @needs_kernels
-@pytest.mark.parametrize("name", ["routing", "sinkhorn", "nsa", "nsa-separate"])
+@pytest.mark.parametrize("name", ["routing", "sinkhorn", "nsa", "nsa-shared"])
 def test_cpu_back_end_trains_as_the_reference(name):
     reference, other = twin(name, "cpu")
     tokens = torch.randint(0, 61, (2, 46), generator=torch.Generator().manual_seed(2))

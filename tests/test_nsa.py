@@ -105,6 +105,7 @@ def reference(layer: NativeSparseAttention, x: torch.Tensor) -> torch.Tensor:
 
 CASES = {
     "overlap-mlp": dict(),
+    "shared-kv": dict(separate_branch_kv=False),  # one key/value projection for every branch
     "diff-topk": dict(use_diff_topk=True),
     "no-overlap-mean": dict(compress_block_size=4, compress_stride=4, selection_block_size=8, compressor="mean"),
     "conv-separate": dict(compressor="conv", separate_branch_kv=True, num_selected=4),
@@ -156,7 +157,7 @@ def test_each_option_changes_behaviour():
         reference_output = base(x)
     changes = dict(
         compress_block_size=6, compress_stride=1, selection_block_size=4, num_selected=2,
-        sliding_window_size=9, compressor="conv", separate_branch_kv=True, compress_positions=False,
+        sliding_window_size=9, compressor="conv", separate_branch_kv=False, compress_positions=False,
     )
     for key, value in changes.items():
         layer = make_layer(**{key: value})

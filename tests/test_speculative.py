@@ -48,7 +48,7 @@ PAIRS = {
     "routing-full": (dict(name="routing", depth=2), dict(name="full", seed=1, depth=1)),
     "sinkhorn-local": (dict(name="sinkhorn", depth=2), dict(name="local", seed=1, depth=1)),
     "nsa-full": (dict(name="nsa", depth=2), dict(name="full", seed=1, depth=1)),
-    "full-nsa": (dict(name="full", depth=2), dict(name="nsa-separate", seed=1, depth=1)),
+    "full-nsa": (dict(name="full", depth=2), dict(name="nsa-shared", seed=1, depth=1)),
 }
 
 

@@ -31,16 +31,17 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # buckets of 16: the (T / bucket)^2 sorting matrix stays below the scores at the memory test's lengths
     "sinkhorn-reversible": dict(reversible=True, emb_dim=16, attention={"kind": "sinkhorn", "dropout": 0.1,
         "sinkhorn": {"bucket_size": 16, "n_sortcut": 1}}),
-    # nsa: overlapping compression (block 4, stride 2), selection blocks of 6 != compression block,
+    # nsa (each branch its own keys/values, the default): overlapping compression (block 4, stride 2),
+    # selection blocks of 6 != compression block,
     # chunks of 16 queries so 45 tokens span three chunks; diff top-k gates; a compressor as wide as its
     # input (the default's 1/64 would be one unit wide at these widths, its compressed keys near ties)
     "nsa": dict(attention={"kind": "nsa", "nsa": {
         "compress_block_size": 4, "compress_stride": 2, "selection_block_size": 6, "num_selected": 3,
         "sliding_window_size": 5, "use_diff_topk": True, "query_chunk_size": 16, "compress_mlp_mult": 1.0}}),
-    # nsa with its own keys/values per branch, attention-pool compressor, one key/value head
-    "nsa-separate": dict(kv_heads=1, attention={"kind": "nsa", "nsa": {
+    # nsa with one key/value projection shared by its branches, attention-pool compressor, one key/value head
+    "nsa-shared": dict(kv_heads=1, attention={"kind": "nsa", "nsa": {
         "compress_block_size": 8, "compress_stride": 4, "selection_block_size": 4, "num_selected": 4,
-        "sliding_window_size": 3, "compressor": "attention", "separate_branch_kv": True, "query_chunk_size": 7}}),
+        "sliding_window_size": 3, "compressor": "attention", "separate_branch_kv": False, "query_chunk_size": 7}}),
 }
 
 # variants that must never build a T x T tensor
