@@ -36,6 +36,11 @@ RECIPE = dict(dim=256, depth=4, heads=4, dim_head=64, kv_heads=2, seq_len=512, b
 NSA = dict(sliding_window_size=64, compress_block_size=16, compress_stride=8, selection_block_size=16, num_selected=4)
 
 
+def parse_settings(items: list[str]) -> dict:
+    """["KEY=VALUE", ...] -> {KEY: parsed VALUE}."""
+    return {key: parse_value(value) for key, value in (item.split("=", 1) for item in items)}
+
+
 def parse_value(text: str):
     """'8' -> 8, '0.5' -> 0.5, 'true' -> True, else the string."""
     for kind in (int, float):
@@ -210,9 +215,7 @@ def main() -> None:
     if args.model == "reference" and args.corpus is None:  # run again in the reference's environment
         command = [args.python or sys.executable, __file__, *sys.argv[1:], "--corpus", str(corpus_folder())]
         sys.exit(subprocess.call(command))
-    options = dict(item.split("=", 1) for item in args.set)
-    options = {key: parse_value(value) for key, value in options.items()}
-    model_options = {key: parse_value(value) for key, value in (item.split("=", 1) for item in args.model_set)}
+    options, model_options = parse_settings(args.set), parse_settings(args.model_set)
     print(json.dumps({"model": args.model, "set": options, "steps": args.steps, "stop_after": args.stop_after,
                       "seed": args.seed, "init": args.init, "model_set": model_options,
                       "torch": torch.__version__}), flush=True)

@@ -32,9 +32,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "sinkhorn-reversible": dict(reversible=True, emb_dim=16, attention={"kind": "sinkhorn", "dropout": 0.1,
         "sinkhorn": {"bucket_size": 16, "n_sortcut": 1}}),
     # nsa (each branch its own keys/values, the default): overlapping compression (block 4, stride 2),
-    # selection blocks of 6 != compression block,
-    # chunks of 16 queries so 45 tokens span three chunks; diff top-k gates; a compressor as wide as its
-    # input (the default's 1/64 would be one unit wide at these widths, its compressed keys near ties)
+    # selection blocks of 6 != compression block, chunks of 16 queries so 45 tokens span three chunks;
+    # diff top-k gates; a compressor as wide as its input (the default's 1/64 would be one unit wide at
+    # these widths, its compressed keys near ties)
     "nsa": dict(attention={"kind": "nsa", "nsa": {
         "compress_block_size": 4, "compress_stride": 2, "selection_block_size": 6, "num_selected": 3,
         "sliding_window_size": 5, "use_diff_topk": True, "query_chunk_size": 16, "compress_mlp_mult": 1.0}}),
