@@ -4,10 +4,12 @@ compiled step's speed-up, and how much a token's cost grows from the short promp
 
 Each model decodes --new-tokens tokens with top-k sampling after a random prompt, eager and compiled
 in turn, round by round (the compiled step's compilation happens in an untimed warm-up round);
-medians of the per-round medians. --python-wrapper adds, side by side, the compiled step called from
-inductor's Python wrapper instead of its C++ one (compile_decoding(cpp_wrapper=False)).
+medians of the per-round medians. --also adds other compiled steps, side by side: `library` (the
+products with the weights through ATen's library calls instead of the packed kernels,
+compile_decoding(linear="library")), `python-wrapper` (the step called from inductor's Python
+wrapper instead of its C++ one, compile_decoding(cpp_wrapper=False)).
 
-    OMP_NUM_THREADS=2 python bench/compiled_decoding.py --context 256 4096 --new-tokens 128 --rounds 3 --python-wrapper
+    OMP_NUM_THREADS=2 python bench/compiled_decoding.py --context 256 4096 --new-tokens 128 --rounds 3 --also library
 """
 
 from __future__ import annotations
@@ -29,18 +31,17 @@ WINDOW = dict(local={"window_size": 64}, routing={"window_size": 64}, sinkhorn={
                    "selection_block_size": 16, "num_selected": 4})
 KV_HEADS = {"nsa": 2}  # NSA shares its selection over a key/value group
 SAMPLING = SamplingConfig(top_k=26)
+# compile_decoding's arguments of the other compiled steps --also can add
+OTHER_STEPS = {"library": {"linear": "library"}, "python-wrapper": {"cpp_wrapper": False}}
 
 
 def build(kind: str, max_len: int, variant: str) -> Transformer:
-    """variant: eager, compiled (compile_decoding's defaults) or python-wrapper (compiled, without the
-    C++ wrapper)."""
+    """variant: eager, compiled (compile_decoding's defaults) or one of OTHER_STEPS."""
     values = {**MODEL, "kv_heads": KV_HEADS.get(kind), "max_seq_len": max_len, "attention": {"kind": kind, **WINDOW}}
     torch.manual_seed(0)
     model = Transformer(model_config(values)).eval()
-    if variant == "compiled":
-        model.compile_decoding()
-    elif variant == "python-wrapper":
-        model.compile_decoding(cpp_wrapper=False)
+    if variant != "eager":
+        model.compile_decoding(**OTHER_STEPS.get(variant, {}))
     return model
 
 
@@ -80,10 +81,10 @@ def main() -> None:
     parser.add_argument("--context", type=int, nargs="+", default=[256, 4096])
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--python-wrapper", action="store_true",
-                        help="also the compiled step through inductor's Python wrapper, side by side")
+    parser.add_argument("--also", nargs="*", default=[], choices=sorted(OTHER_STEPS),
+                        help="other compiled steps, side by side with the default one")
     args = parser.parse_args()
-    variants = ("eager", "compiled", "python-wrapper") if args.python_wrapper else ("eager", "compiled")
+    variants = ("eager", "compiled", *args.also)
     medians = measure(args.attention, args.context, args.new_tokens, args.rounds, variants)
     print(json.dumps({"threads": torch.get_num_threads(), "new_tokens": args.new_tokens, "rounds": args.rounds,
                       "ms_per_token": medians}), flush=True)
@@ -100,14 +101,15 @@ def main() -> None:
                       f"{eager / compiled:.2f}x"]
         growth = medians[f"{kind} {long} compiled"] / medians[f"{kind} {short} compiled"]
         print(f"| {kind} | " + " | ".join(cells) + f" | {growth:.2f}x |")
-    if args.python_wrapper:
-        print("\nms/token of the compiled step: C++ wrapper (the CPU default) against Python wrapper")
-        print("| attention | context | C++ wrapper | Python wrapper | Python / C++ |")
+    for other in args.also:
+        print(f"\nms/token of the compiled step: compile_decoding's defaults against {other} "
+              f"({OTHER_STEPS[other]})")
+        print(f"| attention | context | defaults | {other} | {other} / defaults |")
         print("|---|---:|---:|---:|---:|")
         for kind in args.attention:
             for context in args.context:
-                cpp, python = medians[f"{kind} {context} compiled"], medians[f"{kind} {context} python-wrapper"]
-                print(f"| {kind} | {context} | {cpp:.2f} | {python:.2f} | {python / cpp:.2f}x |")
+                default, changed = medians[f"{kind} {context} compiled"], medians[f"{kind} {context} {other}"]
+                print(f"| {kind} | {context} | {default:.2f} | {changed:.2f} | {changed / default:.2f}x |")
 
 
 if __name__ == "__main__":

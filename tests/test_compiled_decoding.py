@@ -92,8 +92,8 @@ def test_cuda_graph_step_keeps_compiled_equal_to_eager(name, monkeypatch):
 @pytest.mark.parametrize("name", ["routing", "nsa"])
 def test_compiled_decoding_through_inductor(name):
     """Routing's decode step (top-k over the cluster storage) and NSA's (a torch.cond around the
-    compression) in inductor's generated code, called from its C++ wrapper (the CPU default): one-token
-    steps, a level and a per-row rollback (one graph)."""
+    compression) in inductor's generated code with the CPU's defaults (the C++ wrapper, the packed
+    linear kernels): one-token steps, a level and a per-row rollback (one graph)."""
     eager, compiled = twins(name, backend="inductor", depth=1)
     tokens = torch.randint(0, 61, (2, 40), generator=torch.Generator().manual_seed(2))
 
@@ -108,6 +108,7 @@ def test_compiled_decoding_through_inductor(name):
 
     with torch.no_grad():
         torch.testing.assert_close(steps(compiled), steps(eager), atol=1e-5, rtol=1e-5)
+    assert compiled._compiled_step is not None, "the compiled step failed and decoding fell back to eager"
 
 
 def test_each_model_keeps_its_graphs_apart():
@@ -132,17 +133,54 @@ def test_each_model_keeps_its_graphs_apart():
 
 
 def test_decode_compile_options():
-    """The C++ wrapper: by default for inductor on the CPU without a mode; asked for where it cannot
-    be, one error."""
-    from attnlab.model.transformer import decode_compile_options
+    """The C++ wrapper and the packed linear kernels: by default for inductor on the CPU without a
+    mode; asked for where they cannot be, one error."""
+    from attnlab.model.transformer import PACKED_LINEAR_OPTIONS, decode_compile_options
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert decode_compile_options(cpu, None, "inductor", None) == {"cpp_wrapper": True}
-    assert decode_compile_options(cpu, None, "inductor", False) is None
+    assert decode_compile_options(cpu, None, "inductor", None) == {"cpp_wrapper": True, **PACKED_LINEAR_OPTIONS}
+    assert decode_compile_options(cpu, None, "inductor", False, "library") is None
+    assert decode_compile_options(cpu, None, "inductor", False) == PACKED_LINEAR_OPTIONS
     assert decode_compile_options(cuda, "reduce-overhead", "inductor", None) is None
     assert decode_compile_options(cpu, None, "aot_eager", None) is None
     with pytest.raises(ValueError, match="cpp_wrapper is an option of the inductor back-end without a mode"):
         decode_compile_options(cuda, "reduce-overhead", "inductor", True)
+    with pytest.raises(ValueError, match="packed linear kernels are inductor's for the CPU, without a mode"):
+        decode_compile_options(cuda, None, "inductor", None, "packed")
+    with pytest.raises(ValueError, match="linear kernels are one of library, packed; got 'blas'"):
+        decode_compile_options(cpu, None, "inductor", None, "blas")
+
+
+def test_packed_linear_kernels_follow_the_weights():
+    """The packed step (the CPU default: the weights frozen into it as constants, packed for
+    inductor's GEMM template) gives the eager logits over one-token steps and a verification-sized
+    chunk; after the weights change in place, it compiles again and follows them. That the weights
+    are constants of the step: with the check skipped, it keeps the old ones."""
+    eager, compiled = twins("full", backend="inductor", depth=1)
+    assert compiled._frozen_tensors is not None
+    counters.clear()
+    tokens = torch.randint(0, 61, (1, 24), generator=torch.Generator().manual_seed(5))
+
+    def steps(model: Transformer) -> torch.Tensor:
+        cache = model.new_cache(1, 32)
+        logits = [model(tokens[:, :10], cache=cache).logits]
+        logits += [model(tokens[:, p : p + 1], cache=cache).logits for p in range(10, 14)]
+        logits.append(model(tokens[:, 14:20], cache=cache).logits)
+        return torch.cat(logits, dim=1)
+
+    def change_weights() -> None:
+        for model in (eager, compiled):
+            next(model.blocks[0].feed_forward.parameters()).mul_(1.5)
+
+    with torch.no_grad():
+        torch.testing.assert_close(steps(compiled), steps(eager), atol=1e-5, rtol=1e-5)
+        assert counters["inductor"]["cpp_templated_kernel_counter"] > 0  # the template made the products
+        change_weights()
+        torch.testing.assert_close(steps(compiled), steps(eager), atol=1e-5, rtol=1e-5)
+        change_weights()
+        compiled._frozen_state = compiled._weights_state()  # skip the check: the step keeps what it froze
+        assert not torch.allclose(steps(compiled)[:, 10:], steps(eager)[:, 10:], atol=1e-3)
+    assert compiled._compiled_step is not None
 
 
 def test_a_changed_model_is_checked_in_full():

@@ -12,6 +12,7 @@ Legend: B batch, T tokens, V vocabulary, dim model width.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import types
@@ -151,17 +152,65 @@ def own_code(function: types.FunctionType) -> types.FunctionType:
                               function.__defaults__, function.__closure__)
 
 
-def decode_compile_options(device: torch.device, mode: str | None, backend: str, cpp_wrapper: bool | None
-                           ) -> dict | None:
+# the "packed" linear kernels: the weights frozen into the step as constants (so inductor can pack
+# them once), every product with a frozen weight made by inductor's C++ GEMM template (micro-kernels
+# over the packed weight: one pass over it for all of a step's rows), the other products by ATen's
+# calls. max-autotune offers both where the template applies; while a packed step compiles,
+# template_choices_only keeps the template's (timing each choice would cost a C++ compile per
+# product shape, and the choice would follow the load of the machine at that moment)
+PACKED_LINEAR_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+LINEAR_KERNELS = ("library", "packed")
+COMPILING_PACKED_STEP = [False]  # set while a packed decode step may compile (Transformer._tracing_settings)
+
+
+def template_choices_only(choices: list) -> list:
+    """Inductor's choices for one product: only its C++ templates' where there are any, while a
+    packed decode step compiles; all of them otherwise."""
+    from torch._inductor.codegen.cpp_template_kernel import CppTemplateCaller
+
+    if not COMPILING_PACKED_STEP[0]:
+        return choices
+    templates = [choice for choice in choices if isinstance(choice, CppTemplateCaller)]
+    return templates or choices
+
+
+@contextlib.contextmanager
+def packed_step_compiling():
+    """Dynamo makes the weights constants only while inductor's freezing is on (compile_decoding's
+    option reaches inductor alone); the choices of each product are the template's."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.select_algorithm import add_preprocessing_fn, get_algorithm_selector_cache
+
+    if template_choices_only not in get_algorithm_selector_cache().preprocessing_fns:
+        add_preprocessing_fn(template_choices_only)
+    COMPILING_PACKED_STEP[0] = True
+    try:
+        with inductor_config.patch(freezing=True):
+            yield
+    finally:
+        COMPILING_PACKED_STEP[0] = False
+
+
+def decode_compile_options(device: torch.device, mode: str | None, backend: str, cpp_wrapper: bool | None,
+                           linear: str | None = None) -> dict | None:
     """Inductor's options for a compiled decode step (Transformer.compile_decoding): the C++ wrapper
-    when asked, or by default on the CPU; none by default where a `mode` is given (torch.compile
-    takes one or the other) or the back-end is not inductor."""
+    and the packed linear kernels when asked, or by default on the CPU; none by default where a
+    `mode` is given (torch.compile takes one or the other) or the back-end is not inductor."""
+    cpu_default = device.type == "cpu" and backend == "inductor" and mode is None
     if cpp_wrapper and (backend != "inductor" or mode is not None):
         raise ValueError(f"cpp_wrapper is an option of the inductor back-end without a mode (got backend={backend!r}, "
                          f"mode={mode!r})")
-    if cpp_wrapper is None:
-        cpp_wrapper = device.type == "cpu" and backend == "inductor" and mode is None
-    return {"cpp_wrapper": True} if cpp_wrapper else None
+    if linear not in (None, *LINEAR_KERNELS):
+        raise ValueError(f"linear kernels are one of {', '.join(LINEAR_KERNELS)}; got {linear!r}")
+    if linear == "packed" and not cpu_default:
+        raise ValueError(f"packed linear kernels are inductor's for the CPU, without a mode (got device "
+                         f"{device.type}, backend={backend!r}, mode={mode!r})")
+    options = {}
+    if cpp_wrapper or (cpp_wrapper is None and cpu_default):
+        options["cpp_wrapper"] = True
+    if linear == "packed" or (linear is None and cpu_default):
+        options.update(PACKED_LINEAR_OPTIONS)
+    return options or None
 
 
 def token_positions(cache: ModelCache | None, n_tokens: int, device: torch.device) -> Tensor:
@@ -240,6 +289,9 @@ class Transformer(nn.Module):
         self._cuda_graphs = False  # the compiled step replays CUDA graphs (compile_decoding on CUDA)
         self._decode_calls: dict[tuple, int] = {}  # times the compiled step served a call (_decode_call)
         self._decode_structure = -1  # STRUCTURE_CHANGES when _decode_calls was last cleared
+        self._compile_arguments: dict = {}  # what compile_decoding() was last asked, to compile again
+        self._frozen_tensors: list[Tensor] | None = None  # parameters and buffers a packed step holds as constants
+        self._frozen_state: tuple = ()  # their storage and versions when it was made (_weights_state)
         self.initialise()
 
     def initialise(self) -> None:
@@ -306,6 +358,11 @@ class Transformer(nn.Module):
         if self._decode_structure != STRUCTURE_CHANGES[0]:  # modules changed: every call is new again
             self._decode_calls.clear()
             self._decode_structure = STRUCTURE_CHANGES[0]
+            if self._frozen_tensors is not None:
+                self._frozen_tensors = self._weight_tensors()
+        if self._frozen_tensors is not None and self._weights_state() != self._frozen_state:
+            log.info("the weights changed since the packed decode step froze them: compiling it again")
+            self.compile_decoding(**self._compile_arguments)
         call = self._decode_call(tokens, targets, cache, loss_mask)
         served = self._decode_calls.get(call, 0)
         if self._cuda_graphs:
@@ -321,13 +378,18 @@ class Transformer(nn.Module):
                         raise
                     log.debug("a compiled decode call failed a guard dynamo skipped: checked in full")
                     served = 0
-            output = self._compiled_step(tokens, targets, cache, loss_mask)
+            with self._tracing_settings():
+                output = self._compiled_step(tokens, targets, cache, loss_mask)
             self._decode_calls[call] = served + 1
             return self._own_outputs(output)
         except torch._dynamo.exc.TorchDynamoException as error:
             log.warning("compiled decoding failed, decoding eagerly: %s", str(error).splitlines()[0])
             self._compiled_step = None
             return self.run(tokens, targets, cache, loss_mask)
+
+    def _tracing_settings(self) -> contextlib.AbstractContextManager:
+        """Around a call that may compile: a packed step's settings (packed_step_compiling)."""
+        return contextlib.nullcontext() if self._frozen_tensors is None else packed_step_compiling()
 
     def _own_outputs(self, output: ModelOutput) -> ModelOutput:
         """Under CUDA graphs a step's outputs live in the graph's memory, which its next replay
@@ -348,8 +410,8 @@ class Transformer(nn.Module):
                 len(cache.layers), cache.dtype, cache.lengths.is_inference(), torch.is_grad_enabled(),
                 torch.is_inference_mode_enabled(), self.training, parameter.dtype, parameter.device)
 
-    def compile_decoding(self, mode: str | None = None, backend: str = "inductor", cpp_wrapper: bool | None = None
-                         ) -> bool:
+    def compile_decoding(self, mode: str | None = None, backend: str = "inductor", cpp_wrapper: bool | None = None,
+                         linear: str | None = None) -> bool:
         """Compile the cached forward of a chunk after earlier tokens (a decode step, a speculative
         verification): one graph per chunk length, fullgraph (the static caches give it the same
         shapes at every position, so it never recompiles per token); on CUDA with CUDA graphs
@@ -359,7 +421,17 @@ class Transformer(nn.Module):
         cpp_wrapper: inductor calls the step's kernels from generated C++ rather than Python. A
         small model's CPU step is mostly per-kernel calls, so this is the default there (None: on
         for inductor on the CPU without a `mode`; docs/benchmarks.md "Compiled decoding" has the
-        effect); each graph takes longer to compile. CUDA graphs already remove that cost on a GPU."""
+        effect); each graph takes longer to compile. CUDA graphs already remove that cost on a GPU.
+
+        linear: the kernels of the products with a weight matrix. "library": ATen's calls (MKL,
+        oneDNN, cuBLAS), the weights read as the step's inputs. "packed" (inductor on the CPU without
+        a `mode`; the default there): the weights frozen into the step as constants, packed once,
+        and multiplied by inductor's C++ GEMM template (PACKED_LINEAR_OPTIONS). A one-token step
+        reads every weight once, so the product's kernel sets its speed; the template's
+        micro-kernels read a packed weight once for all of a step's rows (a speculative
+        verification's too). docs/benchmarks.md "Compiled decoding" has the effect. The frozen
+        weights are checked at every step: a step after they changed (training, loading a state
+        dict, quantising) compiles again."""
         device = next(self.parameters()).device
         # each model's step has a code object of its own (own_code), under which dynamo keeps its graphs
         # (one per chunk length and cache layout): room for many before it gives up
@@ -367,7 +439,11 @@ class Transformer(nn.Module):
         config.recompile_limit = max(config.recompile_limit, DECODE_GRAPH_LIMIT)
         config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, DECODE_GRAPH_LIMIT)
         mode = mode or ("reduce-overhead" if device.type == "cuda" and backend == "inductor" else None)
-        options = decode_compile_options(device, mode, backend, cpp_wrapper)
+        options = decode_compile_options(device, mode, backend, cpp_wrapper, linear)
+        self._compile_arguments = {"mode": mode, "backend": backend, "cpp_wrapper": cpp_wrapper, "linear": linear}
+        frozen = bool(options and options.get("freezing"))
+        self._frozen_tensors = self._weight_tensors() if frozen else None
+        self._frozen_state = self._weights_state() if frozen else ()
         try:
             self._compiled_step = torch.compile(types.MethodType(own_code(Transformer.run), self), fullgraph=True,
                                                 dynamic=False, mode=mode, backend=backend, options=options)
@@ -377,6 +453,14 @@ class Transformer(nn.Module):
             log.warning("compiled decoding unavailable on %s, decoding eagerly: %s", device.type, error)
             self._compiled_step = None
         return self._compiled_step is not None
+
+    def _weight_tensors(self) -> list[Tensor]:
+        return [*self.parameters(), *self.buffers()]
+
+    def _weights_state(self) -> tuple:
+        """The frozen tensors' storage and versions (an in-place write, such as an optimiser step or
+        load_state_dict, raises a tensor's version)."""
+        return tuple((tensor.data_ptr(), tensor._version) for tensor in self._frozen_tensors)
 
     def run(self, tokens: Tensor, targets: Tensor | None, cache: ModelCache | None, loss_mask: Tensor | None
             ) -> ModelOutput:
