@@ -206,6 +206,45 @@ def test_a_changed_model_is_checked_in_full():
         torch.testing.assert_close(steps(compiled, 200), steps(eager, 200), atol=1e-5, rtol=1e-5)
 
 
+def test_packed_step_compiles_again_when_its_weights_change(monkeypatch):
+    """The bookkeeping of frozen weights, with the compiled step stood in for by the eager one (so
+    nothing compiles): steps on unchanged weights compile nothing again; an in-place write to a
+    weight, and quantising (other tensors than the frozen ones), each compile it once again."""
+    from attnlab.model.quantize import quantize_weights
+
+    torch.manual_seed(0)
+    model = Transformer(variant_config("full", max_seq_len=64)).eval()
+    compiles = []
+
+    def compile_decoding(**arguments) -> bool:
+        compiles.append(arguments)
+        Transformer.compile_decoding(model, **arguments)  # lazy: makes the wrapper, compiles nothing
+        model._compiled_step = model.run
+        return True
+
+    monkeypatch.setattr(model, "compile_decoding", compile_decoding)
+    model.compile_decoding(linear="packed")
+    tokens = torch.randint(0, 61, (1, 16), generator=torch.Generator().manual_seed(6))
+
+    def steps() -> None:
+        cache = model.new_cache(1, 32)
+        model(tokens[:, :8], cache=cache)
+        for position in range(8, 12):
+            model(tokens[:, position : position + 1], cache=cache)
+
+    with torch.no_grad():
+        steps()
+        assert len(compiles) == 1
+        next(model.parameters()).mul_(2.0)
+        steps()
+        assert len(compiles) == 2
+        steps()
+        assert len(compiles) == 2
+        assert quantize_weights(model) > 0
+        steps()
+        assert len(compiles) == 3 and compiles[-1]["linear"] == "packed"
+
+
 @pytest.mark.parametrize("batch, n_samples", [(1, 600), (4, 1200)])
 def test_compiled_speculative_sampling_follows_the_target(batch, n_samples):
     """Chi-square: speculative decoding with both models compiled samples the target's distribution

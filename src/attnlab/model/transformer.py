@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import operator
 import types
 from dataclasses import dataclass, field
 
@@ -36,6 +37,7 @@ log = logging.getLogger(__name__)
 DECODE_GRAPH_LIMIT = 256  # compiled decode steps kept (one per model, cache layout and chunk length)
 
 
+TENSOR_VERSION = operator.attrgetter("_version")
 STRUCTURE_CHANGES = [0]  # modules, parameters and buffers registered in this process (any module's)
 
 
@@ -291,7 +293,7 @@ class Transformer(nn.Module):
         self._decode_structure = -1  # STRUCTURE_CHANGES when _decode_calls was last cleared
         self._compile_arguments: dict = {}  # what compile_decoding() was last asked, to compile again
         self._frozen_tensors: list[Tensor] | None = None  # parameters and buffers a packed step holds as constants
-        self._frozen_state: tuple = ()  # their storage and versions when it was made (_weights_state)
+        self._frozen_state = 0  # their versions' sum when it was made (_weights_state)
         self.initialise()
 
     def initialise(self) -> None:
@@ -358,8 +360,9 @@ class Transformer(nn.Module):
         if self._decode_structure != STRUCTURE_CHANGES[0]:  # modules changed: every call is new again
             self._decode_calls.clear()
             self._decode_structure = STRUCTURE_CHANGES[0]
-            if self._frozen_tensors is not None:
-                self._frozen_tensors = self._weight_tensors()
+            frozen = self._frozen_tensors
+            if frozen is not None and list(map(id, self._weight_tensors())) != list(map(id, frozen)):
+                self._frozen_state = -1  # other tensors than the step froze (a quantised model): compile again
         if self._frozen_tensors is not None and self._weights_state() != self._frozen_state:
             log.info("the weights changed since the packed decode step froze them: compiling it again")
             self.compile_decoding(**self._compile_arguments)
@@ -443,7 +446,7 @@ class Transformer(nn.Module):
         self._compile_arguments = {"mode": mode, "backend": backend, "cpp_wrapper": cpp_wrapper, "linear": linear}
         frozen = bool(options and options.get("freezing"))
         self._frozen_tensors = self._weight_tensors() if frozen else None
-        self._frozen_state = self._weights_state() if frozen else ()
+        self._frozen_state = self._weights_state() if frozen else 0
         try:
             self._compiled_step = torch.compile(types.MethodType(own_code(Transformer.run), self), fullgraph=True,
                                                 dynamic=False, mode=mode, backend=backend, options=options)
@@ -457,10 +460,10 @@ class Transformer(nn.Module):
     def _weight_tensors(self) -> list[Tensor]:
         return [*self.parameters(), *self.buffers()]
 
-    def _weights_state(self) -> tuple:
-        """The frozen tensors' storage and versions (an in-place write, such as an optimiser step or
-        load_state_dict, raises a tensor's version)."""
-        return tuple((tensor.data_ptr(), tensor._version) for tensor in self._frozen_tensors)
+    def _weights_state(self) -> int:
+        """The sum of the frozen tensors' versions: an in-place write (an optimiser step,
+        load_state_dict) raises a tensor's version, and versions never fall."""
+        return sum(map(TENSOR_VERSION, self._frozen_tensors))
 
     def run(self, tokens: Tensor, targets: Tensor | None, cache: ModelCache | None, loss_mask: Tensor | None
             ) -> ModelOutput:
