@@ -168,11 +168,11 @@ COMPILING_PACKED_STEP = [False]  # set while a packed decode step may compile (T
 def template_choices_only(choices: list) -> list:
     """Inductor's choices for one product: only its C++ templates' where there are any, while a
     packed decode step compiles; all of them otherwise."""
-    from torch._inductor.codegen.cpp_template_kernel import CppTemplateCaller
+    from torch._inductor.select_algorithm import ExternKernelCaller
 
     if not COMPILING_PACKED_STEP[0]:
         return choices
-    templates = [choice for choice in choices if isinstance(choice, CppTemplateCaller)]
+    templates = [choice for choice in choices if not isinstance(choice, ExternKernelCaller)]  # the rest: ATen's
     return templates or choices
 
 
