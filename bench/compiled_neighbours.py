@@ -3,6 +3,8 @@ a full-attention model (dim 256, depth 4, 4 heads of 64, 256 tokens of context) 
 again after --others more models (local attention, each with its own cache length) have compiled
 their steps. Dynamo looks through every graph kept under a code object at each call; each model's
 step has a code object of its own (model/transformer.own_code), so the two figures should match.
+The steps multiply through ATen's library calls (compile_decoding(linear="library")), as when the
+figures in docs/benchmarks.md were taken.
 
     OMP_NUM_THREADS=2 python bench/compiled_neighbours.py --others 8
 """
@@ -25,7 +27,7 @@ SHAPE = dict(dim=256, depth=4, heads=4, dim_head=64)
 def compiled_model(kind: str, max_len: int) -> Transformer:
     torch.manual_seed(0)
     model = Transformer(model_config({**SHAPE, "max_seq_len": max_len, "attention": {"kind": kind}})).eval()
-    model.compile_decoding()
+    model.compile_decoding(linear="library")
     return model
 
 

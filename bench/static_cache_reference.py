@@ -7,8 +7,9 @@ max_len rows written with index_copy_, a mask over the whole buffer, torch's fus
 cache object, no per-row lengths, no rollback), with attnlab's benchmark shape: dim 256, depth 4,
 4 heads of 64, GELU feed-forward of 1024, rotary positions, 256 byte tokens. Both run one-token
 forwards at the same position (attnlab's cache rolled back one token after each), compiled with
-torch.compile(fullgraph=True, dynamic=False) and the same inductor options (attnlab's decode
-defaults: the C++ wrapper on the CPU); medians of per-round medians, rounds alternating.
+torch.compile(fullgraph=True, dynamic=False) and the same inductor options (the C++ wrapper on
+the CPU, the products through ATen's library calls: compile_decoding(linear="library"), since the
+reference's weights are not frozen into its step); medians of per-round medians, rounds alternating.
 
 Beside them, the floor no decode step of this model passes on this machine: the time to read, once,
 the bytes the reference's step reads (every weight, one embedding row, and the whole key/value
@@ -116,12 +117,12 @@ def measure(context: int, rounds: int, repeats: int) -> dict:
     max_len = context + 128
     torch.manual_seed(0)
     reference = ReferenceModel(max_len).eval()
-    options = decode_compile_options(torch.device("cpu"), None, "inductor", None)  # as compile_decoding's
+    options = decode_compile_options(torch.device("cpu"), None, "inductor", None, "library")  # as attnlab's step
     reference_step = torch.compile(reference, fullgraph=True, dynamic=False, options=options)
     values = dict(dim=DIM, depth=DEPTH, heads=HEADS, dim_head=DIM // HEADS, max_seq_len=max_len,
                   attention={"kind": "full"})
     model = Transformer(model_config(values)).eval()
-    model.compile_decoding()
+    model.compile_decoding(linear="library")
     token, position = torch.zeros(1, 1, dtype=torch.long), torch.tensor([context])
     cache = model.new_cache(1, max_len)
     model(torch.zeros(1, context, dtype=torch.long), cache=cache)
