@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from attnlab.generate.sampling import SamplingConfig, generate
+from attnlab.generate.sampling import SamplingConfig, generate, probabilities, token_at
 from attnlab.generate.speculative import speculative_generate
 from attnlab.model import Transformer
 from variants import variant_config
@@ -274,3 +274,60 @@ def test_speculative_and_generate_on_compiled_models(batch):
         result = speculative_generate(compiled_target, compiled_draft, prompt, 24, gamma=4, sampling=greedy,
                                       per_row=per_row)
         assert torch.equal(result.tokens, expected), per_row
+
+
+def drawn_one_by_one(model: Transformer, cache, tokens, uniforms, sampling, forced_tokens, forced):
+    """Transformer.draw's reference: a forward per token, the draws written out."""
+    distributions, drawn = [], []
+    logits = model(tokens, cache=cache).logits[:, -1]
+    for slot in range(uniforms.shape[1]):
+        probs = probabilities(logits, sampling)
+        token = torch.where(forced[:, slot], forced_tokens[:, slot], token_at(probs, uniforms[:, slot]))
+        distributions.append(probs)
+        drawn.append(token)
+        if slot < uniforms.shape[1] - 1:
+            logits = model(token[:, None], cache=cache).logits[:, -1]
+    return torch.stack(distributions, dim=1), torch.stack(drawn, dim=1)
+
+
+@pytest.mark.parametrize("name", ["full", "nsa"])
+def test_compiled_draw_equals_a_forward_per_token(name):
+    """Transformer.draw (n tokens drawn in one compiled call, the draws inside the graph) gives the
+    distributions and tokens of a forward per token, forced slots included, leaves the cache as
+    long as they would, and compiles nothing after its first calls."""
+    eager, compiled = twins(name)
+    generator = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, 61, (2, 12), generator=generator)
+    sampling = SamplingConfig(temperature=0.9, top_k=20)
+    caches = [model.new_cache(2, 200) for model in (eager, compiled)]
+    for model, cache in zip((eager, compiled), caches):
+        model(prompt, cache=cache)
+    graphs = None
+    for step in range(12):
+        uniforms = torch.rand(2, 4, generator=generator)
+        forced = torch.rand(2, 4, generator=generator) < 0.3
+        forced_tokens = torch.randint(0, 61, (2, 4), generator=generator)
+        chunk = torch.randint(0, 61, (2, 1 + step % 2), generator=generator)  # catch-up chunks of 1 and 2
+        expected = drawn_one_by_one(eager, caches[0], chunk, uniforms, sampling, forced_tokens, forced)
+        probs, tokens = compiled.draw(chunk, caches[1], uniforms, sampling, forced_tokens, forced)
+        torch.testing.assert_close(probs, expected[0], atol=1e-5, rtol=1e-5)
+        assert torch.equal(tokens, expected[1])
+        assert caches[1].length == caches[0].length and torch.equal(caches[1].lengths, caches[0].lengths)
+        if step == 3:
+            graphs = counters["stats"]["unique_graphs"]
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert compiled._compiled_draw is not None
+
+
+def test_compiled_speculative_sampling_equals_eager():
+    """At temperature 1 with one generator seed, speculative decoding on compiled models draws the
+    tokens the eager models draw (the same uniforms, in the same order), both batch schemes."""
+    target, compiled_target = twins("full", depth=2)
+    draft, compiled_draft = twins("local", depth=1)
+    prompt = torch.randint(0, 61, (3, 9), generator=torch.Generator().manual_seed(5))
+    for per_row in (True, False):
+        runs = [speculative_generate(pair[0], pair[1], prompt, 20, gamma=3, per_row=per_row,
+                                     generator=torch.Generator().manual_seed(7))
+                for pair in ((target, draft), (compiled_target, compiled_draft))]
+        assert torch.equal(runs[0].tokens, runs[1].tokens), per_row
+        assert runs[0].n_accepted == runs[1].n_accepted

@@ -1,7 +1,6 @@
-"""Sampling: logit filters (temperature, top-k, top-p, min-p), and cached or uncached generation.
-
-The filters are pure functions so that speculative decoding applies exactly the same ones to the
-draft and the target distributions.
+"""Generation: cached or uncached sampling from a model, token by token or as text. The
+distribution sampled from (SamplingConfig, the logit filters, the draws) is
+attnlab.generate.distribution's, imported here for callers.
 
 Legend: B batch, T tokens, V vocabulary.
 """
@@ -9,40 +8,26 @@ Legend: B batch, T tokens, V vocabulary.
 from __future__ import annotations
 
 import codecs
-import functools
-import math
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from attnlab.config import ModelConfig
-from attnlab.errors import ConfigError, GenerationError
+from attnlab.errors import GenerationError
+from attnlab.generate.distribution import (  # noqa: F401  (filter_logits, token_at: re-exported)
+    SamplingConfig,
+    filter_logits,
+    probabilities,
+    sample_from,
+    token_at,
+)
 from attnlab.model.modes import eval_mode
 from attnlab.model.transformer import Transformer
 
 if TYPE_CHECKING:
     from attnlab.data.tokenizer import Tokenizer
-
-
-@dataclass(kw_only=True)
-class SamplingConfig:
-    temperature: float = 1.0  # 0 means greedy
-    top_k: int | None = None  # keep the k most likely tokens
-    top_p: float | None = None  # keep the smallest set whose probability reaches p (nucleus)
-    min_p: float | None = None  # keep tokens with probability >= min_p * the most likely one's
-
-    def __post_init__(self) -> None:  # ConfigError is a ValueError too; `not 0 <= x` also refuses NaN
-        if not 0 <= self.temperature < math.inf:
-            raise ConfigError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if self.top_k is not None and self.top_k < 1:
-            raise ConfigError(f"top_k must be >= 1, got {self.top_k}")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.min_p is not None and not 0 <= self.min_p <= 1:
-            raise ConfigError(f"min_p must be in [0, 1], got {self.min_p}")
 
 
 def check_prompt(model: torch.nn.Module, prompt: Tensor) -> None:
@@ -78,65 +63,6 @@ def check_finite(logits: Tensor, step: int, who: str = "the model") -> None:
     if not bool(torch.isfinite(logits).all()):
         raise GenerationError(f"{who} gave non-finite logits (NaN or infinity) at new token {step + 1}: its "
                               "weights are damaged or overflow in this precision")
-
-
-def filter_logits(logits: Tensor, config: SamplingConfig) -> Tensor:
-    """Logits [..., V] with the tokens the filters reject set to -inf (temperature not applied)."""
-    logits = logits.float()
-    if config.top_k is not None and config.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, config.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if config.min_p is not None:
-        probs = torch.softmax(logits, dim=-1)
-        floor = config.min_p * probs.amax(dim=-1, keepdim=True)
-        logits = logits.masked_fill(probs < floor, float("-inf"))
-    if config.top_p is not None and config.top_p < 1:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        sorted_probs = torch.softmax(sorted_logits, dim=-1)
-        # drop a token when the tokens strictly more likely already reach top_p
-        before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        drop_sorted = before >= config.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
-
-
-def probabilities(logits: Tensor, config: SamplingConfig) -> Tensor:
-    """The distribution sampled from: filtered, tempered softmax; one-hot argmax when greedy.
-
-    Only the work asked for is done (this runs once per decoded token): no filter pass without a
-    filter, no division at temperature 1, and greedy skips the filters, which never remove the
-    most likely token."""
-    if config.temperature == 0:
-        return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
-    filtered = filter_logits(logits, config)
-    if config.temperature != 1:
-        filtered = filtered / config.temperature
-    return torch.softmax(filtered, dim=-1)
-
-
-@functools.lru_cache(maxsize=8)
-def _zero_of(device: torch.device, dtype: torch.dtype) -> Tensor:
-    with torch.inference_mode(False):  # usable inside and outside inference mode
-        return torch.zeros((), device=device, dtype=dtype)
-
-
-def _zero(like: Tensor) -> Tensor:
-    """A 0-dim zero of like's device and dtype, made once (sampling runs once per decoded token)."""
-    return _zero_of(like.device, like.dtype)
-
-
-def sample_from(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
-    """One token per row of probs [..., V] -> [...], by inverting the cumulative distribution.
-
-    Exact like torch.multinomial, and about half its cost per call on CPU. A token of probability
-    zero adds nothing to the running sum, so no uniform draw lands on it; the draw is kept below
-    the total so that rounding never selects past the last likely token."""
-    cumulative = probs.cumsum(dim=-1)  # [..., V]
-    total = cumulative[..., -1:]  # [..., 1]
-    uniform = torch.rand(total.shape, generator=generator, device=probs.device, dtype=probs.dtype)
-    draw = torch.minimum(uniform * total, torch.nextafter(total, _zero(total)))  # [..., 1] < total
-    return torch.searchsorted(cumulative, draw, right=True).squeeze(-1)  # first index whose sum exceeds it
 
 
 @torch.no_grad()

@@ -62,7 +62,7 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
-from attnlab.generate.sampling import SamplingConfig, probabilities, sample_from
+from attnlab.generate.distribution import SamplingConfig, draw_chain, probabilities, sample_from
 from attnlab.model.modes import eval_mode
 from attnlab.model.transformer import ModelCache, ModelOutput, Transformer, new_model_cache, token_positions
 
@@ -70,7 +70,9 @@ log = logging.getLogger(__name__)
 
 
 class CachedLanguageModel(Protocol):
-    """What speculative decoding needs of a draft or a target (Transformer, EarlyExitDraft)."""
+    """What speculative decoding needs of a draft or a target (Transformer, EarlyExitDraft). A
+    draft may also have `draw` (Transformer.draw: its proposals in one compiled call); without
+    one, it is called once per token."""
 
     def __call__(self, tokens: Tensor, cache: ModelCache | None = None) -> ModelOutput: ...
 
@@ -194,9 +196,13 @@ class SpeculativeResult:
         return self.n_accepted / max(self.n_row_steps, 1)
 
 
-def _next_probs(model: CachedLanguageModel, tokens: Tensor, cache: ModelCache, sampling: SamplingConfig) -> Tensor:
-    """Feed tokens [B, t] through the cache; the sampling distribution after the last one [B, V]."""
-    return probabilities(model(tokens, cache=cache).logits[:, -1], sampling)
+def _draw(model: CachedLanguageModel, tokens: Tensor, cache: ModelCache, uniforms: Tensor, sampling: SamplingConfig,
+          forced_tokens: Tensor, forced: Tensor) -> tuple[Tensor, Tensor]:
+    """The draft's proposals (draw_chain): through the model's own `draw` where it has one (a
+    Transformer: one compiled call after compile_decoding), else a forward per token."""
+    if hasattr(model, "draw"):
+        return model.draw(tokens, cache, uniforms, sampling, forced_tokens, forced)
+    return draw_chain(lambda chunk: model(chunk, cache=cache).logits, tokens, uniforms, sampling, forced_tokens, forced)
 
 
 @dataclass
@@ -254,17 +260,10 @@ def _decode_shared_window(state: _Decoding) -> None:
         window = sequence[:, start : start + width - 1]  # [B, W-1] view
 
         # 1. draft: catch up to start - 1 in one chunk, then one token per slot (known or drafted)
-        draft_probs = []
-        probs = _next_probs(draft, sequence[:, draft_cache.length : start], draft_cache, sampling)  # [B, V]
-        for slot in range(width - 1):
-            draft_probs.append(probs)  # q at this slot [B, V]
-            proposed = sample_from(probs, generator)  # [B]
-            if slot < n_ahead:  # some row has committed this slot already: it keeps its token
-                proposed = torch.where(known[:, slot], window[:, slot], proposed)
-            window[:, slot] = proposed
-            if slot < width - 2:
-                probs = _next_probs(draft, window[:, slot : slot + 1], draft_cache, sampling)
-        draft_probs = torch.stack(draft_probs, dim=1)  # [B, W-1, V]
+        uniforms = torch.rand(batch, width - 1, generator=generator, device=device)  # [B, W-1]
+        catch_up = sequence[:, draft_cache.length : start]  # [B, c]
+        draft_probs, drafted = _draw(draft, catch_up, draft_cache, uniforms, sampling, window, known)  # [B, W-1, V]
+        window.copy_(drafted)
 
         # 2. target: score the last common token and the W-1 slots in one forward
         inputs = sequence[:, start - 1 : start + width - 1]  # [B, W] view
@@ -299,6 +298,7 @@ def _decode_per_row(state: _Decoding) -> None:
     rows = torch.arange(batch, device=device)
     window_slots = torch.arange(width, device=device)  # [W]
     no_known = torch.zeros(batch, width - 1, dtype=torch.bool, device=device)
+    no_tokens = torch.zeros(batch, width - 1, dtype=torch.long, device=device)
     # the draft cache holds each row's committed tokens but the last n_catch_up ones
     n_catch_up = 1
     while True:
@@ -308,16 +308,9 @@ def _decode_per_row(state: _Decoding) -> None:
         lengths = state.lengths  # [B] committed tokens of each row (L)
         # 1. draft: feed each row's last n_catch_up committed tokens, then one token per slot
         catch_up = lengths[:, None] - n_catch_up + window_slots[:n_catch_up]  # [B, c] positions
-        probs = _next_probs(draft, sequence.gather(1, catch_up), draft_cache, sampling)  # [B, V]
-        draft_probs, drafted = [], []
-        for slot in range(width - 1):
-            draft_probs.append(probs)  # q at position L + slot [B, V]
-            proposed = sample_from(probs, generator)  # [B]
-            drafted.append(proposed)
-            if slot < width - 2:
-                probs = _next_probs(draft, proposed[:, None], draft_cache, sampling)
-        draft_probs = torch.stack(draft_probs, dim=1)  # [B, W-1, V]
-        drafted = torch.stack(drafted, dim=1)  # [B, W-1]
+        uniforms = torch.rand(batch, width - 1, generator=generator, device=device)  # [B, W-1]
+        draft_probs, drafted = _draw(draft, sequence.gather(1, catch_up), draft_cache, uniforms, sampling,
+                                     no_tokens, no_known)  # [B, W-1, V], [B, W-1]
         # past each row's committed length: nothing there is committed
         sequence.scatter_(1, lengths[:, None] + window_slots[: width - 1], drafted)
 

@@ -17,7 +17,7 @@ import logging
 import math
 import operator
 import types
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +28,7 @@ import attnlab.model.moe  # noqa: F401  (registers the mixture-of-experts feed-f
 from attnlab.attention.base import AttentionSpec, KVCache, RotaryEmbedding, new_lengths
 from attnlab.config import ModelConfig
 from attnlab.errors import ConfigError
+from attnlab.generate.distribution import draw_chain
 from attnlab.model.layers import Chunked, TokenEmbedding
 from attnlab.model.loss import IGNORE_INDEX, chunked_linear_cross_entropy  # IGNORE_INDEX: padding, masked
 from attnlab.model.reversible import reversible_blocks
@@ -288,6 +289,7 @@ class Transformer(nn.Module):
             self.head.weight = self.token_embedding.embed.weight
         self._aux_modules: list[nn.Module] | None = None  # modules reporting aux_losses, found on first use
         self._compiled_step = None  # compile_decoding()
+        self._compiled_draw = None  # compile_decoding(): draw()'s graph
         self._cuda_graphs = False  # the compiled step replays CUDA graphs (compile_decoding on CUDA)
         self._decode_calls: dict[tuple, int] = {}  # times the compiled step served a call (_decode_call)
         self._decode_structure = -1  # STRUCTURE_CHANGES when _decode_calls was last cleared
@@ -335,9 +337,7 @@ class Transformer(nn.Module):
         if cache is None:
             return self.run(tokens, targets, None, loss_mask)
         n_tokens = tokens.shape[1]
-        if self.position_embedding is not None and cache.length + n_tokens > self.config.max_seq_len:
-            raise ValueError(f"learned positions stop at max_seq_len={self.config.max_seq_len}; "
-                             f"got position {cache.length + n_tokens - 1}")
+        self._check_positions(cache, n_tokens)
         cache.begin(n_tokens)
         if cache.length == 0 or self._compiled_step is None:  # a prefill stays eager
             output = self.run(tokens, targets, cache, loss_mask)
@@ -346,17 +346,30 @@ class Transformer(nn.Module):
         cache.end(n_tokens)
         return output
 
-    def _compiled_decode(self, tokens, targets, cache, loss_mask) -> ModelOutput:
-        """The compiled step; where torch.compile fails on this machine (before running anything),
-        one warning and eager decoding from then on.
+    def _check_positions(self, cache: ModelCache, n_tokens: int) -> None:
+        if self.position_embedding is not None and cache.length + n_tokens > self.config.max_seq_len:
+            raise ValueError(f"learned positions stop at max_seq_len={self.config.max_seq_len}; "
+                             f"got position {cache.length + n_tokens - 1}")
 
-        A call like one the step has served twice skips most of dynamo's guards
+    def _compiled_decode(self, tokens, targets, cache, loss_mask) -> ModelOutput:
+        """The compiled step (its checks: _run_compiled)."""
+        call = self._decode_call(tokens, targets, cache, loss_mask)
+        return self._own_outputs(self._run_compiled("_compiled_step", call, cache, self.run, tokens, targets,
+                                                    cache, loss_mask))
+
+    def _run_compiled(self, name: str, call: tuple, cache: ModelCache, eager, *arguments):
+        """Call the compiled function held at attribute `name` with `arguments` (among them `cache`),
+        or, where torch.compile fails on this machine before running anything, `eager` from then on,
+        after one warning.
+
+        A call like one the function has served twice skips most of dynamo's guards
         (skip_guard_eval_unsafe: only those telling its graphs apart are checked). Checking them all
         costs a small model a large share of its step on a CPU, and what they check cannot
-        have changed: `_decode_call` holds what a graph depends on that a caller could change
-        between calls (shapes, dtypes, modes, the modules; the cache's tensors are always made
-        alike by new_cache). Should a guard fail all the same, dynamo refuses to compile under that
-        stance before running anything, and the call is made again with every guard checked."""
+        have changed: `call` holds what a graph depends on that a caller could change between
+        calls (shapes, dtypes, modes, the modules, the sampling settings; the cache's tensors are
+        always made alike by new_cache). Should a guard fail all the same, dynamo refuses to compile
+        under that stance before running anything, and the call is made again with every guard
+        checked."""
         if self._decode_structure != STRUCTURE_CHANGES[0]:  # modules changed: every call is new again
             self._decode_calls.clear()
             self._decode_structure = STRUCTURE_CHANGES[0]
@@ -366,8 +379,9 @@ class Transformer(nn.Module):
         if self._frozen_tensors is not None and self._weights_state() != self._frozen_state:
             log.info("the weights changed since the packed decode step froze them: compiling it again")
             self.compile_decoding(**self._compile_arguments)
-        call = self._decode_call(tokens, targets, cache, loss_mask)
-        served = self._decode_calls.get(call, 0)
+        key = (name, call)
+        served = self._decode_calls.get(key, 0)
+        compiled = getattr(self, name)
         if self._cuda_graphs:
             pin_cache_storage(cache)
             torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are no longer read
@@ -375,30 +389,61 @@ class Transformer(nn.Module):
             if served >= 2:
                 try:
                     with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-                        return self._own_outputs(self._compiled_step(tokens, targets, cache, loss_mask))
+                        return compiled(*arguments)
                 except Exception as error:  # noqa: BLE001 - only dynamo's refusal under the stance is retried
                     if "skip_guard_eval_unsafe" not in repr(error) + repr(error.__cause__):
                         raise
                     log.debug("a compiled decode call failed a guard dynamo skipped: checked in full")
                     served = 0
             with self._tracing_settings():
-                output = self._compiled_step(tokens, targets, cache, loss_mask)
-            self._decode_calls[call] = served + 1
-            return self._own_outputs(output)
+                output = compiled(*arguments)
+            self._decode_calls[key] = served + 1
+            return output
         except torch._dynamo.exc.TorchDynamoException as error:
             log.warning("compiled decoding failed, decoding eagerly: %s", str(error).splitlines()[0])
-            self._compiled_step = None
-            return self.run(tokens, targets, cache, loss_mask)
+            self._compiled_step = self._compiled_draw = None
+            return eager(*arguments)
+
+    @torch.no_grad()  # draws have no gradient; a graph of several steps over one cache has no backward
+    def draw(self, tokens: Tensor, cache: ModelCache, uniforms: Tensor, sampling,
+             forced_tokens: Tensor | None = None, forced: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Feed tokens [B, T] through the cache, then draw n = uniforms.shape[1] tokens one after
+        another (attnlab.generate.distribution.draw_chain: each drawn at its uniform [B] and fed
+        back, but the last), under `sampling` (a SamplingConfig). Returns (probs [B, n, V] each
+        token was drawn from, tokens [B, n]). After compile_decoding(), a call after earlier tokens
+        is one compiled graph: the n - 1 steps and the draws without a return to Python between
+        them (speculative decoding's draft)."""
+        if cache.length == 0 or self._compiled_draw is None:  # a prefill stays eager, as in forward
+            return draw_chain(lambda chunk: self(chunk, cache=cache).logits, tokens, uniforms, sampling,
+                              forced_tokens, forced)
+        n_fed = tokens.shape[1] + uniforms.shape[1] - 1
+        self._check_positions(cache, n_fed)
+        cache.begin(n_fed)
+        call = (self._decode_call(tokens, None, cache, None), uniforms.shape, uniforms.dtype, astuple(sampling),
+                forced is None, None if forced_tokens is None else forced_tokens.stride())
+        output = self._run_compiled("_compiled_draw", call, cache, self._draw, tokens, cache, uniforms, sampling,
+                                    forced_tokens, forced)
+        cache.end(n_fed)
+        return self._own_outputs(output)
+
+    def _draw(self, tokens, cache, uniforms, sampling, forced_tokens, forced) -> tuple[Tensor, Tensor]:
+        """draw()'s work after cache.begin: tensors in, tensors out, traceable whole."""
+        return draw_chain(lambda chunk: self.run(chunk, None, cache, None).logits, tokens, uniforms, sampling,
+                          forced_tokens, forced)
 
     def _tracing_settings(self) -> contextlib.AbstractContextManager:
         """Around a call that may compile: a packed step's settings (packed_step_compiling)."""
         return contextlib.nullcontext() if self._frozen_tensors is None else packed_step_compiling()
 
-    def _own_outputs(self, output: ModelOutput) -> ModelOutput:
+    def _own_outputs(self, output: ModelOutput | tuple[Tensor, ...]) -> ModelOutput | tuple[Tensor, ...]:
         """Under CUDA graphs a step's outputs live in the graph's memory, which its next replay
         overwrites: callers keep logits across steps (speculative decoding keeps a verification's),
-        so the logits are copied out ([B, T, V], small beside the step)."""
-        if self._cuda_graphs and output.logits is not None:
+        so the logits (or draw's tensors) are copied out ([B, T, V], small beside the step)."""
+        if not self._cuda_graphs:
+            return output
+        if isinstance(output, tuple):
+            return tuple(tensor.clone() for tensor in output)
+        if output.logits is not None:
             output.logits = output.logits.clone()
         return output
 
@@ -448,13 +493,15 @@ class Transformer(nn.Module):
         self._frozen_tensors = self._weight_tensors() if frozen else None
         self._frozen_state = self._weights_state() if frozen else 0
         try:
-            self._compiled_step = torch.compile(types.MethodType(own_code(Transformer.run), self), fullgraph=True,
-                                                dynamic=False, mode=mode, backend=backend, options=options)
+            self._compiled_step, self._compiled_draw = (
+                torch.compile(types.MethodType(own_code(function), self), fullgraph=True, dynamic=False, mode=mode,
+                              backend=backend, options=options)
+                for function in (Transformer.run, Transformer._draw))
             self._cuda_graphs = device.type == "cuda" and mode in ("reduce-overhead", "max-autotune")
             self._decode_calls.clear()
         except Exception as error:  # noqa: BLE001 - any failure: decode eagerly, and say so once
             log.warning("compiled decoding unavailable on %s, decoding eagerly: %s", device.type, error)
-            self._compiled_step = None
+            self._compiled_step = self._compiled_draw = None
         return self._compiled_step is not None
 
     def _weight_tensors(self) -> list[Tensor]:
