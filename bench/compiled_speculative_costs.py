@@ -1,15 +1,16 @@
 """The forwards speculative decoding is made of, eager and compiled, side by side in one process,
 and the decoding loops they make: one cached target token, one verification of gamma + 1 tokens,
-one cached draft token, at each batch size, for the CPU pair's shapes (presets spec-small-target,
+the draft's proposal of gamma tokens (Transformer.draw: one call, the sampling included), at each
+batch size, for the CPU pair's shapes (presets spec-small-target,
 dim 256 depth 6, and spec-small-draft, depth 1; weights as initialised: the cost of a forward does
 not depend on them).
 
 Forwards: each timed warm, as in a decoding loop (a cache filled with `context` tokens once, then
-`--repeats` forwards, the cache rolled back after each, untimed), the models in turn, round after
-round; medians. From the costs in units of one target token (d: a draft token, v: a verification)
-and a per-token acceptance alpha, the speedup at batch 1 that Leviathan et al. (section 3.1, eq. 1)
-give, loop overhead ignored: tokens per step (1 - alpha^(gamma + 1)) / (1 - alpha), divided by
-gamma d + v.
+`--repeats` calls, the cache rolled back after each, untimed), the models in turn, round after
+round; medians. From the costs in units of one target token (d: a draft token, the proposal / gamma;
+v: a verification) and a per-token acceptance alpha, the speedup at batch 1 that Leviathan et al.
+(section 3.1, eq. 1) give, loop overhead ignored: tokens per step (1 - alpha^(gamma + 1)) / (1 -
+alpha), divided by gamma d + v.
 
 Loops: the target's own decoding (`generate`, ms per token) and speculative decoding
 (`speculative_generate`, temperature 1, ms per step: gamma draft tokens, one verification, the
@@ -52,16 +53,29 @@ def tokens_per_step(alpha: float, gamma: int) -> float:
     return (1 - alpha ** (gamma + 1)) / (1 - alpha)
 
 
-def warm_forward_ms(model: Transformer, cache, context: int, tokens: torch.Tensor, repeats: int) -> float:
-    """Median ms of `repeats` cached forwards of tokens [B, n] after `context` tokens, each followed
-    by an untimed rollback to `context` (weights and cache stay warm, as in a decoding loop)."""
+def warm_ms(call, cache, context: int, repeats: int) -> float:
+    """Median ms of `repeats` calls (each a cached forward or draft proposal after `context` tokens),
+    each followed by an untimed rollback to `context` (weights and cache stay warm, as in a decoding
+    loop)."""
     times = []
     for _ in range(repeats):
         started = time.perf_counter()
-        model(tokens, cache=cache)
+        call()
         times.append(time.perf_counter() - started)
         cache.truncate(context)
     return statistics.median(times) * 1e3
+
+
+def timed_call(model: Transformer, cache, kind: str, batch: int, gamma: int):
+    """What one timing repeats: a forward of 1 or gamma + 1 random tokens, or the draft's proposal
+    of gamma tokens (Transformer.draw: one token fed, gamma drawn, as speculative decoding calls it)."""
+    if kind == "draw":
+        uniforms = torch.rand(batch, gamma)
+        no_tokens, no_known = torch.zeros(batch, gamma, dtype=torch.long), torch.zeros(batch, gamma, dtype=torch.bool)
+        tokens = torch.randint(0, 256, (batch, 1))
+        return lambda: model.draw(tokens, cache, uniforms, SamplingConfig(), no_tokens, no_known)
+    tokens = torch.randint(0, 256, (batch, gamma + 1 if kind == "verification" else 1))
+    return lambda: model(tokens, cache=cache)
 
 
 def prefill_ms(models: list[Transformer], prompt: torch.Tensor, new_tokens: int) -> float:
@@ -87,8 +101,8 @@ def loop_ms(target: Transformer, draft: Transformer, prompt: torch.Tensor, new_t
     return token_ms, elapsed / result.n_steps
 
 
-def projections(token: float, draft: float, verify: float, gamma: int) -> dict:
-    return {str(alpha): tokens_per_step(alpha, gamma) / (gamma * draft / token + verify / token) for alpha in ALPHAS}
+def projections(token: float, proposal: float, verify: float, gamma: int) -> dict:
+    return {str(alpha): tokens_per_step(alpha, gamma) / (proposal / token + verify / token) for alpha in ALPHAS}
 
 
 def measure(batch: int, context: int, rounds: int, repeats: int, gamma: int, new_tokens: int) -> dict:
@@ -100,17 +114,16 @@ def measure(batch: int, context: int, rounds: int, repeats: int, gamma: int, new
         for (role, mode), model in models.items():
             caches[role, mode] = model.new_cache(batch, context + gamma + 1)
             model(prompt, cache=caches[role, mode])
-    forwards = {f"{mode} {name}": (role, mode, n_tokens)
+    forwards = {f"{mode} {kind}": (role, mode, kind)
                 for mode in ("eager", "compiled")
-                for name, role, n_tokens in (("target token", "target", 1), ("verification", "target", gamma + 1),
-                                             ("draft token", "draft", 1))}
+                for kind, role in (("target token", "target"), ("verification", "target"), ("draw", "draft"))}
     times = {name: [] for name in forwards}
     loops = {f"{mode} {what}": [] for mode in ("eager", "compiled") for what in ("token", "step")}
     with torch.inference_mode():
         for round_ in range(rounds + 1):  # round 0 warms up: the compiled steps are made there
-            for name, (role, mode, n_tokens) in forwards.items():
-                tokens = torch.randint(0, 256, (batch, n_tokens))
-                elapsed = warm_forward_ms(models[role, mode], caches[role, mode], context, tokens, repeats)
+            for name, (role, mode, kind) in forwards.items():
+                call = timed_call(models[role, mode], caches[role, mode], kind, batch, gamma)
+                elapsed = warm_ms(call, caches[role, mode], context, repeats)
                 if round_:
                     times[name].append(elapsed)
             for mode in ("eager", "compiled"):
@@ -125,10 +138,11 @@ def measure(batch: int, context: int, rounds: int, repeats: int, gamma: int, new
               "new_tokens": new_tokens, "ms": medians, "loop_ms": loop_medians}
     for mode in ("eager", "compiled"):
         token = medians[f"{mode} target token"]
-        draft, verify = medians[f"{mode} draft token"], medians[f"{mode} verification"]
+        proposal, verify = medians[f"{mode} draw"], medians[f"{mode} verification"]
         step, loop_token = loop_medians[f"{mode} step"], loop_medians[f"{mode} token"]
-        report[mode] = {"draft_in_target_tokens": draft / token, "verification_in_target_tokens": verify / token,
-                        "projected_speedup": projections(token, draft, verify, gamma),
+        report[mode] = {"draft_token_in_target_tokens": proposal / gamma / token,
+                        "verification_in_target_tokens": verify / token,
+                        "projected_speedup": projections(token, proposal, verify, gamma),
                         "step_in_loop_tokens": step / loop_token,
                         "projected_speedup_with_loop": {str(alpha): tokens_per_step(alpha, gamma) * loop_token / step
                                                         for alpha in ALPHAS}}
@@ -150,12 +164,12 @@ def main() -> None:
         ms = report["ms"]
         print(f"batch {batch}: ms per forward, eager / compiled: target token {ms['eager target token']:.2f} / "
               f"{ms['compiled target token']:.2f}, verification {ms['eager verification']:.2f} / "
-              f"{ms['compiled verification']:.2f}, draft token {ms['eager draft token']:.2f} / "
-              f"{ms['compiled draft token']:.2f}")
+              f"{ms['compiled verification']:.2f}, draft proposal of {args.gamma} tokens {ms['eager draw']:.2f} / "
+              f"{ms['compiled draw']:.2f}")
         for mode in ("eager", "compiled"):
             part = report[mode]
             projected = ", ".join(f"alpha {alpha}: {value:.2f}x" for alpha, value in part["projected_speedup"].items())
-            print(f"  {mode}: draft {part['draft_in_target_tokens']:.2f}, verification "
+            print(f"  {mode}: draft token {part['draft_token_in_target_tokens']:.2f}, verification "
                   f"{part['verification_in_target_tokens']:.2f} target tokens; projected {projected}")
             loop = report["loop_ms"]
             with_loop = ", ".join(f"alpha {alpha}: {value:.2f}x"

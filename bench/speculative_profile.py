@@ -1,7 +1,8 @@
 """Where one step of compiled speculative decoding goes on this CPU, by torch's profiler: the target's
-forwards (the verification), the draft's, and the work between them (sampling, acceptance,
-rollback), with dynamo's own cost per compiled call (guard lookup, the bytecode before and around
-the graph, the runtime wrapper) beside what the graphs run. The CPU pair's shapes (presets
+forwards (the verification), the draft's (its proposals, their sampling inside: Transformer.draw),
+and the work between them (the target's sampling, acceptance, rollback), with dynamo's own cost
+per compiled call (guard lookup, the bytecode before and around the graph, the runtime wrapper)
+beside what the graphs run. The CPU pair's shapes (presets
 spec-small-target and spec-small-draft, weights as initialised), temperature 1, gamma 5, a prompt of
 `--context` tokens.
 
@@ -30,14 +31,19 @@ DYNAMO_EVENTS = ("TorchDynamo Cache Lookup", "Pregraph bytecode", "AOTDispatcher
 
 
 def labelled(model: Transformer, label: str) -> Transformer:
-    """The model with every forward of a decoding step recorded under `label`, a prefill under "prefill"."""
-    forward = model.forward
+    """The model with every forward and draw (a draft's proposal) of a decoding step recorded under
+    `label`, a prefill under "prefill"."""
+    forward, draw = model.forward, model.draw
 
     def recorded(tokens, targets=None, cache=None, loss_mask=None):
         with record_function("prefill" if cache is None or cache.length == 0 else label):
             return forward(tokens, targets, cache, loss_mask)
 
-    model.forward = recorded
+    def recorded_draw(tokens, cache, *arguments):
+        with record_function(label):
+            return draw(tokens, cache, *arguments)
+
+    model.forward, model.draw = recorded, recorded_draw
     return model
 
 
