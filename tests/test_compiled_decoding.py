@@ -331,3 +331,32 @@ def test_compiled_speculative_sampling_equals_eager():
                 for pair in ((target, draft), (compiled_target, compiled_draft))]
         assert torch.equal(runs[0].tokens, runs[1].tokens), per_row
         assert runs[0].n_accepted == runs[1].n_accepted
+
+
+def test_compiled_decode_then_equals_the_forward_then_the_function():
+    """Transformer.decode_then (a forward and a function of its logits in one compiled graph: the
+    speculative verification) gives the eager forward's result, advances the cache as a forward
+    does, and compiles nothing after its first calls."""
+    from attnlab.generate.speculative import verification
+
+    eager, compiled = twins("full")
+    generator = torch.Generator().manual_seed(4)
+    prompt = torch.randint(0, 61, (2, 10), generator=generator)
+    caches = [model.new_cache(2, 200) for model in (eager, compiled)]
+    for model, cache in zip((eager, compiled), caches):
+        model(prompt, cache=cache)
+    graphs = None
+    for step in range(8):
+        window = torch.randint(0, 61, (2, 4), generator=generator)
+        draft_probs = torch.softmax(torch.randn(2, 3, 61, generator=generator), dim=-1)
+        known = torch.zeros(2, 3, dtype=torch.bool)
+        arguments = (SamplingConfig(), draft_probs, window[:, 1:], known, torch.rand(2, 4, generator=generator))
+        expected = verification(eager(window, cache=caches[0]).logits, *arguments)
+        result = compiled.decode_then(verification, window, caches[1], *arguments)
+        assert all(torch.equal(got, wanted) for got, wanted in zip(result, expected))
+        assert torch.equal(caches[1].lengths, caches[0].lengths) and caches[1].length == caches[0].length
+        for cache in caches:  # roll back as speculative decoding does
+            cache.truncate_rows(cache.lengths - 1 - step % 3)
+        if step == 2:
+            graphs = counters["stats"]["unique_graphs"]
+    assert counters["stats"]["unique_graphs"] == graphs and compiled._compiled_then is not None

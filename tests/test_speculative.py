@@ -273,7 +273,7 @@ def test_accept_always_is_detected(pair, monkeypatch):
     target, draft = pair
     monkeypatch.setattr(
         speculative, "accept_reject",
-        lambda p, q, tokens, known, generator: accept_reject(p, q, tokens, torch.ones_like(known), generator),
+        lambda p, q, tokens, known, uniforms: accept_reject(p, q, tokens, torch.ones_like(known), uniforms),
     )
     _, expected = exact_distribution(target, SamplingConfig())
     counts = sampled_counts(target, draft, 1, 600, SamplingConfig(), seed=1)
@@ -286,7 +286,7 @@ def test_ragged_batch_bug_is_detected(pair, monkeypatch):
     target, draft = pair
     monkeypatch.setattr(
         speculative, "accept_reject",
-        lambda p, q, tokens, known, generator: accept_reject(p, q, tokens, torch.zeros_like(known), generator),
+        lambda p, q, tokens, known, uniforms: accept_reject(p, q, tokens, torch.zeros_like(known), uniforms),
     )
     _, expected = exact_distribution(target, SamplingConfig())
     counts = sampled_counts(target, draft, 4, 3200, SamplingConfig(), seed=4, per_row=False)  # few rows ahead
@@ -435,12 +435,14 @@ def test_accept_reject_single_slot_is_the_target_distribution():
     target_probs = p.expand(n_rows, 2, -1)
     draft_probs = q.expand(n_rows, 1, -1)
     no_known = torch.zeros(n_rows, 1, dtype=torch.bool)
-    accepted, next_token = accept_reject(target_probs, draft_probs, drafted, no_known, generator)
+    accepted, next_token = accept_reject(target_probs, draft_probs, drafted, no_known,
+                                         torch.rand(n_rows, 2, generator=generator))
     committed = torch.where(accepted == 1, drafted[:, 0], next_token)
     assert chi_square_p_value(torch.bincount(committed, minlength=5).double(), p.double()) > 0.01
     expected_acceptance = torch.minimum(p, q).sum()  # 1 - total variation distance
     assert abs(accepted.float().mean() - expected_acceptance) < 0.01
-    accepted, next_token = accept_reject(target_probs, draft_probs, drafted, ~no_known, generator)
+    accepted, next_token = accept_reject(target_probs, draft_probs, drafted, ~no_known,
+                                         torch.rand(n_rows, 2, generator=generator))
     assert (accepted == 1).all()
     assert chi_square_p_value(torch.bincount(next_token, minlength=5).double(), p.double()) > 0.01
 

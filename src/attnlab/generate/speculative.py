@@ -62,7 +62,7 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
-from attnlab.generate.distribution import SamplingConfig, draw_chain, probabilities, sample_from
+from attnlab.generate.distribution import SamplingConfig, draw_chain, probabilities, token_at
 from attnlab.model.modes import eval_mode
 from attnlab.model.transformer import ModelCache, ModelOutput, Transformer, new_model_cache, token_positions
 
@@ -88,7 +88,7 @@ def accept_reject(
     draft_probs: Tensor,
     draft_tokens: Tensor,
     known: Tensor,
-    generator: torch.Generator | None = None,
+    uniforms: Tensor,
 ) -> tuple[Tensor, Tensor]:
     """Verify one window of draft tokens per row; return (n_accepted [B], next_token [B]).
 
@@ -97,6 +97,7 @@ def accept_reject(
     draft_tokens [B, W-1]: the tokens at slots 0..W-2.
     known [B, W-1] bool: slots whose token is already committed (always accepted; a row's known
         slots come first).
+    uniforms [B, W] in [0, 1): slot s's acceptance test at column s, the next token's draw at the last.
     n_accepted counts the leading accepted slots (known ones included); next_token is the token
     at slot n_accepted: drawn from normalise(max(0, p - q)) after a rejection, or from p at the
     bonus slot when every slot was accepted (q is zero there, so both are the same formula).
@@ -104,9 +105,8 @@ def accept_reject(
     batch, width, n_tokens = target_probs.shape
     p_token = target_probs[:, :-1].gather(-1, draft_tokens[..., None]).squeeze(-1)  # [B, W-1]
     q_token = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)  # [B, W-1]
-    uniform = torch.rand(p_token.shape, generator=generator, device=p_token.device)  # [B, W-1]
     # accept with probability min(1, p/q) (Leviathan et al., Algorithm 1); u q < p avoids 0 / 0
-    accepted = known | (uniform * q_token < p_token)  # [B, W-1]
+    accepted = known | (uniforms[:, :-1] * q_token < p_token)  # [B, W-1]
     n_accepted = accepted.long().cumprod(dim=1).sum(dim=1)  # [B] leading accepted slots
 
     index = n_accepted[:, None, None].expand(batch, 1, n_tokens)  # [B, 1, V]
@@ -115,10 +115,26 @@ def accept_reject(
     q_next = draft_probs.gather(1, index.clamp(max=width - 2)).squeeze(1)  # [B, V]
     q_next = q_next * (n_accepted < width - 1)[:, None]
     residual = (p_next - q_next).clamp_min(0)  # max(0, p - q) (Leviathan et al., eq. 2 / Chen et al.)
-    # sampled in proportion (sample_from normalises); a rejection implies p > q somewhere, so the
+    # sampled in proportion (token_at normalises); a rejection implies p > q somewhere, so the
     # mass is > 0 up to rounding; fall back to p if not
     residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p_next)
-    return n_accepted, sample_from(residual, generator)
+    return n_accepted, token_at(residual, uniforms[:, -1])
+
+
+def verification(logits: Tensor, sampling: SamplingConfig, draft_probs: Tensor, draft_tokens: Tensor, known: Tensor,
+                 uniforms: Tensor) -> tuple[Tensor, Tensor]:
+    """The target's logits over a window [B, W, V] -> accept_reject's (n_accepted [B], next_token
+    [B]) under `sampling`: what follows the target's forward in one step (Transformer.decode_then
+    compiles them together)."""
+    return accept_reject(probabilities(logits, sampling), draft_probs, draft_tokens, known, uniforms)
+
+
+def _verify(target: CachedLanguageModel, inputs: Tensor, cache: ModelCache, *arguments) -> tuple[Tensor, Tensor]:
+    """The target's forward of a window and the verification of it: one compiled call where the
+    target has decode_then (a Transformer after compile_decoding)."""
+    if hasattr(target, "decode_then"):
+        return target.decode_then(verification, inputs, cache, *arguments)
+    return verification(target(inputs, cache=cache).logits, *arguments)
 
 
 # --------------------------------------------------------------------------------------------
@@ -265,12 +281,11 @@ def _decode_shared_window(state: _Decoding) -> None:
         draft_probs, drafted = _draw(draft, catch_up, draft_cache, uniforms, sampling, window, known)  # [B, W-1, V]
         window.copy_(drafted)
 
-        # 2. target: score the last common token and the W-1 slots in one forward
-        inputs = sequence[:, start - 1 : start + width - 1]  # [B, W] view
-        target_probs = probabilities(target(inputs, cache=target_cache).logits, sampling)  # [B, W, V]
-
+        # 2. target: score the last common token and the W-1 slots in one forward, and
         # 3. accept/reject per row; the accepted slots are already in place, commit the next token
-        accepted, next_token = accept_reject(target_probs, draft_probs, window, known, generator)
+        inputs = sequence[:, start - 1 : start + width - 1]  # [B, W] view
+        uniforms = torch.rand(batch, width, generator=generator, device=device)  # [B, W]
+        accepted, next_token = _verify(target, inputs, target_cache, sampling, draft_probs, window, known, uniforms)
         sequence[rows, start + accepted] = next_token
         n_known = known.sum() if n_ahead else 0  # known slots are neither drafted nor counted
         state.n_drafted += batch * (width - 1) - n_known
@@ -314,12 +329,12 @@ def _decode_per_row(state: _Decoding) -> None:
         # past each row's committed length: nothing there is committed
         sequence.scatter_(1, lengths[:, None] + window_slots[: width - 1], drafted)
 
-        # 2. target: each row's last committed token and its W-1 drafted ones, at its own positions
+        # 2. target: each row's last committed token and its W-1 drafted ones, at its own positions,
+        # 3. and accept/reject per row; a stopped row keeps its length (its step is discarded)
         inputs = sequence.gather(1, lengths[:, None] - 1 + window_slots)  # [B, W]
-        target_probs = probabilities(target(inputs, cache=target_cache).logits, sampling)  # [B, W, V]
-
-        # 3. accept/reject per row; a stopped row keeps its length (its step is discarded)
-        accepted, next_token = accept_reject(target_probs, draft_probs, drafted, no_known, generator)
+        uniforms = torch.rand(batch, width, generator=generator, device=device)  # [B, W]
+        accepted, next_token = _verify(target, inputs, target_cache, sampling, draft_probs, drafted, no_known,
+                                       uniforms)
         running = ~done
         sequence[rows, lengths + accepted] = torch.where(running, next_token, sequence[rows, lengths + accepted])
         state.n_row_steps += running.sum()

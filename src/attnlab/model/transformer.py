@@ -17,7 +17,7 @@ import logging
 import math
 import operator
 import types
-from dataclasses import astuple, dataclass, field
+from dataclasses import astuple, dataclass, field, is_dataclass
 
 import torch
 import torch.nn.functional as F
@@ -216,6 +216,16 @@ def decode_compile_options(device: torch.device, mode: str | None, backend: str,
     return options or None
 
 
+def call_key(value) -> tuple | object:
+    """What a compiled graph depends on of one argument: a tensor's layout, a dataclass's fields
+    (settings such as a SamplingConfig), else the value itself."""
+    if isinstance(value, Tensor):
+        return (value.shape, value.stride(), value.dtype, value.device, value.is_inference())
+    if is_dataclass(value):
+        return (type(value), astuple(value))
+    return value
+
+
 def token_positions(cache: ModelCache | None, n_tokens: int, device: torch.device) -> Tensor:
     """Positions of the next n_tokens: [T] from 0 without a cache, [B, T] each row's own through one
     (learned position embeddings look them up)."""
@@ -290,6 +300,7 @@ class Transformer(nn.Module):
         self._aux_modules: list[nn.Module] | None = None  # modules reporting aux_losses, found on first use
         self._compiled_step = None  # compile_decoding()
         self._compiled_draw = None  # compile_decoding(): draw()'s graph
+        self._compiled_then = None  # compile_decoding(): decode_then()'s graphs
         self._cuda_graphs = False  # the compiled step replays CUDA graphs (compile_decoding on CUDA)
         self._decode_calls: dict[tuple, int] = {}  # times the compiled step served a call (_decode_call)
         self._decode_structure = -1  # STRUCTURE_CHANGES when _decode_calls was last cleared
@@ -401,7 +412,7 @@ class Transformer(nn.Module):
             return output
         except torch._dynamo.exc.TorchDynamoException as error:
             log.warning("compiled decoding failed, decoding eagerly: %s", str(error).splitlines()[0])
-            self._compiled_step = self._compiled_draw = None
+            self._compiled_step = self._compiled_draw = self._compiled_then = None
             return eager(*arguments)
 
     @torch.no_grad()  # draws have no gradient; a graph of several steps over one cache has no backward
@@ -419,12 +430,33 @@ class Transformer(nn.Module):
         n_fed = tokens.shape[1] + uniforms.shape[1] - 1
         self._check_positions(cache, n_fed)
         cache.begin(n_fed)
-        call = (self._decode_call(tokens, None, cache, None), uniforms.shape, uniforms.dtype, astuple(sampling),
-                forced is None, None if forced_tokens is None else forced_tokens.stride())
-        output = self._run_compiled("_compiled_draw", call, cache, self._draw, tokens, cache, uniforms, sampling,
-                                    forced_tokens, forced)
+        arguments = (uniforms, sampling, forced_tokens, forced)
+        call = (self._decode_call(tokens, None, cache, None), *map(call_key, arguments))
+        output = self._run_compiled("_compiled_draw", call, cache, self._draw, tokens, cache, *arguments)
         cache.end(n_fed)
         return self._own_outputs(output)
+
+    @torch.no_grad()
+    def decode_then(self, function, tokens: Tensor, cache: ModelCache, *arguments):
+        """function(logits [B, T, V], *arguments) of the cached forward of tokens [B, T]: after
+        compile_decoding(), one graph holding the forward and the function (speculative decoding's
+        verification: the forward, the target's distribution and the acceptance rule), compiled once
+        per function. `function` is tensor code torch.compile can trace; its other arguments are
+        tensors or settings (a SamplingConfig)."""
+        if cache.length == 0 or self._compiled_then is None:  # a prefill stays eager, as in forward
+            return function(self(tokens, cache=cache).logits, *arguments)
+        n_tokens = tokens.shape[1]
+        self._check_positions(cache, n_tokens)
+        cache.begin(n_tokens)
+        call = (self._decode_call(tokens, None, cache, None), function, *map(call_key, arguments))
+        output = self._run_compiled("_compiled_then", call, cache, self._run_then, function, tokens, cache,
+                                    *arguments)
+        cache.end(n_tokens)
+        return self._own_outputs(output)
+
+    def _run_then(self, function, tokens, cache, *arguments):
+        """decode_then()'s work after cache.begin: traceable whole."""
+        return function(self.run(tokens, None, cache, None).logits, *arguments)
 
     def _draw(self, tokens, cache, uniforms, sampling, forced_tokens, forced) -> tuple[Tensor, Tensor]:
         """draw()'s work after cache.begin: tensors in, tensors out, traceable whole."""
@@ -493,15 +525,15 @@ class Transformer(nn.Module):
         self._frozen_tensors = self._weight_tensors() if frozen else None
         self._frozen_state = self._weights_state() if frozen else 0
         try:
-            self._compiled_step, self._compiled_draw = (
+            self._compiled_step, self._compiled_draw, self._compiled_then = (
                 torch.compile(types.MethodType(own_code(function), self), fullgraph=True, dynamic=False, mode=mode,
                               backend=backend, options=options)
-                for function in (Transformer.run, Transformer._draw))
+                for function in (Transformer.run, Transformer._draw, Transformer._run_then))
             self._cuda_graphs = device.type == "cuda" and mode in ("reduce-overhead", "max-autotune")
             self._decode_calls.clear()
         except Exception as error:  # noqa: BLE001 - any failure: decode eagerly, and say so once
             log.warning("compiled decoding unavailable on %s, decoding eagerly: %s", device.type, error)
-            self._compiled_step = self._compiled_draw = None
+            self._compiled_step = self._compiled_draw = self._compiled_then = None
         return self._compiled_step is not None
 
     def _weight_tensors(self) -> list[Tensor]:
