@@ -359,4 +359,29 @@ def test_compiled_decode_then_equals_the_forward_then_the_function():
             cache.truncate_rows(cache.lengths - 1 - step % 3)
         if step == 2:
             graphs = counters["stats"]["unique_graphs"]
-    assert counters["stats"]["unique_graphs"] == graphs and compiled._compiled_then is not None
+    assert counters["stats"]["unique_graphs"] == graphs and compiled._compiled_decode_then is not None
+
+
+def untraceable_argmax(logits: torch.Tensor) -> torch.Tensor:
+    import time
+
+    time.perf_counter()  # dynamo cannot put this call in a graph
+    return logits.argmax(dim=-1)
+
+
+def test_an_untraceable_function_leaves_the_other_compiled_entries(caplog):
+    """decode_then with a function dynamo cannot trace gives the eager result after one warning;
+    the compiled decode step stays compiled."""
+    eager, compiled = twins("full")
+    prompt = torch.randint(0, 61, (1, 8), generator=torch.Generator().manual_seed(6))
+    caches = [model.new_cache(1, 100) for model in (eager, compiled)]
+    for model, cache in zip((eager, compiled), caches):
+        model(prompt, cache=cache)
+    window = prompt[:, :3]
+    expected = eager(window, cache=caches[0]).logits.argmax(dim=-1)
+    with caplog.at_level("WARNING", logger="attnlab.model.transformer"):
+        assert torch.equal(compiled.decode_then(untraceable_argmax, window, caches[1]), expected)
+    assert "decode_then" in caplog.text and compiled._compiled_decode_then is None
+    assert compiled._compiled_step is not None
+    torch.testing.assert_close(compiled(window[:, :1], cache=caches[1]).logits,
+                               eager(window[:, :1], cache=caches[0]).logits, atol=1e-5, rtol=1e-5)

@@ -300,7 +300,7 @@ class Transformer(nn.Module):
         self._aux_modules: list[nn.Module] | None = None  # modules reporting aux_losses, found on first use
         self._compiled_step = None  # compile_decoding()
         self._compiled_draw = None  # compile_decoding(): draw()'s graph
-        self._compiled_then = None  # compile_decoding(): decode_then()'s graphs
+        self._compiled_decode_then = None  # compile_decoding(): decode_then()'s graphs
         self._cuda_graphs = False  # the compiled step replays CUDA graphs (compile_decoding on CUDA)
         self._decode_calls: dict[tuple, int] = {}  # times the compiled step served a call (_decode_call)
         self._decode_structure = -1  # STRUCTURE_CHANGES when _decode_calls was last cleared
@@ -370,8 +370,8 @@ class Transformer(nn.Module):
 
     def _run_compiled(self, name: str, call: tuple, cache: ModelCache, eager, *arguments):
         """Call the compiled function held at attribute `name` with `arguments` (among them `cache`),
-        or, where torch.compile fails on this machine before running anything, `eager` from then on,
-        after one warning.
+        or, where torch.compile fails on this machine before running anything (or cannot trace a
+        function given to decode_then), `eager` from then on for this entry, after one warning.
 
         A call like one the function has served twice skips most of dynamo's guards
         (skip_guard_eval_unsafe: only those telling its graphs apart are checked). Checking them all
@@ -410,9 +410,10 @@ class Transformer(nn.Module):
                 output = compiled(*arguments)
             self._decode_calls[key] = served + 1
             return output
-        except torch._dynamo.exc.TorchDynamoException as error:
-            log.warning("compiled decoding failed, decoding eagerly: %s", str(error).splitlines()[0])
-            self._compiled_step = self._compiled_draw = self._compiled_then = None
+        except torch._dynamo.exc.TorchDynamoException as error:  # this entry decodes eagerly from now on
+            log.warning("compiled decoding (%s) failed, decoding eagerly: %s", name.removeprefix("_compiled_"),
+                        str(error).splitlines()[0])
+            setattr(self, name, None)
             return eager(*arguments)
 
     @torch.no_grad()  # draws have no gradient; a graph of several steps over one cache has no backward
@@ -443,13 +444,13 @@ class Transformer(nn.Module):
         verification: the forward, the target's distribution and the acceptance rule), compiled once
         per function. `function` is tensor code torch.compile can trace; its other arguments are
         tensors or settings (a SamplingConfig)."""
-        if cache.length == 0 or self._compiled_then is None:  # a prefill stays eager, as in forward
+        if cache.length == 0 or self._compiled_decode_then is None:  # a prefill stays eager, as in forward
             return function(self(tokens, cache=cache).logits, *arguments)
         n_tokens = tokens.shape[1]
         self._check_positions(cache, n_tokens)
         cache.begin(n_tokens)
         call = (self._decode_call(tokens, None, cache, None), function, *map(call_key, arguments))
-        output = self._run_compiled("_compiled_then", call, cache, self._run_then, function, tokens, cache,
+        output = self._run_compiled("_compiled_decode_then", call, cache, self._run_then, function, tokens, cache,
                                     *arguments)
         cache.end(n_tokens)
         return self._own_outputs(output)
@@ -525,7 +526,7 @@ class Transformer(nn.Module):
         self._frozen_tensors = self._weight_tensors() if frozen else None
         self._frozen_state = self._weights_state() if frozen else 0
         try:
-            self._compiled_step, self._compiled_draw, self._compiled_then = (
+            self._compiled_step, self._compiled_draw, self._compiled_decode_then = (
                 torch.compile(types.MethodType(own_code(function), self), fullgraph=True, dynamic=False, mode=mode,
                               backend=backend, options=options)
                 for function in (Transformer.run, Transformer._draw, Transformer._run_then))
@@ -533,7 +534,7 @@ class Transformer(nn.Module):
             self._decode_calls.clear()
         except Exception as error:  # noqa: BLE001 - any failure: decode eagerly, and say so once
             log.warning("compiled decoding unavailable on %s, decoding eagerly: %s", device.type, error)
-            self._compiled_step = self._compiled_draw = self._compiled_then = None
+            self._compiled_step = self._compiled_draw = self._compiled_decode_then = None
         return self._compiled_step is not None
 
     def _weight_tensors(self) -> list[Tensor]:
