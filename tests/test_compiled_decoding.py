@@ -385,3 +385,19 @@ def test_an_untraceable_function_leaves_the_other_compiled_entries(caplog):
     assert compiled._compiled_step is not None
     torch.testing.assert_close(compiled(window[:, :1], cache=caches[1]).logits,
                                eager(window[:, :1], cache=caches[0]).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_without_torch_compile_decoding_stays_eager(monkeypatch, caplog):
+    """Where torch.compile cannot serve the device, compile_decoding says so in one warning, returns
+    False, and every entry decodes eagerly."""
+    def unavailable(*args, **kwargs):
+        raise RuntimeError("no compiler for this device")
+
+    model = Transformer(variant_config("full", max_seq_len=64)).eval()
+    monkeypatch.setattr(torch, "compile", unavailable)
+    with caplog.at_level("WARNING", logger="attnlab.model.transformer"):
+        assert not model.compile_decoding()
+    assert len(caplog.records) == 1 and "unavailable" in caplog.text
+    assert model._compiled_step is model._compiled_draw is model._compiled_decode_then is None
+    prompt = torch.randint(0, 61, (1, 6), generator=torch.Generator().manual_seed(2))
+    assert generate(model, prompt, 4, SamplingConfig(temperature=0.0)).shape == (1, 10)
