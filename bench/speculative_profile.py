@@ -1,10 +1,10 @@
 """Where one step of compiled speculative decoding goes on this CPU, by torch's profiler: the target's
-forwards (the verification), the draft's (its proposals, their sampling inside: Transformer.draw),
-and the work between them (the target's sampling, acceptance, rollback), with dynamo's own cost
-per compiled call (guard lookup, the bytecode before and around the graph, the runtime wrapper)
-beside what the graphs run. The CPU pair's shapes (presets
-spec-small-target and spec-small-draft, weights as initialised), temperature 1, gamma 5, a prompt of
-`--context` tokens.
+calls (the verification, with the acceptance rule inside: Transformer.decode_then), the draft's
+(its proposals, their sampling inside: Transformer.draw), and the work between them (the draws of
+the uniforms, the commits, the rollback), with dynamo's own cost per compiled call (guard lookup,
+the bytecode before and around the graph, the runtime wrapper) beside what the graphs run. The CPU
+pair's shapes (presets spec-small-target and spec-small-draft, weights as initialised), temperature
+1, gamma 5, a prompt of `--context` tokens.
 
     OMP_NUM_THREADS=2 python bench/speculative_profile.py [--batch-size 1] [--new-tokens 64]
 
@@ -31,19 +31,23 @@ DYNAMO_EVENTS = ("TorchDynamo Cache Lookup", "Pregraph bytecode", "AOTDispatcher
 
 
 def labelled(model: Transformer, label: str) -> Transformer:
-    """The model with every forward and draw (a draft's proposal) of a decoding step recorded under
-    `label`, a prefill under "prefill"."""
-    forward, draw = model.forward, model.draw
+    """The model with every call of a decoding step (a forward, a draft's proposal, a verification)
+    recorded under `label`, a prefill under "prefill"."""
+    forward, draw, decode_then = model.forward, model.draw, model.decode_then
 
     def recorded(tokens, targets=None, cache=None, loss_mask=None):
         with record_function("prefill" if cache is None or cache.length == 0 else label):
             return forward(tokens, targets, cache, loss_mask)
 
-    def recorded_draw(tokens, cache, *arguments):
+    def recorded_draw(*arguments):
         with record_function(label):
-            return draw(tokens, cache, *arguments)
+            return draw(*arguments)
 
-    model.forward, model.draw = recorded, recorded_draw
+    def recorded_decode_then(*arguments):
+        with record_function(label):
+            return decode_then(*arguments)
+
+    model.forward, model.draw, model.decode_then = recorded, recorded_draw, recorded_decode_then
     return model
 
 
