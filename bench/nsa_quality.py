@@ -81,7 +81,7 @@ def validation_windows(data: torch.Tensor) -> torch.Tensor:
 
 
 INITS = ("torch", "gpt2")  # model.init's values
-ABLATIONS = ("embedding-1", "linear-torch", "torch-reset")  # initialise's, on top of gpt2
+ABLATIONS = ("embedding-1", "linear-torch", "torch-reset", "zero-gates", "zero-branch-values")  # initialise's
 
 
 def attnlab_model(kind: str, options: dict, init: str, model_options: dict) -> tuple[torch.nn.Module, callable]:
@@ -90,7 +90,7 @@ def attnlab_model(kind: str, options: dict, init: str, model_options: dict) -> t
 
     attention = {"kind": kind, "local": {"window_size": NSA["sliding_window_size"]}, "nsa": {**NSA, **options}}
     values = {key: RECIPE[key] for key in ("dim", "depth", "heads", "dim_head", "kv_heads")}
-    values["init"] = init if init in INITS else "gpt2"
+    values["init"] = init if init in INITS else "torch" if init.startswith("zero-") else "gpt2"
     values.update(model_options)  # e.g. norm=rmsnorm
     model = Transformer(config_from_dict({**values, "max_seq_len": RECIPE["seq_len"], "attention": attention},
                                          ModelConfig))
@@ -102,9 +102,27 @@ def initialise(model: torch.nn.Module, scheme: str) -> None:
     default, which attnlab_model builds for them): "embedding-1" draws the token embedding from
     N(0, 1) (torch's nn.Embedding default); "linear-torch" resets the linear layers to torch's
     default (Kaiming-uniform); "torch-reset" resets both, as the reference library's modules are
-    left, then the attention layers' own parameters (NSA's gates) again. "torch" and "gpt2" are
-    the model's `init` option itself: nothing to do here."""
+    left, then the attention layers' own parameters (NSA's gates) again; "zero-gates", on top of
+    "torch", sets NSA's gate weights to zero (every position starts with the gates' biases alone,
+    as the reference library starts); "zero-branch-values", on top of "torch", sets the values of
+    NSA's compressed and selected branches to zero (the compressor's output layer, the selected
+    branch's value projection), so each layer starts as its sliding branch alone under its gate.
+    "torch" and "gpt2" are the model's `init` option itself: nothing to do here."""
     if scheme in INITS:
+        return
+    if scheme == "zero-gates":
+        for name, parameter in model.named_parameters():
+            if name.endswith("to_gates.weight"):
+                torch.nn.init.zeros_(parameter)
+        return
+    if scheme == "zero-branch-values":
+        with torch.no_grad():
+            for module in model.modules():
+                if hasattr(module, "compress_values"):
+                    module.compress_values.w2.zero_()
+                    module.compress_values.b2.zero_()
+                    width = module.spec.n_kv_heads * module.spec.dim_head
+                    module.branch_kv.weight[width : 2 * width].zero_()  # rows: k_slc, v_slc, k_win, v_win
         return
     if scheme == "embedding-1":
         torch.nn.init.normal_(model.token_embedding.embed.weight, std=1.0)
