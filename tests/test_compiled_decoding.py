@@ -319,11 +319,15 @@ def test_compiled_draw_equals_a_forward_per_token(name):
     assert compiled._compiled_draw is not None
 
 
-def test_compiled_speculative_sampling_equals_eager():
+@pytest.mark.parametrize("cuda_graph_bookkeeping", [False, True])
+def test_compiled_speculative_sampling_equals_eager(cuda_graph_bookkeeping):
     """At temperature 1 with one generator seed, speculative decoding on compiled models draws the
-    tokens the eager models draw (the same uniforms, in the same order), both batch schemes."""
+    tokens the eager models draw (the same uniforms, in the same order), both batch schemes; also
+    with what a CUDA step adds, exercised on the CPU (fixed cache addresses, step marks, the
+    outputs of draw and decode_then copied out of the graph's memory)."""
     target, compiled_target = twins("full", depth=2)
     draft, compiled_draft = twins("local", depth=1)
+    compiled_target._cuda_graphs = compiled_draft._cuda_graphs = cuda_graph_bookkeeping
     prompt = torch.randint(0, 61, (3, 9), generator=torch.Generator().manual_seed(5))
     for per_row in (True, False):
         runs = [speculative_generate(pair[0], pair[1], prompt, 20, gamma=3, per_row=per_row,
