@@ -1,9 +1,8 @@
 """The forwards speculative decoding is made of, eager and compiled, side by side in one process,
 and the decoding loops they make: one cached target token, one verification of gamma + 1 tokens,
 the draft's proposal of gamma tokens (Transformer.draw: one call, the sampling included), at each
-batch size, for the CPU pair's shapes (presets spec-small-target,
-dim 256 depth 6, and spec-small-draft, depth 1; weights as initialised: the cost of a forward does
-not depend on them).
+batch size, for the CPU pair's shapes (presets spec-small-target, dim 256 depth 6, and
+spec-small-draft, depth 1; weights as initialised: the cost of a forward does not depend on them).
 
 Forwards: each timed warm, as in a decoding loop (a cache filled with `context` tokens once, then
 `--repeats` calls, the cache rolled back after each, untimed), the models in turn, round after

@@ -12,7 +12,8 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from attnlab.generate.sampling import SamplingConfig, generate, probabilities, token_at
+from attnlab.generate.distribution import probabilities, token_at
+from attnlab.generate.sampling import SamplingConfig, generate
 from attnlab.generate.speculative import speculative_generate
 from attnlab.model import Transformer
 from variants import variant_config

@@ -37,7 +37,6 @@ class SamplingConfig:
             raise ConfigError(f"min_p must be in [0, 1], got {self.min_p}")
 
 
-
 def filter_logits(logits: Tensor, config: SamplingConfig) -> Tensor:
     """Logits [..., V] with the tokens the filters reject set to -inf (temperature not applied)."""
     logits = logits.float()

@@ -16,12 +16,11 @@ from torch import Tensor
 
 from attnlab.config import ModelConfig
 from attnlab.errors import GenerationError
-from attnlab.generate.distribution import (  # noqa: F401  (filter_logits, token_at: re-exported)
+from attnlab.generate.distribution import (  # noqa: F401  (filter_logits: re-exported for callers)
     SamplingConfig,
     filter_logits,
     probabilities,
     sample_from,
-    token_at,
 )
 from attnlab.model.modes import eval_mode
 from attnlab.model.transformer import Transformer

@@ -28,7 +28,7 @@ import attnlab.model.moe  # noqa: F401  (registers the mixture-of-experts feed-f
 from attnlab.attention.base import AttentionSpec, KVCache, RotaryEmbedding, new_lengths
 from attnlab.config import ModelConfig
 from attnlab.errors import ConfigError
-from attnlab.generate.distribution import draw_chain
+from attnlab.generate.distribution import SamplingConfig, draw_chain
 from attnlab.model.layers import Chunked, TokenEmbedding
 from attnlab.model.loss import IGNORE_INDEX, chunked_linear_cross_entropy  # IGNORE_INDEX: padding, masked
 from attnlab.model.reversible import reversible_blocks
@@ -417,14 +417,14 @@ class Transformer(nn.Module):
             return eager(*arguments)
 
     @torch.no_grad()  # draws have no gradient; a graph of several steps over one cache has no backward
-    def draw(self, tokens: Tensor, cache: ModelCache, uniforms: Tensor, sampling,
+    def draw(self, tokens: Tensor, cache: ModelCache, uniforms: Tensor, sampling: SamplingConfig,
              forced_tokens: Tensor | None = None, forced: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Feed tokens [B, T] through the cache, then draw n = uniforms.shape[1] tokens one after
         another (attnlab.generate.distribution.draw_chain: each drawn at its uniform [B] and fed
-        back, but the last), under `sampling` (a SamplingConfig). Returns (probs [B, n, V] each
-        token was drawn from, tokens [B, n]). After compile_decoding(), a call after earlier tokens
-        is one compiled graph: the n - 1 steps and the draws without a return to Python between
-        them (speculative decoding's draft)."""
+        back, but the last), under `sampling`. Returns (probs [B, n, V] each token was drawn from,
+        tokens [B, n]). After compile_decoding(), a call after earlier tokens is one compiled graph:
+        the n - 1 steps and the draws without a return to Python between them (speculative
+        decoding's draft)."""
         if cache.length == 0 or self._compiled_draw is None:  # a prefill stays eager, as in forward
             return draw_chain(lambda chunk: self(chunk, cache=cache).logits, tokens, uniforms, sampling,
                               forced_tokens, forced)
