@@ -8,6 +8,8 @@ and recompiles happen, without inductor's code generation); one goes through ind
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -183,6 +185,33 @@ def test_packed_linear_kernels_follow_the_weights():
         compiled._frozen_state = compiled._weights_state()  # skip the check: the step keeps what it froze
         assert not torch.allclose(steps(compiled)[:, 10:], steps(eager)[:, 10:], atol=1e-3)
     assert compiled._compiled_step is not None
+
+
+def test_six_row_block_makes_a_verification_product_in_one_pass():
+    """While a packed step compiles, the template's AVX2 float32 micro-kernels include the six-row
+    register block (SIX_ROW_BLOCK): a 6-row product with a frozen weight is made by it and equals
+    torch's; afterwards inductor's registry holds exactly what it held before."""
+    import torch._inductor.select_algorithm  # noqa: F401 - before cpp_micro_gemm: inductor's own import order
+    from torch._inductor import config as inductor_config
+    from torch._inductor.codegen import cpp_micro_gemm
+    from torch._inductor.cpu_vec_isa import VecAVX2, pick_vec_isa
+    from torch._inductor.utils import run_and_get_code
+
+    from attnlab.model.transformer import PACKED_LINEAR_OPTIONS, packed_step_compiling
+
+    if not isinstance(pick_vec_isa(), VecAVX2):
+        pytest.skip("the six-row block is an AVX2 micro-kernel; this CPU's vector ISA is another")
+    before = list(cpp_micro_gemm.micro_gemm_configs[cpp_micro_gemm.CppMicroGemmFP32Vec])
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    layer, rows = torch.nn.Linear(64, 48).eval(), torch.randn(6, 64)
+    compiled = torch.compile(layer, fullgraph=True, dynamic=False, options=PACKED_LINEAR_OPTIONS)
+    with torch.no_grad(), packed_step_compiling(), inductor_config.patch(fx_graph_cache=False):
+        output, code = run_and_get_code(compiled, rows)
+        torch.testing.assert_close(output, layer(rows), atol=1e-5, rtol=1e-5)
+    assert re.search(r"_kernel<\s*6,\s*16\b", "\n".join(code)), "the product was not made by the six-row block"
+    after = cpp_micro_gemm.micro_gemm_configs[cpp_micro_gemm.CppMicroGemmFP32Vec]
+    assert len(after) == len(before) and all(a is b for a, b in zip(after, before))
 
 
 def test_a_changed_model_is_checked_in_full():

@@ -177,10 +177,38 @@ def template_choices_only(choices: list) -> list:
     return templates or choices
 
 
+# The template's float32 micro-kernels for AVX2 hold 4 rows (4 x 24, 4 x 16 columns) or 8 rows of 8
+# in registers, so a speculative verification of gamma + 1 = 6 rows passes over each packed weight
+# twice (4 rows, then 2). A block of 6 rows by 16 columns (12 accumulators, 2 weight vectors and a
+# broadcast: 15 of AVX2's 16 vector registers, the register block of BLIS's Haswell kernel) takes
+# the 6 rows in one pass; offered while a packed step compiles, the template's own ranking picks it
+# where the rows divide by 6 (and, being larger, over 4 x 16 for one row). AVX-512's blocks hold 8
+# or 16 rows already.
+SIX_ROW_BLOCK = (6, 16, 1)  # (rows, columns, reduction step) in registers
+
+
+@contextlib.contextmanager
+def six_row_micro_kernels():
+    """The AVX2 float32 micro-kernel of SIX_ROW_BLOCK among the template's choices, for the time
+    of the context (the registry is inductor's, shared by everything compiled meanwhile)."""
+    import torch._inductor.select_algorithm  # noqa: F401 - imports the code generators in their order
+    from torch._inductor.codegen import cpp_micro_gemm
+    from torch._inductor.cpu_vec_isa import VecAVX2
+
+    configs = cpp_micro_gemm.micro_gemm_configs[cpp_micro_gemm.CppMicroGemmFP32Vec]
+    added = cpp_micro_gemm.generate_gemm_config(VecAVX2, [SIX_ROW_BLOCK], input_dtype=torch.float)
+    configs.extend(added)
+    try:
+        yield
+    finally:
+        configs[:] = [config for config in configs if not any(config is extra for extra in added)]
+
+
 @contextlib.contextmanager
 def packed_step_compiling():
     """Dynamo makes the weights constants only while inductor's freezing is on (compile_decoding's
-    option reaches inductor alone); the choices of each product are the template's."""
+    option reaches inductor alone); the choices of each product are the template's, its AVX2
+    micro-kernels include the six-row block."""
     from torch._inductor import config as inductor_config
     from torch._inductor.select_algorithm import add_preprocessing_fn, get_algorithm_selector_cache
 
@@ -188,7 +216,7 @@ def packed_step_compiling():
         add_preprocessing_fn(template_choices_only)
     COMPILING_PACKED_STEP[0] = True
     try:
-        with inductor_config.patch(freezing=True):
+        with inductor_config.patch(freezing=True), six_row_micro_kernels():
             yield
     finally:
         COMPILING_PACKED_STEP[0] = False
