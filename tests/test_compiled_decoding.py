@@ -67,6 +67,28 @@ def test_compiled_decoding_equals_eager_and_never_recompiles(name):
     assert counters["stats"]["unique_graphs"] == graphs, "a decode step compiled again"
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_compiled_decoding_of_one_row(name):
+    """At batch 1 (a size-1 dimension, whose stride any value leaves a tensor contiguous): a
+    prefill, verification-sized chunks of 6 and one-token steps, around a rollback, give the eager
+    logits, and the compiled step serves them all (none fell back to eager)."""
+    eager, compiled = twins(name)
+    tokens = torch.randint(0, 61, (1, 60), generator=torch.Generator().manual_seed(4))
+
+    def steps(model: Transformer) -> torch.Tensor:
+        cache = model.new_cache(1, 64)
+        logits = [model(tokens[:, :30], cache=cache).logits]
+        for start in (30, 36, 42):  # chunks that complete NSA's compressed blocks, and ones that do not
+            logits.append(model(tokens[:, start : start + 6], cache=cache).logits)
+            logits.append(model(tokens[:, start + 6 : start + 7], cache=cache).logits)
+            cache.truncate(start + 6)
+        return torch.cat(logits, dim=1)
+
+    with torch.no_grad():
+        torch.testing.assert_close(steps(compiled), steps(eager), atol=1e-5, rtol=1e-5)
+    assert compiled._compiled_step is not None, "the compiled step failed and decoding fell back to eager"
+
+
 @pytest.mark.parametrize("name", ["sinkhorn", "nsa"])
 def test_cuda_graph_step_keeps_compiled_equal_to_eager(name, monkeypatch):
     """What a compiled step does on CUDA, exercised on the CPU: the choices torch.cond makes

@@ -89,6 +89,21 @@ def branch_free(tensor: Tensor) -> bool:
     return tensor.is_cuda
 
 
+def compiled_branch(predicate: Tensor, if_true, if_false, operands: tuple) -> tuple[Tensor, ...]:
+    """torch.cond(predicate, if_true, if_false, operands) for a compiled step, each side's tensors
+    returned with the strides of a contiguous tensor of their shape. torch.cond requires both sides'
+    outputs in one stride order, and `contiguous()` leaves a tensor that is contiguous but for the
+    stride of a size-1 dimension (batch 1) as it is, so the two sides of a batch-1 step could differ;
+    viewing its flat memory in the shape again sets every stride (no copy)."""
+
+    def in_one_layout(function):
+        def run(*arguments):
+            return tuple(tensor.contiguous().flatten().view(tensor.shape) for tensor in function(*arguments))
+        return run
+
+    return torch.cond(predicate, in_one_layout(if_true), in_one_layout(if_false), operands)
+
+
 def window_positions(positions: Tensor, window: int) -> tuple[Tensor, Tensor]:
     """The positions of each query's sliding window, itself last: positions [B, T] -> (index [B, T, W]
     clamped at 0, valid [B, T, W])."""

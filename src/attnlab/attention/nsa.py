@@ -63,6 +63,7 @@ from attnlab.attention.base import (
     AttentionSpec,
     KVCache,
     branch_free,
+    compiled_branch,
     new_lengths,
     overlapping_windows,
     select_rows,
@@ -372,8 +373,7 @@ class NSACache(KVCache):
         rows = rows.clamp(max=keys.shape[2] - 1)[:, None].expand(-1, keys.shape[1], -1, -1)  # [B, G, T, l]
 
         def compressed(rows: Tensor) -> tuple[Tensor, Tensor]:  # [B, G, T, D] each
-            return (key_network(select_rows(keys, rows)).contiguous(),
-                    value_network(select_rows(values, rows)).contiguous())
+            return key_network(select_rows(keys, rows)), value_network(select_rows(values, rows))
 
         def nothing(rows: Tensor) -> tuple[Tensor, Tensor]:
             empty = keys.new_zeros(*rows.shape[:3], keys.shape[-1])
@@ -382,7 +382,7 @@ class NSACache(KVCache):
         if torch.compiler.is_compiling() and branch_free(keys):  # tokens completing none write the spare slot
             new_keys, new_values = compressed(rows)
         elif torch.compiler.is_compiling():
-            new_keys, new_values = torch.cond(completes.any(), compressed, nothing, (rows,))
+            new_keys, new_values = compiled_branch(completes.any(), compressed, nothing, (rows,))
         elif bool(completes.any()):
             new_keys, new_values = compressed(rows)
         else:

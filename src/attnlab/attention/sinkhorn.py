@@ -53,6 +53,7 @@ from attnlab.attention.base import (
     AttentionSpec,
     KVCache,
     branch_free,
+    compiled_branch,
     expand_kv,
     new_lengths,
     select_rows,
@@ -223,7 +224,7 @@ class SinkhornCache(KVCache):
             both = zip(sorted_again(*means), kept(*means), strict=True)
             chosen, weights = (torch.where(opens, new, old) for new, old in both)
         elif torch.compiler.is_compiling():
-            chosen, weights = torch.cond(opens, sorted_again, kept, means)
+            chosen, weights = compiled_branch(opens, sorted_again, kept, means)
         elif bool(opens):
             chosen, weights = sorted_again(*means)
         else:
