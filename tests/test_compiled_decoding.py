@@ -67,12 +67,14 @@ def test_compiled_decoding_equals_eager_and_never_recompiles(name):
     assert counters["stats"]["unique_graphs"] == graphs, "a decode step compiled again"
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_compiled_decoding_of_one_row(name):
+@pytest.mark.parametrize("name, backend", [*((name, "aot_eager") for name in NAMES), ("sinkhorn", "inductor"),
+                                           ("nsa", "inductor")])
+def test_compiled_decoding_of_one_row(name, backend):
     """At batch 1 (a size-1 dimension, whose stride any value leaves a tensor contiguous): a
     prefill, verification-sized chunks of 6 and one-token steps, around a rollback, give the eager
-    logits, and the compiled step serves them all (none fell back to eager)."""
-    eager, compiled = twins(name)
+    logits, and the compiled step serves them all (none fell back to eager). Sinkhorn's and NSA's
+    steps branch (torch.cond), whose two sides must agree in layout: also through inductor."""
+    eager, compiled = twins(name, backend=backend, **({"depth": 1} if backend == "inductor" else {}))
     tokens = torch.randint(0, 61, (1, 60), generator=torch.Generator().manual_seed(4))
 
     def steps(model: Transformer) -> torch.Tensor:

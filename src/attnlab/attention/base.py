@@ -89,19 +89,21 @@ def branch_free(tensor: Tensor) -> bool:
     return tensor.is_cuda
 
 
-def compiled_branch(predicate: Tensor, if_true, if_false, operands: tuple) -> tuple[Tensor, ...]:
-    """torch.cond(predicate, if_true, if_false, operands) for a compiled step, each side's tensors
-    returned with the strides of a contiguous tensor of their shape. torch.cond requires both sides'
-    outputs in one stride order, and `contiguous()` leaves a tensor that is contiguous but for the
-    stride of a size-1 dimension (batch 1) as it is, so the two sides of a batch-1 step could differ;
-    viewing its flat memory in the shape again sets every stride (no copy)."""
+def compiled_branch(predicate: Tensor, if_true, if_false, operands: tuple, shapes: tuple) -> tuple[Tensor, ...]:
+    """torch.cond(predicate, if_true, if_false, operands) for a compiled step, whose sides return
+    tensors of the given shapes. torch.cond requires both sides' outputs in one stride order, and a
+    tensor's stride along a size-1 dimension (batch 1) is whatever made it, so the two sides of a
+    batch-1 step could differ (and `contiguous()` changes nothing there): each side returns its
+    tensors flat, one dimension, and they are viewed in their shapes after the branch. The sides must
+    not return views of their operands or of tensors they read (torch.cond's rule): clone those."""
 
-    def in_one_layout(function):
+    def flat(function):
         def run(*arguments):
-            return tuple(tensor.contiguous().flatten().view(tensor.shape) for tensor in function(*arguments))
+            return tuple(tensor.reshape(-1) for tensor in function(*arguments))
         return run
 
-    return torch.cond(predicate, in_one_layout(if_true), in_one_layout(if_false), operands)
+    outputs = torch.cond(predicate, flat(if_true), flat(if_false), operands)
+    return tuple(output.view(shape) for output, shape in zip(outputs, shapes, strict=True))
 
 
 def window_positions(positions: Tensor, window: int) -> tuple[Tensor, Tensor]:

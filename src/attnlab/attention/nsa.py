@@ -382,7 +382,8 @@ class NSACache(KVCache):
         if torch.compiler.is_compiling() and branch_free(keys):  # tokens completing none write the spare slot
             new_keys, new_values = compressed(rows)
         elif torch.compiler.is_compiling():
-            new_keys, new_values = compiled_branch(completes.any(), compressed, nothing, (rows,))
+            shape = (*rows.shape[:3], keys.shape[-1])  # [B, G, T, D]
+            new_keys, new_values = compiled_branch(completes.any(), compressed, nothing, (rows,), (shape, shape))
         elif bool(completes.any()):
             new_keys, new_values = compressed(rows)
         else:

@@ -224,7 +224,8 @@ class SinkhornCache(KVCache):
             both = zip(sorted_again(*means), kept(*means), strict=True)
             chosen, weights = (torch.where(opens, new, old) for new, old in both)
         elif torch.compiler.is_compiling():
-            chosen, weights = compiled_branch(opens, sorted_again, kept, means)
+            shapes = (self.chosen[:, heads].shape, self.choice_weights[:, heads].shape)
+            chosen, weights = compiled_branch(opens, sorted_again, kept, means, shapes)
         elif bool(opens):
             chosen, weights = sorted_again(*means)
         else:
