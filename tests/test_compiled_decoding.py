@@ -238,6 +238,20 @@ def test_six_row_block_makes_a_verification_product_in_one_pass():
     assert len(after) == len(before) and all(a is b for a, b in zip(after, before))
 
 
+def test_six_row_block_skipped_where_inductor_keeps_its_kernels_otherwise(monkeypatch, caplog):
+    """An inductor without the micro-kernel registry the six-row block extends: the context
+    offers nothing, says so in the log, and the packed step compiles as it would without it."""
+    import torch._inductor.select_algorithm  # noqa: F401 - before cpp_micro_gemm: inductor's own import order
+    from torch._inductor.codegen import cpp_micro_gemm
+
+    from attnlab.model.transformer import six_row_micro_kernels
+
+    monkeypatch.setattr(cpp_micro_gemm, "micro_gemm_configs", {})
+    with caplog.at_level("INFO", logger="attnlab.model.transformer"), six_row_micro_kernels():
+        assert cpp_micro_gemm.micro_gemm_configs == {}
+    assert "compiling without the six-row block" in caplog.text
+
+
 def test_a_changed_model_is_checked_in_full():
     """After two alike calls the compiled step skips most of dynamo's guards; quantising the model
     in place, or a cache longer than the rotary tables (which regrows them), changes what the step

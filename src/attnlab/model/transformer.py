@@ -190,13 +190,20 @@ SIX_ROW_BLOCK = (6, 16, 1)  # (rows, columns, reduction step) in registers
 @contextlib.contextmanager
 def six_row_micro_kernels():
     """The AVX2 float32 micro-kernel of SIX_ROW_BLOCK among the template's choices, for the time
-    of the context (the registry is inductor's, shared by everything compiled meanwhile)."""
-    import torch._inductor.select_algorithm  # noqa: F401 - imports the code generators in their order
-    from torch._inductor.codegen import cpp_micro_gemm
-    from torch._inductor.cpu_vec_isa import VecAVX2
+    of the context (the registry is inductor's, shared by everything compiled meanwhile). A torch
+    whose inductor keeps its micro-kernels otherwise compiles without it (logged)."""
+    try:
+        import torch._inductor.select_algorithm  # noqa: F401 - imports the code generators in their order
+        from torch._inductor.codegen import cpp_micro_gemm
+        from torch._inductor.cpu_vec_isa import VecAVX2
 
-    configs = cpp_micro_gemm.micro_gemm_configs[cpp_micro_gemm.CppMicroGemmFP32Vec]
-    added = cpp_micro_gemm.generate_gemm_config(VecAVX2, [SIX_ROW_BLOCK], input_dtype=torch.float)
+        configs = cpp_micro_gemm.micro_gemm_configs[cpp_micro_gemm.CppMicroGemmFP32Vec]
+        added = cpp_micro_gemm.generate_gemm_config(VecAVX2, [SIX_ROW_BLOCK], input_dtype=torch.float)
+    except (ImportError, AttributeError, KeyError, TypeError) as error:
+        log.info("inductor's micro-kernel registry is not as expected; compiling without the six-row block: %s",
+                 error)
+        yield
+        return
     configs.extend(added)
     try:
         yield
