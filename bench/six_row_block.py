@@ -32,15 +32,16 @@ import attnlab.model.transformer as transformer  # noqa: E402
 VARIANTS = ("with", "without")
 
 
-def build(kind: str, max_len: int, variant: str, prompt: torch.Tensor, new_tokens: int):
-    """A compiled model whose steps were compiled with (or without) the six-row block offered."""
+def build(kind: str, max_len: int, variant: str, prompt: torch.Tensor, new_tokens: int, rows: int):
+    """A compiled model whose steps (one token, `rows` tokens) were compiled with (or without) the
+    six-row block offered."""
     offered = transformer.six_row_micro_kernels
     if variant == "without":
         transformer.six_row_micro_kernels = contextlib.nullcontext
     try:
         model = compiled_decoding.build(kind, max_len, "compiled")
         compiled_decoding.ms_per_token(model, prompt, new_tokens, seed=0)  # compiles the one-token step
-        verification_ms(model, prompt, rows=6, repeats=2)  # and the verification's
+        verification_ms(model, prompt, rows, repeats=2)  # and the verification's
     finally:
         transformer.six_row_micro_kernels = offered
     return model
@@ -71,7 +72,7 @@ def main() -> None:
     args = parser.parse_args()
     prompt = torch.randint(0, 256, (1, args.context), generator=torch.Generator().manual_seed(args.context))
     max_len = args.context + max(args.new_tokens, args.rows)
-    models = {(kind, variant): build(kind, max_len, variant, prompt, args.new_tokens)
+    models = {(kind, variant): build(kind, max_len, variant, prompt, args.new_tokens, args.rows)
               for kind in args.attention for variant in VARIANTS}
     times = {(key, part): [] for key in models for part in ("token", "verification")}
     for round_ in range(1, args.rounds + 1):

@@ -463,14 +463,9 @@ class Transformer(nn.Module):
         if cache.length == 0 or self._compiled_draw is None:  # a prefill stays eager, as in forward
             return draw_chain(lambda chunk: self(chunk, cache=cache).logits, tokens, uniforms, sampling,
                               forced_tokens, forced)
-        n_fed = tokens.shape[1] + uniforms.shape[1] - 1
-        self._check_positions(cache, n_fed)
-        cache.begin(n_fed)
         arguments = (uniforms, sampling, forced_tokens, forced)
-        call = (self._decode_call(tokens, None, cache, None), *map(call_key, arguments))
-        output = self._run_compiled("_compiled_draw", call, cache, self._draw, tokens, cache, *arguments)
-        cache.end(n_fed)
-        return self._own_outputs(output)
+        return self._compiled_chunk("_compiled_draw", tokens.shape[1] + uniforms.shape[1] - 1, tokens, cache,
+                                    tuple(map(call_key, arguments)), self._draw, tokens, cache, *arguments)
 
     @torch.no_grad()
     def decode_then(self, function, tokens: Tensor, cache: ModelCache, *arguments):
@@ -481,13 +476,20 @@ class Transformer(nn.Module):
         tensors or settings (a SamplingConfig)."""
         if cache.length == 0 or self._compiled_decode_then is None:  # a prefill stays eager, as in forward
             return function(self(tokens, cache=cache).logits, *arguments)
-        n_tokens = tokens.shape[1]
-        self._check_positions(cache, n_tokens)
-        cache.begin(n_tokens)
-        call = (self._decode_call(tokens, None, cache, None), function, *map(call_key, arguments))
-        output = self._run_compiled("_compiled_decode_then", call, cache, self._run_then, function, tokens, cache,
+        return self._compiled_chunk("_compiled_decode_then", tokens.shape[1], tokens, cache,
+                                    (function, *map(call_key, arguments)), self._run_then, function, tokens, cache,
                                     *arguments)
-        cache.end(n_tokens)
+
+    def _compiled_chunk(self, name: str, n_fed: int, tokens: Tensor, cache: ModelCache, keys: tuple, eager,
+                        *arguments):
+        """A compiled entry's call (`name`, `eager`, `arguments`: _run_compiled's) that feeds tokens
+        [B, T] and n_fed - T more through the cache, inside the cache's bookkeeping for n_fed tokens;
+        keys: what its graph depends on of the arguments besides the chunk and the cache."""
+        self._check_positions(cache, n_fed)
+        cache.begin(n_fed)
+        call = (self._decode_call(tokens, None, cache, None), *keys)
+        output = self._run_compiled(name, call, cache, eager, *arguments)
+        cache.end(n_fed)
         return self._own_outputs(output)
 
     def _run_then(self, function, tokens, cache, *arguments):
