@@ -17,9 +17,13 @@ sampling, acceptance and rollback between them), both timed end to end less the 
 (timed alone beside them); the projection
 tokens_per_step(alpha) x token / step then counts the loop's own work too. The acceptance comes
 from a trained pair (these weights are untrained): both are projections, not speedups measured on
-a trained pair.
+a trained pair (bench/speculative_ab.py --compile times one).
+
+--draft-quantize: the draft's weights, each a draft of its own timed beside the others (none: float32;
+int8: model/quantize.py, a quarter of the bytes a draft token reads).
 
     OMP_NUM_THREADS=2 python bench/compiled_speculative_costs.py [--batch-size 1 4] [--context 200] [--rounds 15]
+        [--draft-quantize none int8]
 """
 
 from __future__ import annotations
@@ -35,13 +39,15 @@ from attnlab.config import load_config
 from attnlab.generate.sampling import SamplingConfig, generate
 from attnlab.generate.speculative import speculative_generate
 from attnlab.model import Transformer
+from attnlab.model.quantize import quantize_weights
 
 ALPHAS = (0.80, 0.85, 0.87, 0.90)  # per-token acceptance; the distilled CPU pair measured 0.85-0.87
 
 
-def build(preset: str, compiled: bool) -> Transformer:
+def build(preset: str, compiled: bool, quantization: str = "none") -> Transformer:
     torch.manual_seed(0)
     model = Transformer(load_config(preset).model).eval()
+    quantize_weights(model, quantization)
     if compiled:
         model.compile_decoding()
     return model
@@ -104,20 +110,29 @@ def projections(token: float, proposal: float, verify: float, gamma: int) -> dic
     return {str(alpha): tokens_per_step(alpha, gamma) / (proposal / token + verify / token) for alpha in ALPHAS}
 
 
-def measure(batch: int, context: int, rounds: int, repeats: int, gamma: int, new_tokens: int) -> dict:
-    models = {(role, mode): build(preset, mode == "compiled") for role, preset in
-              (("target", "spec-small-target"), ("draft", "spec-small-draft")) for mode in ("eager", "compiled")}
+def draft_name(quantization: str) -> str:
+    return "draft" if quantization == "none" else f"draft {quantization}"
+
+
+def measure(batch: int, context: int, rounds: int, repeats: int, gamma: int, new_tokens: int,
+            quantizations: list[str]) -> dict:
+    presets = {"target": ("spec-small-target", "none"),
+               **{draft_name(quantization): ("spec-small-draft", quantization) for quantization in quantizations}}
+    models = {(role, mode): build(preset, mode == "compiled", quantization)
+              for role, (preset, quantization) in presets.items() for mode in ("eager", "compiled")}
+    drafts = [role for role in presets if role != "target"]
     prompt = torch.randint(0, 256, (batch, context), generator=torch.Generator().manual_seed(0))
     caches = {}
     with torch.inference_mode():
         for (role, mode), model in models.items():
             caches[role, mode] = model.new_cache(batch, context + gamma + 1)
             model(prompt, cache=caches[role, mode])
-    forwards = {f"{mode} {kind}": (role, mode, kind)
+    forwards = {f"{mode} {kind}": (role, mode, "draw" if role in drafts else kind)
                 for mode in ("eager", "compiled")
-                for kind, role in (("target token", "target"), ("verification", "target"), ("draw", "draft"))}
+                for kind, role in (("target token", "target"), ("verification", "target"),
+                                   *((f"{draft} draw", draft) for draft in drafts))}
     times = {name: [] for name in forwards}
-    loops = {f"{mode} {what}": [] for mode in ("eager", "compiled") for what in ("token", "step")}
+    loops = {f"{mode} {what}": [] for mode in ("eager", "compiled") for what in ("token", *drafts)}
     with torch.inference_mode():
         for round_ in range(rounds + 1):  # round 0 warms up: the compiled steps are made there
             for name, (role, mode, kind) in forwards.items():
@@ -126,25 +141,28 @@ def measure(batch: int, context: int, rounds: int, repeats: int, gamma: int, new
                 if round_:
                     times[name].append(elapsed)
             for mode in ("eager", "compiled"):
-                token_ms, step_ms = loop_ms(models["target", mode], models["draft", mode], prompt, new_tokens, gamma,
-                                            round_)
-                if round_:
-                    loops[f"{mode} token"].append(token_ms)
-                    loops[f"{mode} step"].append(step_ms)
+                for draft in drafts:
+                    token_ms, step_ms = loop_ms(models["target", mode], models[draft, mode], prompt, new_tokens,
+                                                gamma, round_)
+                    if round_:
+                        loops[f"{mode} token"].append(token_ms)
+                        loops[f"{mode} {draft}"].append(step_ms)
     medians = {name: statistics.median(values) for name, values in times.items()}
     loop_medians = {name: statistics.median(values) for name, values in loops.items()}
     report = {"batch_size": batch, "context": context, "gamma": gamma, "rounds": rounds, "repeats": repeats,
               "new_tokens": new_tokens, "ms": medians, "loop_ms": loop_medians}
     for mode in ("eager", "compiled"):
-        token = medians[f"{mode} target token"]
-        proposal, verify = medians[f"{mode} draw"], medians[f"{mode} verification"]
-        step, loop_token = loop_medians[f"{mode} step"], loop_medians[f"{mode} token"]
-        report[mode] = {"draft_token_in_target_tokens": proposal / gamma / token,
-                        "verification_in_target_tokens": verify / token,
-                        "projected_speedup": projections(token, proposal, verify, gamma),
-                        "step_in_loop_tokens": step / loop_token,
-                        "projected_speedup_with_loop": {str(alpha): tokens_per_step(alpha, gamma) * loop_token / step
-                                                        for alpha in ALPHAS}}
+        for draft in drafts:
+            token, verify = medians[f"{mode} target token"], medians[f"{mode} verification"]
+            proposal, step = medians[f"{mode} {draft} draw"], loop_medians[f"{mode} {draft}"]
+            loop_token = loop_medians[f"{mode} token"]
+            report[f"{mode}, {draft}"] = {
+                "draft_token_in_target_tokens": proposal / gamma / token,
+                "verification_in_target_tokens": verify / token,
+                "projected_speedup": projections(token, proposal, verify, gamma),
+                "step_in_loop_tokens": step / loop_token,
+                "projected_speedup_with_loop": {str(alpha): tokens_per_step(alpha, gamma) * loop_token / step
+                                                for alpha in ALPHAS}}
     return report
 
 
@@ -156,26 +174,32 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20, help="forwards timed in a row, per model and round")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens each decoding loop draws, per round")
     parser.add_argument("--gamma", type=int, default=5)
+    parser.add_argument("--draft-quantize", nargs="+", default=["none"], choices=["none", "int8"],
+                        help="the draft's weights: each a draft timed beside the others")
     args = parser.parse_args()
     for batch in args.batch_size:
-        report = measure(batch, args.context, args.rounds, args.repeats, args.gamma, args.new_tokens)
+        report = measure(batch, args.context, args.rounds, args.repeats, args.gamma, args.new_tokens,
+                         args.draft_quantize)
         print(json.dumps({"threads": torch.get_num_threads(), **report}), flush=True)
-        ms = report["ms"]
+        ms, loop = report["ms"], report["loop_ms"]
         print(f"batch {batch}: ms per forward, eager / compiled: target token {ms['eager target token']:.2f} / "
               f"{ms['compiled target token']:.2f}, verification {ms['eager verification']:.2f} / "
-              f"{ms['compiled verification']:.2f}, draft proposal of {args.gamma} tokens {ms['eager draw']:.2f} / "
-              f"{ms['compiled draw']:.2f}")
-        for mode in ("eager", "compiled"):
-            part = report[mode]
-            projected = ", ".join(f"alpha {alpha}: {value:.2f}x" for alpha, value in part["projected_speedup"].items())
-            print(f"  {mode}: draft token {part['draft_token_in_target_tokens']:.2f}, verification "
-                  f"{part['verification_in_target_tokens']:.2f} target tokens; projected {projected}")
-            loop = report["loop_ms"]
-            with_loop = ", ".join(f"alpha {alpha}: {value:.2f}x"
-                                  for alpha, value in part["projected_speedup_with_loop"].items())
-            print(f"  {mode} loops: target {loop[mode + ' token']:.2f} ms/token, speculative "
-                  f"{loop[mode + ' step']:.2f} ms/step ({part['step_in_loop_tokens']:.2f} tokens); "
-                  f"projected {with_loop}")
+              f"{ms['compiled verification']:.2f}")
+        for quantization in args.draft_quantize:
+            draft = draft_name(quantization)
+            print(f"  {draft}: proposal of {args.gamma} tokens {ms[f'eager {draft} draw']:.2f} / "
+                  f"{ms[f'compiled {draft} draw']:.2f} ms")
+            for mode in ("eager", "compiled"):
+                part = report[f"{mode}, {draft}"]
+                projected = ", ".join(f"alpha {alpha}: {value:.2f}x"
+                                      for alpha, value in part["projected_speedup"].items())
+                print(f"    {mode}: draft token {part['draft_token_in_target_tokens']:.2f}, verification "
+                      f"{part['verification_in_target_tokens']:.2f} target tokens; projected {projected}")
+                with_loop = ", ".join(f"alpha {alpha}: {value:.2f}x"
+                                      for alpha, value in part["projected_speedup_with_loop"].items())
+                print(f"    {mode} loops: target {loop[mode + ' token']:.2f} ms/token, speculative "
+                      f"{loop[f'{mode} {draft}']:.2f} ms/step ({part['step_in_loop_tokens']:.2f} tokens); "
+                      f"projected {with_loop}")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,10 @@ the tokens committed per step). The drafts are interleaved, so they see the same
 
     python bench/speculative_ab.py TARGET_RUN NAME=DRAFT_RUN[:int8] [NAME=...] [--rounds 9]
         [--batch-size 1] [--batch-scheme auto] [--temperature 1] [--top-k K] [--gamma 5]
-        [--max-new-tokens 256]
+        [--max-new-tokens 256] [--compile]
+
+--compile: the target and every draft decode with compiled steps (Transformer.compile_decoding),
+the base decoding too; the warm-up round makes the graphs, so the timed rounds run them.
 
 One JSON line per round and draft, then one summary line per draft. `attnlab speculative` times
 one draft the same way (alternating base and speculative runs) and reports medians of each side.
@@ -51,6 +54,7 @@ def main() -> None:
     parser.add_argument("--gamma", type=int, default=5)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--prime-length", type=int, default=128)
+    parser.add_argument("--compile", action="store_true", help="compiled decoding for every model, the base's too")
     args = parser.parse_args()
 
     target = load_model(args.target).eval()
@@ -58,6 +62,10 @@ def main() -> None:
     for name, run, quantization in args.drafts:
         drafts[name] = load_model(run).eval()
         quantize_weights(drafts[name], quantization)
+    if args.compile:
+        for model in (target, *drafts.values()):
+            if not model.compile_decoding():
+                raise SystemExit("compiled decoding is unavailable here (the warning above says why)")
     corpus = load_corpus(target.run_config.data)
     # the primes `attnlab speculative --prime-from-val` uses
     prompt = eval_windows(corpus.val, args.prime_length, args.batch_size, seed=0)[:, : args.prime_length].long()
@@ -91,7 +99,7 @@ def main() -> None:
             print(json.dumps(row), flush=True)
     settings = {"batch_size": args.batch_size, "batch_scheme": args.batch_scheme, "temperature": args.temperature,
                 "top_k": args.top_k, "gamma": args.gamma, "max_new_tokens": args.max_new_tokens,
-                "rounds": args.rounds, "threads": torch.get_num_threads()}
+                "rounds": args.rounds, "threads": torch.get_num_threads(), "compiled": args.compile}
     for name, collected in rows.items():
         medians = {key: round(statistics.median(row[key] for row in collected), 3)
                    for key in ("speedup", "base_ms", "speculative_ms", "tokens_per_step")}

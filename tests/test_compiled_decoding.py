@@ -275,6 +275,29 @@ def test_a_changed_model_is_checked_in_full():
         torch.testing.assert_close(steps(compiled, 200), steps(eager, 200), atol=1e-5, rtol=1e-5)
 
 
+def test_int8_decoding_compiled_by_inductor_gives_the_eager_logits():
+    """An int8 model (a speculative draft) compiled with the CPU defaults: inductor multiplies by its
+    frozen int8 weights in a template of its own, with bfloat16 activations as the eager kernel
+    has, so the two agree to bfloat16's precision, not to the bit (a draft only proposes: its
+    precision moves the acceptance, never the output's distribution)."""
+    from attnlab.model.quantize import Int8Linear, quantize_weights
+
+    eager, compiled = twins("full", backend="inductor", max_seq_len=64)
+    assert quantize_weights(eager) == quantize_weights(compiled) > 0
+    assert all(module.use_kernel for module in compiled.modules() if isinstance(module, Int8Linear))
+    tokens = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(8))
+
+    def steps(model: Transformer) -> torch.Tensor:
+        cache = model.new_cache(2, 32)
+        logits = [model(tokens[:, :10], cache=cache).logits]
+        logits += [model(tokens[:, p : p + 1], cache=cache).logits for p in range(10, 16)]
+        return torch.cat(logits, dim=1)
+
+    with torch.no_grad():
+        torch.testing.assert_close(steps(compiled), steps(eager), atol=2e-2, rtol=2e-2)
+    assert compiled._compiled_step is not None and max(compiled._decode_calls.values()) >= 2  # it ran compiled
+
+
 def test_packed_step_compiles_again_when_its_weights_change(monkeypatch):
     """The bookkeeping of frozen weights, with the compiled step stood in for by the eager one (so
     nothing compiles): steps on unchanged weights compile nothing again; an in-place write to a
