@@ -84,3 +84,36 @@ def test_sampling_never_lands_past_the_last_likely_token(monkeypatch):
     assert sample_from(probs).tolist() == [2, 4]
     monkeypatch.setattr(torch, "rand", lambda shape, **options: torch.zeros(shape))
     assert sample_from(probs).tolist() == [0, 2]  # a draw of 0 skips the zero-probability tokens before
+
+
+@pytest.mark.parametrize("decoder", ["generate", "speculative"])
+def test_a_model_trains_after_decoding_grew_its_rotary_table(decoder):
+    """Decoding runs under inference mode; past the rotary table's length it grows the table, which
+    must stay an ordinary tensor: a training step after it saves the table for its backward."""
+    from attnlab.generate.speculative import speculative_generate
+
+    torch.manual_seed(0)
+    model = Transformer(variant_config("full", max_seq_len=16)).eval()
+    rotary = model.blocks[0].attention.heads.spec.rotary
+    length = rotary.cos.shape[0]
+    prompt = torch.randint(0, 61, (1, 5))
+    if decoder == "generate":
+        tokens = generate(model, prompt, 2 * length)
+        assert not tokens.is_inference()
+    else:
+        speculative_generate(model, model, prompt, 2 * length, gamma=2)
+    assert rotary.cos.shape[0] > length and not rotary.cos.is_inference()
+    model.train()
+    tokens = torch.randint(0, 61, (2, 3 * length))
+    model(tokens, targets=tokens).loss.backward()
+    assert all(parameter.grad is not None for parameter in model.blocks[0].attention.parameters())
+
+
+def test_stream_yields_ordinary_tensors():
+    """The steps run under inference mode; the caller gets tensors it may change in place."""
+    torch.manual_seed(0)
+    model = Transformer(variant_config("full")).eval()
+    token, logits = next(iter(stream(model, torch.randint(0, 61, (2, 4)), 3)))
+    assert not token.is_inference() and not logits.is_inference()
+    token += 1
+    logits.zero_()

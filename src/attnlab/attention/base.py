@@ -146,12 +146,16 @@ class RotaryEmbedding(nn.Module):
         self.theta = theta
         self._build(max_seq_len)
 
-    def _build(self, length: int) -> None:
+    def _build(self, length: int, device: torch.device | None = None) -> None:
+        """The tables for positions < length rounded up to a power of two. Built outside inference
+        mode even when a cache made under it asks (decoding grows them): an inference tensor could
+        not be saved by a later training step's backward."""
         length = 1 << max(0, math.ceil(math.log2(max(length, 1))))
-        inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.dim_head, 2, dtype=torch.float64) / self.dim_head))
-        angles = torch.outer(torch.arange(length, dtype=torch.float64), inv_freq)  # [L, D/2]
-        self.register_buffer("cos", angles.cos().float(), persistent=False)
-        self.register_buffer("sin", angles.sin().float(), persistent=False)
+        with torch.inference_mode(False):
+            inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.dim_head, 2, dtype=torch.float64) / self.dim_head))
+            angles = torch.outer(torch.arange(length, dtype=torch.float64), inv_freq)  # [L, D/2]
+            self.register_buffer("cos", angles.cos().float().to(device), persistent=False)
+            self.register_buffer("sin", angles.sin().float().to(device), persistent=False)
 
     def forward(self, x: Tensor, positions: int | Tensor) -> Tensor:
         """x [B, H, T, D] at positions positions.. (an int: the first of T consecutive ones) or at
@@ -183,9 +187,7 @@ class RotaryEmbedding(nn.Module):
     def reserve(self, end: int, device: torch.device | None = None) -> None:
         """Grow the table to hold positions < end (outside any compiled step: caches do it when made)."""
         if end > self.cos.shape[0]:
-            device = device or self.cos.device
-            self._build(end)
-            self.cos, self.sin = self.cos.to(device), self.sin.to(device)
+            self._build(end, device or self.cos.device)
 
 
 def expand_kv(x: Tensor, n_heads: int) -> Tensor:
