@@ -496,3 +496,24 @@ def test_without_torch_compile_decoding_stays_eager(monkeypatch, caplog):
     assert model._compiled_step is model._compiled_draw is model._compiled_decode_then is None
     prompt = torch.randint(0, 61, (1, 6), generator=torch.Generator().manual_seed(2))
     assert generate(model, prompt, 4, SamplingConfig(temperature=0.0)).shape == (1, 10)
+
+
+def test_weights_made_under_inference_mode_compile_with_library_products(caplog):
+    """An inference tensor counts no versions, so a step whose weights are made under inference
+    mode cannot tell when they change: it reads them as inputs (one warning) and still gives the
+    eager tokens; asking for the packed products then is a one-line error."""
+    torch.manual_seed(0)
+    config = variant_config("full", depth=1)
+    with torch.inference_mode():
+        model = Transformer(config).eval()
+    reference = Transformer(config).eval()
+    reference.load_state_dict(model.state_dict())
+    prompt = torch.randint(0, 61, (1, 6), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(ValueError, match="packed linear kernels need weights made outside torch.inference_mode"):
+        model.compile_decoding(linear="packed")
+    with caplog.at_level("WARNING", logger="attnlab.model.transformer"):
+        assert model.compile_decoding()
+    assert "made under torch.inference_mode" in caplog.text
+    assert model._frozen_tensors is None
+    greedy = SamplingConfig(temperature=0)
+    assert torch.equal(generate(model, prompt, 8, greedy), generate(reference, prompt, 8, greedy))

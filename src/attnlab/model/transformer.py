@@ -557,6 +557,7 @@ class Transformer(nn.Module):
         config.recompile_limit = max(config.recompile_limit, DECODE_GRAPH_LIMIT)
         config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, DECODE_GRAPH_LIMIT)
         mode = mode or ("reduce-overhead" if device.type == "cuda" and backend == "inductor" else None)
+        linear = self._linear_for_weights(linear)
         options = decode_compile_options(device, mode, backend, cpp_wrapper, linear)
         self._compile_arguments = {"mode": mode, "backend": backend, "cpp_wrapper": cpp_wrapper, "linear": linear}
         frozen = bool(options and options.get("freezing"))
@@ -573,6 +574,21 @@ class Transformer(nn.Module):
             log.warning("compiled decoding unavailable on %s, decoding eagerly: %s", device.type, error)
             self._compiled_step = self._compiled_draw = self._compiled_decode_then = None
         return self._compiled_step is not None
+
+    def _linear_for_weights(self, linear: str | None) -> str | None:
+        """`linear` as asked, but the library's products for weights made under torch.inference_mode:
+        an inference tensor counts no versions, so a packed step could not see that its weights
+        changed (one warning; asking for "packed" then is a one-line error)."""
+        if not any(tensor.is_inference() for tensor in self._weight_tensors()):
+            return linear
+        if linear == "packed":
+            raise ValueError("packed linear kernels need weights made outside torch.inference_mode (their changes "
+                             "are tracked by version); make the model under torch.no_grad() instead")
+        if linear is None:
+            log.warning("the model's weights were made under torch.inference_mode, so the decode step cannot tell "
+                        "when they change: its products read them at every step (linear='library'); make the model "
+                        "outside inference mode for the packed kernels")
+        return "library"
 
     def _weight_tensors(self) -> list[Tensor]:
         return [*self.parameters(), *self.buffers()]
