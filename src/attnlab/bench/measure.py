@@ -147,25 +147,28 @@ def measure_decode(
     sequence = torch.randint(0, config.num_tokens, (1, length), device=torch_device)
     times = []
     loaded = []  # key/value tokens one query read per layer and step, where the cache reports it (NSA)
-    if use_cache:
-        cache = model.new_cache(1, length)
-        model(sequence[:, :context], cache=cache)
-        for position in range(context, length):
-            _synchronize(torch_device)
-            started = time.perf_counter()
-            model(sequence[:, position : position + 1], cache=cache)
-            _synchronize(torch_device)
-            times.append(time.perf_counter() - started)
-            counts = [getattr(layer, "kv_tokens_loaded", None) for layer in cache.layers]
-            if None not in counts:
-                loaded.append(sum(counts) / len(counts))
-    else:
-        for position in range(context, length):
-            _synchronize(torch_device)
-            started = time.perf_counter()
-            model(sequence[:, : position + 1])
-            _synchronize(torch_device)
-            times.append(time.perf_counter() - started)
+    # decoding as generate() decodes: under inference mode (the model was made outside it, so a
+    # compiled step packs its weights)
+    with torch.inference_mode():
+        if use_cache:
+            cache = model.new_cache(1, length)
+            model(sequence[:, :context], cache=cache)
+            for position in range(context, length):
+                _synchronize(torch_device)
+                started = time.perf_counter()
+                model(sequence[:, position : position + 1], cache=cache)
+                _synchronize(torch_device)
+                times.append(time.perf_counter() - started)
+                counts = [getattr(layer, "kv_tokens_loaded", None) for layer in cache.layers]
+                if None not in counts:
+                    loaded.append(sum(counts) / len(counts))
+        else:
+            for position in range(context, length):
+                _synchronize(torch_device)
+                started = time.perf_counter()
+                model(sequence[:, : position + 1])
+                _synchronize(torch_device)
+                times.append(time.perf_counter() - started)
     median = statistics.median(times[1:] if len(times) > 1 else times)
     return {
         "kind": "decode", "attention": config.attention.kind, "context": context, "cache": use_cache,

@@ -77,7 +77,9 @@ def stream(
     """Yield (next tokens [B], the logits they were drawn from [B, V]) one step at a time.
 
     With the cache, the prompt is fed once and each step feeds one token; without it, each step
-    re-runs the model on the whole sequence (the slow path, kept as a check of the cache).
+    re-runs the model on the whole sequence (the slow path, kept as a check of the cache). The
+    steps run under torch.inference_mode (the model's own tables are still made as ordinary
+    tensors, so it trains afterwards); what is yielded are ordinary tensors.
     compile: decode with the model's compiled step (Transformer.compile_decoding; made once).
     """
     sampling = sampling or SamplingConfig()
@@ -87,11 +89,16 @@ def stream(
         model.compile_decoding()
     with eval_mode(model):
         sequence = prompt
-        cache = model.new_cache(prompt.shape[0], prompt.shape[1] + max_new_tokens) if use_cache else None
+        with torch.inference_mode():  # the cache's tensors count no versions (a compiled step runs leaner)
+            cache = model.new_cache(prompt.shape[0], prompt.shape[1] + max_new_tokens) if use_cache else None
         next_input = prompt
         for _ in range(max_new_tokens):
-            logits = model(next_input if use_cache else sequence, cache=cache).logits[:, -1]  # [B, V]
-            token = sample_from(probabilities(logits, sampling), generator)  # [B]
+            with torch.inference_mode():  # never around a yield: the caller's code runs outside it
+                logits = model(next_input if use_cache else sequence, cache=cache).logits[:, -1]  # [B, V]
+                token = sample_from(probabilities(logits, sampling), generator)  # [B]
+            # ordinary tensors for the caller (an inference tensor cannot be changed in place outside
+            # inference mode): [B] tokens and [B, V] logits, small beside a step
+            token, logits = token.clone(), logits.clone()
             yield token, logits
             next_input = token[:, None]
             if not use_cache:  # only the uncached path re-reads the whole sequence
