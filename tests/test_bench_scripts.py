@@ -53,3 +53,10 @@ def test_speculative_profile_splits_a_step():
     parts = report["ms_per_step"]
     assert parts["target forwards"] > 0 and parts["draft forwards"] > 0 and parts["between forwards"] > 0
     assert report["compiled_calls_per_step"] >= 2 and report["dynamo_us_per_compiled_call"] > 0
+
+
+def test_inference_mode_decoding_prints_the_ratio():
+    printed = run_script("inference_mode_decoding.py", "--attention", "full", "--context", "8", "--new-tokens", "4",
+                         "--rounds", "1", "--variants", "eager")
+    report = json.loads(printed.splitlines()[0])
+    assert report["full eager"]["no_grad_over_inference"] > 0 and "no_grad / inference mode" in printed
