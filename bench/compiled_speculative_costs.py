@@ -6,16 +6,19 @@ spec-small-draft, depth 1; weights as initialised: the cost of a forward does no
 
 Forwards: each timed warm, as in a decoding loop (a cache filled with `context` tokens once, then
 `--repeats` calls, the cache rolled back after each, untimed), the models in turn, round after
-round; medians. From the costs in units of one target token (d: a draft token, the proposal / gamma;
-v: a verification) and a per-token acceptance alpha, the speedup at batch 1 that Leviathan et al.
-(section 3.1, eq. 1) give, loop overhead ignored: tokens per step (1 - alpha^(gamma + 1)) / (1 -
-alpha), divided by gamma d + v.
+round; medians. The verification is timed as the loop makes it: the forward with the target's
+distribution and the acceptance rule inside (Transformer.decode_then). From the costs in units of
+one target token (d: a draft token, the proposal / gamma; v: a verification) and a per-token
+acceptance alpha, the speedup at batch 1 that Leviathan et al. (section 3.1, eq. 1) give, loop
+overhead ignored: tokens per step (1 - alpha^(gamma + 1)) / (1 - alpha), divided by gamma d + v.
 
 Loops: the target's own decoding (`generate`, ms per token) and speculative decoding
 (`speculative_generate`, temperature 1, ms per step: gamma draft tokens, one verification, the
 sampling, acceptance and rollback between them), both timed end to end less the prompt's prefill
 (timed alone beside them); the projection
-tokens_per_step(alpha) x token / step then counts the loop's own work too. The acceptance comes
+tokens_per_step(alpha) x token / step then counts the loop's own work too. Inside the speculative
+loop, the time in its proposal and verification calls is summed too (each step: in them, and
+between them). The acceptance comes
 from a trained pair (these weights are untrained): both are projections, not speedups measured on
 a trained pair (bench/speculative_ab.py --compile times one).
 
@@ -29,6 +32,7 @@ int8: model/quantize.py, a quarter of the bytes a draft token reads).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -37,7 +41,7 @@ import torch
 
 from attnlab.config import load_config
 from attnlab.generate.sampling import SamplingConfig, generate
-from attnlab.generate.speculative import speculative_generate
+from attnlab.generate.speculative import speculative_generate, verification
 from attnlab.model import Transformer
 from attnlab.model.quantize import quantize_weights
 
@@ -72,14 +76,22 @@ def warm_ms(call, cache, context: int, repeats: int) -> float:
 
 
 def timed_call(model: Transformer, cache, kind: str, batch: int, gamma: int):
-    """What one timing repeats: a forward of 1 or gamma + 1 random tokens, or the draft's proposal
-    of gamma tokens (Transformer.draw: one token fed, gamma drawn, as speculative decoding calls it)."""
+    """What one timing repeats: a forward of one random token; a verification of gamma + 1 tokens
+    as speculative decoding makes it (Transformer.decode_then: the forward, the target's
+    distribution and the acceptance rule in one call, against random draft proposals); or the
+    draft's proposal of gamma tokens (Transformer.draw: one token fed, gamma drawn, as speculative
+    decoding calls it)."""
+    no_tokens, no_known = torch.zeros(batch, gamma, dtype=torch.long), torch.zeros(batch, gamma, dtype=torch.bool)
     if kind == "draw":
         uniforms = torch.rand(batch, gamma)
-        no_tokens, no_known = torch.zeros(batch, gamma, dtype=torch.long), torch.zeros(batch, gamma, dtype=torch.bool)
         tokens = torch.randint(0, 256, (batch, 1))
         return lambda: model.draw(tokens, cache, uniforms, SamplingConfig(), no_tokens, no_known)
-    tokens = torch.randint(0, 256, (batch, gamma + 1 if kind == "verification" else 1))
+    if kind == "verification":
+        tokens, drafted = torch.randint(0, 256, (batch, gamma + 1)), torch.randint(0, 256, (batch, gamma))
+        draft_probs, uniforms = torch.softmax(torch.randn(batch, gamma, 256), dim=-1), torch.rand(batch, gamma + 1)
+        return lambda: model.decode_then(verification, tokens, cache, SamplingConfig(), draft_probs, drafted,
+                                         no_known, uniforms)
+    tokens = torch.randint(0, 256, (batch, 1))
     return lambda: model(tokens, cache=cache)
 
 
@@ -92,18 +104,43 @@ def prefill_ms(models: list[Transformer], prompt: torch.Tensor, new_tokens: int)
     return (time.perf_counter() - started) * 1e3
 
 
+@contextlib.contextmanager
+def time_inside(model: Transformer, method: str, totals: dict[str, float]):
+    """Within the context, the seconds spent in model.`method` (wrapped on the instance) add up in
+    totals[method]."""
+    original = getattr(model, method)
+
+    def timed(*arguments, **keywords):
+        started = time.perf_counter()
+        try:
+            return original(*arguments, **keywords)
+        finally:
+            totals[method] += time.perf_counter() - started
+
+    setattr(model, method, timed)
+    try:
+        yield
+    finally:
+        delattr(model, method)  # the class's method again
+
+
 def loop_ms(target: Transformer, draft: Transformer, prompt: torch.Tensor, new_tokens: int, gamma: int,
-            seed: int) -> tuple[float, float]:
-    """(ms per token of the target's own decoding, ms per step of speculative decoding), end to end
-    but for the prompt's prefill (timed alone and taken off: it is not what the loops compare)."""
+            seed: int) -> tuple[float, float, float, float]:
+    """(ms per token of the target's own decoding, ms per step of speculative decoding, and of that
+    step the ms inside the draft's proposals and inside the verifications), end to end but for the
+    prompt's prefill (timed alone and taken off: it is not what the loops compare)."""
     started = time.perf_counter()
     generate(target, prompt, new_tokens, SamplingConfig(), generator=torch.Generator().manual_seed(seed))
     token_ms = ((time.perf_counter() - started) * 1e3 - prefill_ms([target], prompt, new_tokens)) / new_tokens
-    started = time.perf_counter()
-    result = speculative_generate(target, draft, prompt, new_tokens, gamma, SamplingConfig(),
-                                  generator=torch.Generator().manual_seed(seed))
-    elapsed = (time.perf_counter() - started) * 1e3 - prefill_ms([target, draft], prompt[:, :-1], new_tokens)
-    return token_ms, elapsed / result.n_steps
+    inside = {"draw": 0.0, "decode_then": 0.0}
+    with time_inside(draft, "draw", inside), time_inside(target, "decode_then", inside):
+        started = time.perf_counter()
+        result = speculative_generate(target, draft, prompt, new_tokens, gamma, SamplingConfig(),
+                                      generator=torch.Generator().manual_seed(seed))
+        elapsed = (time.perf_counter() - started) * 1e3
+    elapsed -= prefill_ms([target, draft], prompt[:, :-1], new_tokens)
+    steps = result.n_steps
+    return token_ms, elapsed / steps, inside["draw"] * 1e3 / steps, inside["decode_then"] * 1e3 / steps
 
 
 def projections(token: float, proposal: float, verify: float, gamma: int) -> dict:
@@ -132,7 +169,9 @@ def measure(batch: int, context: int, rounds: int, repeats: int, gamma: int, new
                 for kind, role in (("target token", "target"), ("verification", "target"),
                                    *((f"{draft} draw", draft) for draft in drafts))}
     times = {name: [] for name in forwards}
-    loops = {f"{mode} {what}": [] for mode in ("eager", "compiled") for what in ("token", *drafts)}
+    loops = {f"{mode} {what}": [] for mode in ("eager", "compiled")
+             for what in ("token", *drafts, *(f"{draft} {part}" for draft in drafts
+                                              for part in ("proposal", "verification")))}
     with torch.inference_mode():
         for round_ in range(rounds + 1):  # round 0 warms up: the compiled steps are made there
             for name, (role, mode, kind) in forwards.items():
@@ -142,11 +181,13 @@ def measure(batch: int, context: int, rounds: int, repeats: int, gamma: int, new
                     times[name].append(elapsed)
             for mode in ("eager", "compiled"):
                 for draft in drafts:
-                    token_ms, step_ms = loop_ms(models["target", mode], models[draft, mode], prompt, new_tokens,
-                                                gamma, round_)
+                    token_ms, step_ms, proposal_ms, verification_ms = loop_ms(
+                        models["target", mode], models[draft, mode], prompt, new_tokens, gamma, round_)
                     if round_:
                         loops[f"{mode} token"].append(token_ms)
                         loops[f"{mode} {draft}"].append(step_ms)
+                        loops[f"{mode} {draft} proposal"].append(proposal_ms)
+                        loops[f"{mode} {draft} verification"].append(verification_ms)
     medians = {name: statistics.median(values) for name, values in times.items()}
     loop_medians = {name: statistics.median(values) for name, values in loops.items()}
     report = {"batch_size": batch, "context": context, "gamma": gamma, "rounds": rounds, "repeats": repeats,
@@ -161,6 +202,11 @@ def measure(batch: int, context: int, rounds: int, repeats: int, gamma: int, new
                 "verification_in_target_tokens": verify / token,
                 "projected_speedup": projections(token, proposal, verify, gamma),
                 "step_in_loop_tokens": step / loop_token,
+                # a step's ms inside the proposal and the verification calls, and between them
+                "in_loop_ms": {"proposal": loop_medians[f"{mode} {draft} proposal"],
+                               "verification": loop_medians[f"{mode} {draft} verification"],
+                               "between": step - loop_medians[f"{mode} {draft} proposal"]
+                               - loop_medians[f"{mode} {draft} verification"]},
                 "projected_speedup_with_loop": {str(alpha): tokens_per_step(alpha, gamma) * loop_token / step
                                                 for alpha in ALPHAS}}
     return report
@@ -200,6 +246,9 @@ def main() -> None:
                 print(f"    {mode} loops: target {loop[mode + ' token']:.2f} ms/token, speculative "
                       f"{loop[f'{mode} {draft}']:.2f} ms/step ({part['step_in_loop_tokens']:.2f} tokens); "
                       f"projected {with_loop}")
+                inside = part["in_loop_ms"]
+                print(f"    {mode} step inside the loop: proposal {inside['proposal']:.2f}, verification "
+                      f"{inside['verification']:.2f}, between them {inside['between']:.2f} ms")
 
 
 if __name__ == "__main__":
