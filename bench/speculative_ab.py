@@ -6,8 +6,12 @@ per draft is the median over rounds of these paired speedups (with the medians o
 the tokens committed per step). The drafts are interleaved, so they see the same spells.
 
     python bench/speculative_ab.py TARGET_RUN NAME=DRAFT_RUN[:int8] [NAME=...] [--rounds 9]
-        [--batch-size 1] [--batch-scheme auto] [--temperature 1] [--top-k K] [--gamma 5]
+        [--batch-size 1] [--batch-scheme auto] [--temperature 1] [--top-k K] [--gamma 5 [6 ...]]
         [--max-new-tokens 256] [--compile]
+
+--gamma with several values: each draft decodes at each of them, every (draft, gamma) pair a
+variant of its own in the rounds (named NAME, or NAME@GAMMA with several gammas), so draft lengths
+are compared side by side as drafts are.
 
 --compile: the target and every draft decode with compiled steps (Transformer.compile_decoding),
 the base decoding too; the warm-up round makes the graphs, so the timed rounds run them.
@@ -51,7 +55,7 @@ def main() -> None:
     parser.add_argument("--batch-scheme", choices=["auto", "per-row", "shared"], default="auto")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--gamma", type=int, default=5)
+    parser.add_argument("--gamma", type=int, nargs="+", default=[5], help="draft tokens a step; several: variants")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--prime-length", type=int, default=128)
     parser.add_argument("--compile", action="store_true", help="compiled decoding for every model, the base's too")
@@ -78,33 +82,37 @@ def main() -> None:
             generate(target, prompt, args.max_new_tokens, sampling, generator=torch.Generator().manual_seed(seed))
         return time.perf_counter() - started
 
-    def speculative(draft, seed: int):
+    def speculative(draft, gamma: int, seed: int):
         started = time.perf_counter()
-        result = speculative_generate(target, draft, prompt, args.max_new_tokens, args.gamma, sampling,
+        result = speculative_generate(target, draft, prompt, args.max_new_tokens, gamma, sampling,
                                       generator=torch.Generator().manual_seed(seed), per_row=per_row)
         return time.perf_counter() - started, result
 
-    for draft in drafts.values():  # warm-up: allocator, first calls
+    # every (draft, gamma) pair is a variant timed in each round
+    variants = {name if len(args.gamma) == 1 else f"{name}@{gamma}": (name, gamma)
+                for name in drafts for gamma in args.gamma}
+    for name, gamma in variants.values():  # warm-up: allocator, first calls, the graphs of each window
         base(0)
-        speculative(draft, 0)
-    rows = {name: [] for name in drafts}
+        speculative(drafts[name], gamma, 0)
+    rows = {variant: [] for variant in variants}
     for round_index in range(args.rounds):
-        for name, draft in drafts.items():
+        for variant, (name, gamma) in variants.items():
             base_s = base(round_index)
-            speculative_s, result = speculative(draft, round_index)
-            row = {"round": round_index, "draft": name, "base_ms": round(1000 * base_s, 1),
+            speculative_s, result = speculative(drafts[name], gamma, round_index)
+            row = {"round": round_index, "draft": name, "gamma": gamma, "base_ms": round(1000 * base_s, 1),
                    "speculative_ms": round(1000 * speculative_s, 1), "speedup": round(base_s / speculative_s, 3),
                    "tokens_per_step": round(args.max_new_tokens / result.n_steps, 3)}
-            rows[name].append(row)
+            rows[variant].append(row)
             print(json.dumps(row), flush=True)
     settings = {"batch_size": args.batch_size, "batch_scheme": args.batch_scheme, "temperature": args.temperature,
-                "top_k": args.top_k, "gamma": args.gamma, "max_new_tokens": args.max_new_tokens,
+                "top_k": args.top_k, "max_new_tokens": args.max_new_tokens,
                 "rounds": args.rounds, "threads": torch.get_num_threads(), "compiled": args.compile}
-    for name, collected in rows.items():
+    for variant, collected in rows.items():
+        name, gamma = variants[variant]
         medians = {key: round(statistics.median(row[key] for row in collected), 3)
                    for key in ("speedup", "base_ms", "speculative_ms", "tokens_per_step")}
         products = {"target": decoding_products(target), "draft": decoding_products(drafts[name])}
-        print(json.dumps({"summary": name, **settings, **medians, "products": products,
+        print(json.dumps({"summary": variant, **settings, "gamma": gamma, **medians, "products": products,
                           "speedups": [row["speedup"] for row in collected]}), flush=True)
 
 
