@@ -1,5 +1,6 @@
-"""The benchmark scripts of bench/ that need no trained run start and print what they promise, at
-toy sizes (their figures are in docs/benchmarks.md; this only keeps them runnable)."""
+"""The benchmark scripts of bench/ that need no trained run (or only saved runs, made here with
+untrained weights) start and print what they promise, at toy sizes (their figures are in
+docs/benchmarks.md; this only keeps them runnable)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,11 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+from attnlab import Transformer
+from attnlab.config import DataConfig, RunConfig, config_to_dict
+from attnlab.train.checkpoint import checkpoint_path, save_checkpoint
+from variants import variant_config
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 
@@ -60,3 +66,30 @@ def test_inference_mode_decoding_prints_the_ratio():
                          "--rounds", "1", "--variants", "eager")
     report = json.loads(printed.splitlines()[0])
     assert report["full eager"]["no_grad_over_inference"] > 0 and "no_grad / inference mode" in printed
+
+
+def save_byte_run(run_dir: Path, depth: int, corpus: Path) -> Path:
+    """A small byte-level full-attention model saved as a run whose data is `corpus` (a file)."""
+    model = Transformer(variant_config("full", num_tokens=256, depth=depth))
+    config = RunConfig(name=run_dir.name, out_dir=str(run_dir.parent), model=model.config,
+                       data=DataConfig(source="file", path=str(corpus), cache_dir=str(run_dir.parent / "cache")))
+    save_checkpoint(checkpoint_path(run_dir, 1), {"config": config_to_dict(config), "model": model.state_dict(),
+                                                  "step": 1})
+    return run_dir
+
+
+def test_speculative_ab_times_each_draft_at_each_gamma(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(bytes(range(256)) * 64)
+    target = save_byte_run(tmp_path / "target", 2, corpus)
+    draft = save_byte_run(tmp_path / "draft", 1, corpus)
+    printed = run_script("speculative_ab.py", str(target), f"float32={draft}", f"int8={draft}:int8", "--rounds", "2",
+                         "--gamma", "2", "3", "--max-new-tokens", "8", "--prime-length", "4")
+    lines = [json.loads(line) for line in printed.splitlines()]
+    summaries = {line["summary"]: line for line in lines if "summary" in line}
+    assert set(summaries) == {"float32@2", "float32@3", "int8@2", "int8@3"}
+    assert all(summary["gamma"] == int(name[-1]) and len(summary["speedups"]) == 2 and summary["speedup"] > 0
+               for name, summary in summaries.items())
+    rounds = [line for line in lines if "round" in line]
+    assert sorted((line["draft"], line["gamma"]) for line in rounds) == sorted(
+        [(draft_name, gamma) for draft_name in ("float32", "int8") for gamma in (2, 3)] * 2)
