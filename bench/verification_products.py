@@ -17,9 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 import torch
+from compiled_speculative_costs import warm_ms  # this folder's: timed as that script times its forwards
 
 from attnlab.config import load_config
 from attnlab.generate.sampling import SamplingConfig
@@ -45,16 +45,6 @@ def forwards(model: Transformer, cache, batch: int, gamma: int) -> dict:
     return {"token": lambda: model(tokens[:, :1], cache=cache),
             "verification": lambda: model.decode_then(verification, tokens, cache, SamplingConfig(), draft_probs,
                                                       drafted, no_known, uniforms)}
-
-
-def warm_ms(call, cache, context: int, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - started)
-        cache.truncate(context)
-    return statistics.median(times) * 1e3
 
 
 def measure(batch: int, context: int, rounds: int, repeats: int, gamma: int) -> dict:
