@@ -19,14 +19,13 @@ import json
 import statistics
 
 import torch
-from compiled_speculative_costs import warm_ms  # this folder's: timed as that script times its forwards
+from compiled_speculative_costs import timed_call, warm_ms  # this folder's: the same calls, timed alike
 
 from attnlab.config import load_config
-from attnlab.generate.sampling import SamplingConfig
-from attnlab.generate.speculative import verification
 from attnlab.model import Transformer
 
 LINEAR_KERNELS = ("packed", "library")
+KINDS = ("target token", "verification")  # compiled_speculative_costs.timed_call's: a one-token step, a verification
 
 
 def build(linear: str) -> Transformer:
@@ -36,27 +35,16 @@ def build(linear: str) -> Transformer:
     return model
 
 
-def forwards(model: Transformer, cache, batch: int, gamma: int) -> dict:
-    """The two calls timed: a one-token step and a verification of gamma + 1 tokens (random draft
-    tokens and draft distribution)."""
-    tokens, drafted = torch.randint(0, 256, (batch, gamma + 1)), torch.randint(0, 256, (batch, gamma))
-    draft_probs, uniforms = torch.softmax(torch.randn(batch, gamma, 256), dim=-1), torch.rand(batch, gamma + 1)
-    no_known = torch.zeros(batch, gamma, dtype=torch.bool)
-    return {"token": lambda: model(tokens[:, :1], cache=cache),
-            "verification": lambda: model.decode_then(verification, tokens, cache, SamplingConfig(), draft_probs,
-                                                      drafted, no_known, uniforms)}
-
-
 def measure(batch: int, context: int, rounds: int, repeats: int, gamma: int) -> dict:
     models = {linear: build(linear) for linear in LINEAR_KERNELS}
     prompt = torch.randint(0, 256, (batch, context), generator=torch.Generator().manual_seed(0))
-    times = {(linear, kind): [] for linear in LINEAR_KERNELS for kind in ("token", "verification")}
+    times = {(linear, kind): [] for linear in LINEAR_KERNELS for kind in KINDS}
     with torch.inference_mode():
         calls = {}
         for linear, model in models.items():
             cache = model.new_cache(batch, context + gamma + 1)
             model(prompt, cache=cache)
-            calls[linear] = (cache, forwards(model, cache, batch, gamma))
+            calls[linear] = (cache, {kind: timed_call(model, cache, kind, batch, gamma) for kind in KINDS})
         for round_ in range(rounds + 1):  # round 0 warms up: the compiled forwards are made there
             for linear, (cache, named) in calls.items():
                 for kind, call in named.items():
@@ -65,7 +53,7 @@ def measure(batch: int, context: int, rounds: int, repeats: int, gamma: int) -> 
                         times[linear, kind].append(elapsed)
     report = {"batch_size": batch, "context": context, "gamma": gamma, "rounds": rounds, "repeats": repeats,
               "threads": torch.get_num_threads()}
-    for kind in ("token", "verification"):
+    for kind in KINDS:
         ratios = [packed / library for packed, library in zip(times["packed", kind], times["library", kind])]
         report[kind] = {"packed_ms": statistics.median(times["packed", kind]),
                         "library_ms": statistics.median(times["library", kind]),
@@ -84,7 +72,7 @@ def main() -> None:
     for batch in args.batch_size:
         report = measure(batch, args.context, args.rounds, args.repeats, args.gamma)
         print(json.dumps(report), flush=True)
-        for kind in ("token", "verification"):
+        for kind in KINDS:
             part = report[kind]
             print(f"batch {batch} {kind}: packed {part['packed_ms']:.2f} ms, library {part['library_ms']:.2f} ms, "
                   f"packed / library {part['packed_over_library']:.3f}", flush=True)
