@@ -82,6 +82,23 @@ def test_parallel_prepare_equals_single_process(prepared, folder, tokenizer_dir)
     assert np.array_equal(parallel.gather(everything), single.gather(everything))
 
 
+def test_a_worker_process_that_dies_is_a_one_line_error():
+    """The workers start fresh (spawn); one that dies mid-prepare is an error, never a wait without end."""
+    import multiprocessing
+    import os
+    from concurrent.futures import ProcessPoolExecutor
+
+    from attnlab.data.shards import _in_order
+
+    pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=os._exit,
+                               initargs=(1,))
+    try:
+        with pytest.raises(DataError, match="a tokenizing worker process ended without finishing its batch"):
+            list(_in_order(pool, iter([("unused.jsonl", [], False, "uint16")]), max_in_flight=2))
+    finally:
+        pool.shutdown()
+
+
 def test_token_dtype_by_vocabulary():
     assert token_dtype(6400) == np.uint16 and token_dtype(65536) == np.uint16
     assert token_dtype(65537) == np.uint32

@@ -36,6 +36,8 @@ import shutil
 import time
 from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -183,16 +185,21 @@ def _swap_in(staging: Path, out_dir: Path) -> None:
     shutil.rmtree(retired, ignore_errors=True)
 
 
-def _in_order(pool, jobs: Iterator[tuple], max_in_flight: int) -> Iterator:
+def _in_order(pool: ProcessPoolExecutor, jobs: Iterator[tuple], max_in_flight: int) -> Iterator:
     """Results of `jobs` run on `pool`, in input order, with at most `max_in_flight` batches read
-    ahead (Pool.imap would read the whole input ahead and queue every result: not bounded)."""
+    ahead (pool.map would read the whole input ahead: not bounded). A worker that dies (killed, out
+    of memory) is a one-line error, never a wait without end."""
     pending: deque = deque()
-    for job in jobs:
-        pending.append(pool.apply_async(_tokenize_batch, (job,)))
-        if len(pending) >= max_in_flight:
-            yield pending.popleft().get()
-    while pending:
-        yield pending.popleft().get()
+    try:
+        for job in jobs:
+            pending.append(pool.submit(_tokenize_batch, job))
+            if len(pending) >= max_in_flight:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    except BrokenProcessPool as error:
+        raise DataError(f"a tokenizing worker process ended without finishing its batch ({error}); "
+                        "run again, or with --workers 1") from None
 
 
 @dataclass
@@ -213,8 +220,11 @@ def _tokenize_into(writer: ShardWriter, jobs: Iterator[tuple], tokenizer: Tokeni
         results: Iterator = map(_tokenize_batch, jobs)
         pool = None
     else:
-        # fork: the workers share the parent's imports; each runs the tokenizers library on one thread
-        pool = multiprocessing.get_context("fork").Pool(workers, _start_worker, (*setup, True))
+        # spawn, not fork: the calling process may hold threads (torch's compile workers, the
+        # tokenizers library's pool, a test runner's) whose locks a forked child would inherit held.
+        # Each worker starts fresh, imports this module (no torch) and tokenizes on one thread.
+        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=_start_worker, initargs=(*setup, True))
         results = _in_order(pool, jobs, max_in_flight=2 * workers)
     try:
         for documents, batch_skipped, n_bytes in results:
@@ -227,7 +237,7 @@ def _tokenize_into(writer: ShardWriter, jobs: Iterator[tuple], tokenizer: Tokeni
             bar.update(n_bytes)
     finally:
         if pool is not None:
-            pool.terminate()
+            pool.shutdown(wait=True, cancel_futures=True)
     return skipped, n_input_bytes
 
 
