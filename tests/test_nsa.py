@@ -255,12 +255,12 @@ def test_rows_of_their_own_length_across_query_chunks(chunk):
 
 
 def test_gates_start_favouring_the_sliding_branch():
-    """Default gates: sigmoid(-2) for the compressed and selected branches, sigmoid(2) for the
+    """Default gates: sigmoid(-4) for the compressed and selected branches, sigmoid(4) for the
     sliding one, in every head, also after the model's generic initialisation; 0 puts all at 0.5."""
     from attnlab.config import ModelConfig, config_from_dict
     from attnlab.model import Transformer
 
-    for options, expected in (({}, [-2.0, -2.0, 2.0]), ({"gate_init_bias": 0.0}, [0.0, 0.0, 0.0])):
+    for options, expected in (({}, [-4.0, -4.0, 4.0]), ({"gate_init_bias": 0.0}, [0.0, 0.0, 0.0])):
         values = dict(dim=32, depth=2, heads=4, dim_head=8, kv_heads=2, attention=dict(kind="nsa", nsa=options))
         model = Transformer(config_from_dict(values, ModelConfig))
         for block in model.blocks:
@@ -268,7 +268,7 @@ def test_gates_start_favouring_the_sliding_branch():
     spec = AttentionSpec(dim=DIM, n_heads=HEADS, dim_head=DIM_HEAD, n_kv_heads=KV_HEADS, dropout=0.0,
                          max_seq_len=64, layer_index=0, n_layers=1, rotary=None)
     torch.testing.assert_close(NativeSparseAttention(spec, NSAAttentionConfig()).to_gates.bias,
-                               torch.tensor([-2.0, -2.0, 2.0] * HEADS))
+                               torch.tensor([-4.0, -4.0, 4.0] * HEADS))
 
 
 @pytest.mark.parametrize("kv_heads", [1, 2, 4])
