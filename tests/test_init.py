@@ -50,5 +50,6 @@ def test_gpt2_init_scales_the_residual_projections():
 def test_nsa_gates_start_on_the_sliding_branch_under_either_init(init):
     model = build(init=init, kv_heads=2, attention=NSA)
     for block in model.blocks:
-        expected = torch.tensor([-2.0, -2.0, 2.0]).repeat(4)
+        bias = block.attention.config.gate_init_bias  # the default, 4 (tests/test_nsa.py)
+        expected = torch.tensor([-bias, -bias, bias]).repeat(4)
         assert torch.equal(block.attention.to_gates.bias, expected)
