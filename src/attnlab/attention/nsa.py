@@ -18,8 +18,8 @@ DeepSeek, arXiv 2502.11089). For every query (eq. 5):
 - Sliding: the last `sliding_window_size` tokens (attention/local.py).
 - Gates: a sigmoid of a linear map of the input, one per head and branch. They start favouring the
   sliding branch (`gate_init_bias`: logits -4, -4, +4, gates 0.018 / 0.018 / 0.982), as the reference
-  library's do; with every gate at 0.5 the layer learned slower early on, and with logits of 2 slower
-  by step 100 than with 4 (docs/nsa.md#learning-quality).
+  library's do (from -2, -2, +2); with every gate at 0.5 the layer learned slower early on, and with
+  logits of 2 slower by step 100 than with 4 (docs/nsa.md#learning-quality).
 
 Deliberate departures, each for exact causality or for memory:
 - The compressed branch's query and compressed keys carry no rotary positions (positions enter the
