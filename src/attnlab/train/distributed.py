@@ -28,6 +28,7 @@ import json
 import logging
 import math
 import os
+import sys
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -78,6 +79,15 @@ def init_process_group(device: torch.device) -> None:
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend=backend, timeout=timedelta(minutes=30))
+
+
+def destroy_process_groups() -> None:
+    """Destroy every process group, and DeepSpeed's own references to them where DeepSpeed made some."""
+    deepspeed_comm = sys.modules.get("deepspeed.comm")
+    if deepspeed_comm is not None and deepspeed_comm.is_initialized():
+        deepspeed_comm.destroy_process_group()  # also clears the groups deepspeed.utils.groups keeps
+    else:
+        dist.destroy_process_group()
 
 
 def engine_checkpoint_folder(run_dir: Path, engine_folder: str, step: int) -> Path:
@@ -226,8 +236,14 @@ class SingleProcess:
         """Context in which `self.model.parameters()` hold their full values (ZeRO-3 gathers them)."""
         return contextlib.nullcontext()
 
+    def release(self) -> None:
+        """Let go of the model, the module forward was called on, the optimiser and the copies."""
+        self.model = self.forward = self.optimizer = None
+        self.copies = {}
+
     def close(self) -> None:
-        pass
+        """The run has ended (its caller holds nothing of it any more)."""
+        self.release()
 
 
 class _ProcessGroupStrategy(SingleProcess):
@@ -260,14 +276,16 @@ class _ProcessGroupStrategy(SingleProcess):
     def close(self) -> None:
         if dist.is_initialized():
             dist.barrier()
-            # the engine's wrapper holds the process group (DDP's Reducer): freed while every rank
-            # is still here, the group is torn down by destroy_process_group on every rank, not by
-            # the deallocation of the wrapper after the other ranks have exited (a process once hung
-            # there, joining gloo's worker threads)
-            self.forward = None
+            # Whatever holds the process group (DDP's Reducer, DeepSpeed's engine, its optimiser and
+            # its parameters' group handles) is freed while every rank is still here, so that the
+            # group's worker threads are joined by destroy_process_group on every rank: not by a
+            # deallocation after the other ranks have exited (a process once hung there), nor during
+            # the interpreter's shutdown (a process once aborted there, "terminate called without an
+            # active exception").
+            self.release()
             gc.collect()
             dist.barrier()
-            dist.destroy_process_group()
+            destroy_process_groups()
 
 
 @STRATEGY.register("ddp")
@@ -299,6 +317,10 @@ class FSDP(_ProcessGroupStrategy):
             fully_shard(block)
         fully_shard(module)
         return module
+
+    def release(self):
+        super().release()
+        forget_device_meshes()
 
     # Checkpoints through torch.distributed.checkpoint: every rank writes its own shards under
     # RUN/fsdp/step-N/ (nothing gathered over the network); rank 0 then rebuilds the full fp32 model
@@ -337,6 +359,45 @@ class FSDP(_ProcessGroupStrategy):
         set_optimizer_state_dict(self.model, self.optimizer, sharded["optimizer"])
         for name, copy in self.copies.items():
             set_model_state_dict(copy, sharded[name])
+
+
+def forget_device_meshes() -> None:
+    """Empty the caches in which DTensor keeps specs of sharded tensors (torch 2.13), and through them
+    the device mesh and its process group, after the tensors are gone: sharding propagation, the
+    redistribution plans (FSDP's gradient norm) and the mesh topology. Left full, they would keep
+    the process group from being freed by destroy_process_group (tests/distributed_runs.py checks)."""
+    try:
+        from torch.distributed.tensor import _collective_utils, _redistribute, _sharding_prop, debug
+    except ImportError:  # private to torch: a version without them keeps other caches
+        return
+
+    def cache_clear(function):
+        return getattr(function, "cache_clear", None)
+
+    for clear in (getattr(debug, "_clear_sharding_prop_cache", None),
+                  cache_clear(getattr(_sharding_prop.ShardingPropagator, "_propagate_tensor_meta_cached", None)),
+                  cache_clear(getattr(_redistribute, "_gen_transform_infos", None)),
+                  getattr(_redistribute, "clear_redistribute_planner_cache", None),
+                  cache_clear(getattr(_collective_utils.MeshTopoInfo, "build_from_mesh", None))):
+        if clear is not None:
+            clear()
+
+
+def forget_zero3_modules(model: nn.Module) -> None:
+    """Drop the references DeepSpeed 0.19's ZeRO-3 keeps to a model after its engine is destroyed:
+    the model on a module-level stack of modules in forward, and every submodule in a cache of the
+    parameters to release after each. Left there, the model, and its parameters' handles on the
+    process groups, would outlive the run (tests/distributed_runs.py checks that none does)."""
+    offload = sys.modules.get("deepspeed.runtime.zero.parameter_offload")
+    stack = getattr(offload, "FWD_MODULE_STACK", None)
+    if stack:
+        stack[:] = [module for module in stack if module is not model]
+    coordinator = sys.modules.get("deepspeed.runtime.zero.partitioned_param_coordinator")
+    method = getattr(getattr(coordinator, "PartitionedParameterCoordinator", None),
+                     "_PartitionedParameterCoordinator__params_to_release", None)
+    for cell in getattr(method, "__closure__", None) or ():  # the cache, under an NVTX wrapper
+        if hasattr(cell.cell_contents, "cache_clear"):
+            cell.cell_contents.cache_clear()
 
 
 @STRATEGY.register("deepspeed")
@@ -443,6 +504,12 @@ class DeepSpeed(_ProcessGroupStrategy):
         yield from named_tensors(dict(self.model.named_parameters()), "model")
         for name, copy in self.copies.items():
             yield from named_tensors(copy.state_dict(), name)
+
+    def release(self):
+        if self.forward is not None:
+            self.forward.destroy()  # removes the engine's and its optimiser's hooks on the model
+            forget_zero3_modules(self.model)
+        super().release()
 
     def full_parameters(self):
         if self.ds_config.get("zero_optimization", {}).get("stage", 0) == 3:

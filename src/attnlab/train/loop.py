@@ -532,7 +532,11 @@ def train(
     with StopSignals() as signals, ExitStack() as cleanup:
         run = prepare(config, resume, command_line, cleanup)
         signals.in_loop = True
-        return loop(run, signals, until_step)
+        result = loop(run, signals, until_step)
+        strategy = run.strategy
+        del run  # the strategy's close frees the model and its engine while every rank is still here
+        strategy.close()
+        return result
 
 
 def loop(run: Run, signals: StopSignals, until_step: int | None) -> TrainResult:
@@ -576,7 +580,6 @@ def loop(run: Run, signals: StopSignals, until_step: int | None) -> TrainResult:
         run.metrics.close()
     if run.strategy.is_main:
         write_weights_file(config.run_dir)  # RUN/model.safetensors: the latest weights alone
-    run.strategy.close()
     return TrainResult(run_dir=config.run_dir, step=run.step, interrupted=bool(stopped_by),
                        last_eval=run.last_eval, stop_signal=stopped_by or None)
 
