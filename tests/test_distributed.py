@@ -118,12 +118,15 @@ def test_torchrun_matches_single_and_resumes(root, single_ema, strategy):
         assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp", "checksums.sha256"]
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_deepspeed_zero_matches_single(root, single, single_ema, stage):
     pytest.importorskip("deepspeed")
     config = deepspeed_config(root, stage)
     name = f"zero{stage}"
-    if stage == 3:  # resumes through its own checkpoint, with EMA weights of the partitioned model
+    if stage == 0:  # whole weights on every rank: checkpointed without zero_to_fp32, resumed
+        launch(root, name, "deepspeed", f"dist.deepspeed_config={config}", "--until-step", "3")
+        launch(root, name, "deepspeed", f"dist.deepspeed_config={config}", "--resume")
+    elif stage == 3:  # resumes through its own checkpoint, with EMA weights of the partitioned model
         ema = ["train.ema=true", "train.ema_decay=0.5"]
         launch(root, name, "deepspeed", f"dist.deepspeed_config={config}", *ema, "--until-step", "3")
         launch(root, name, "deepspeed", f"dist.deepspeed_config={config}", *ema, "--resume")
@@ -191,6 +194,21 @@ def test_every_deepspeed_example_trains_on_the_cpu(root):
         run_dir = root / "runs" / f"example-{example.stem}"
         assert [r["step"] for r in read_metrics(run_dir) if "loss" in r] == [1, 2]
         assert [p.name for p in list_checkpoints(run_dir)] == ["step-0000002.pt"]
+
+
+def test_deepspeed_stage_0_with_bf16_checkpoints_the_fp32_weights(root):
+    """Under ZeRO stage 0 with bf16 the model holds bf16 weights; the single-file checkpoint holds the
+    optimiser's fp32 copies, which bf16 cannot represent."""
+    pytest.importorskip("deepspeed")
+    config = root / "zero0-bf16.json"
+    config.write_text(json.dumps({"zero_optimization": {"stage": 0}, "bf16": {"enabled": True}, "torch_adam": True}))
+    launch_runs(root, [["demo", *common(root), "name=zero0-bf16", "train.batch_size=2", "train.max_steps=2",
+                        "train.grad_accum=1", "train.eval_every=0", "train.save_every=2", "dist.strategy=deepspeed",
+                        f"dist.deepspeed_config={config}"]])
+    weights = load_model(root / "runs" / "zero0-bf16").state_dict()
+    projection = weights["blocks.0.attention.heads.to_q.weight"]
+    assert projection.dtype == torch.float32
+    assert not torch.equal(projection, projection.bfloat16().float())
 
 
 @pytest.fixture(scope="module")

@@ -400,6 +400,22 @@ def forget_zero3_modules(model: nn.Module) -> None:
             cell.cell_contents.cache_clear()
 
 
+def fp32_copies(optimizer) -> dict[int, torch.Tensor]:
+    """id(parameter) -> the fp32 copy that DeepSpeed's mixed-precision optimiser without ZeRO steps
+    for it: FP16_UnfusedOptimizer keeps a tensor a parameter, FP16_Optimizer a flat one a group."""
+    from torch._utils import _unflatten_dense_tensors
+
+    groups = getattr(optimizer, "fp16_groups", None) or []
+    if hasattr(optimizer, "fp32_groups"):
+        pairs = zip(groups, optimizer.fp32_groups)
+    elif hasattr(optimizer, "fp32_groups_flat"):
+        flats = optimizer.fp32_groups_flat
+        pairs = ((group, _unflatten_dense_tensors(flat, group)) for group, flat in zip(groups, flats))
+    else:
+        return {}
+    return {id(parameter): copy for group, copy_group in pairs for parameter, copy in zip(group, copy_group)}
+
+
 @STRATEGY.register("deepspeed")
 class DeepSpeed(_ProcessGroupStrategy):
     """DeepSpeed owns backward, the step, gradient accumulation, clipping and loss scaling.
@@ -471,9 +487,10 @@ class DeepSpeed(_ProcessGroupStrategy):
 
     # The engine writes its own checkpoint under RUN/deepspeed/step-N/ and resumes from it; rank 0
     # rebuilds full fp32 weights from it with DeepSpeed's zero_to_fp32 for the single-file
-    # checkpoint. The EMA copy stays an ordinary full module on every rank (made before
-    # deepspeed.initialize), saved and loaded as it is; under ZeRO-3 the live weights are gathered
-    # for its update.
+    # checkpoint; under ZeRO stage 0, which zero_to_fp32 does not read, from the whole weights every
+    # rank holds (their fp32 copies under bf16 or fp16: stage_0_weights). The EMA copy stays an
+    # ordinary full module on every rank (made before deepspeed.initialize), saved and loaded as it
+    # is; under ZeRO-3 the live weights are gathered for its update.
 
     engine_folder = "deepspeed"
 
@@ -484,11 +501,29 @@ class DeepSpeed(_ProcessGroupStrategy):
         self.forward.save_checkpoint(str(folder.parent), tag=folder.name)
         dist.barrier()
         self.seal(folder)
+        whole = None if self.forward.zero_optimization() else self.stage_0_weights()
         if not self.is_main:
             return None
-        weights = get_fp32_state_dict_from_zero_checkpoint(str(folder.parent), tag=folder.name)
+        weights = whole or get_fp32_state_dict_from_zero_checkpoint(str(folder.parent), tag=folder.name)
         return {"model": weights, "optimizer": {},
                 **{name: copy.state_dict() for name, copy in self.copies.items()}}
+
+    def stage_0_weights(self) -> dict[str, torch.Tensor]:
+        """The model's state in fp32 under ZeRO stage 0, on every rank: with bf16 or fp16 each
+        parameter's fp32 copy, which the engine's optimiser steps (BF16_Optimizer partitions them
+        over the ranks: gathered, a collective), else the parameter itself."""
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        copies = fp32_copies(self.forward.optimizer)
+        parameters = dict(self.model.named_parameters(remove_duplicate=False))  # tied ones under each name
+        state = {}
+        for name, tensor in self.model.state_dict().items():
+            parameter = parameters.get(name)
+            full = None if parameter is None else copies.get(id(parameter))
+            if parameter is not None and full is None:
+                full = safe_get_full_fp32_param(parameter)
+            state[name] = (tensor if full is None else full).detach().float().cpu()
+        return state
 
     def restore(self, state, run_dir, step):
         folder = engine_checkpoint_folder(run_dir, self.engine_folder, step)
