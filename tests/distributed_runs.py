@@ -13,6 +13,8 @@ import gc
 import json
 import os
 import sys
+import time
+from pathlib import Path
 
 from attnlab.config import load_config
 from attnlab.train import distributed
@@ -26,7 +28,10 @@ with contextlib.suppress(ImportError):
 
 def process_group_threads() -> list[str]:
     """The names of this process's gloo worker threads (Linux names threads in /proc)."""
-    names = [open(f"/proc/self/task/{task}/comm").read().strip() for task in os.listdir("/proc/self/task")]
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(FileNotFoundError):  # a thread that ended meanwhile
+            names.append(Path(f"/proc/self/task/{task}/comm").read_text().strip())
     return [name for name in names if "gloo" in name]
 
 
@@ -37,5 +42,9 @@ if __name__ == "__main__":
         train(load_config(preset, overrides))
     destroy_process_groups()
     gc.collect()
-    if left := process_group_threads():
+    for _ in range(20):  # a group freed joins its threads at once; a little grace for the system's view
+        if not (left := process_group_threads()):
+            break
+        time.sleep(0.1)
+    else:
         sys.exit(f"process-group threads outlived every run: {left}")
