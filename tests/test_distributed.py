@@ -196,19 +196,20 @@ def test_every_deepspeed_example_trains_on_the_cpu(root):
         assert [p.name for p in list_checkpoints(run_dir)] == ["step-0000002.pt"]
 
 
-def test_deepspeed_stage_0_with_bf16_checkpoints_the_fp32_weights(root):
-    """Under ZeRO stage 0 with bf16 the model holds bf16 weights; the single-file checkpoint holds the
-    optimiser's fp32 copies, which bf16 cannot represent."""
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_deepspeed_stage_0_with_half_precision_checkpoints_the_fp32_weights(root, precision):
+    """Under ZeRO stage 0 with bf16 or fp16 the model holds half-precision weights; the single-file
+    checkpoint holds the optimiser's fp32 copies, which half precision cannot represent."""
     pytest.importorskip("deepspeed")
-    config = root / "zero0-bf16.json"
-    config.write_text(json.dumps({"zero_optimization": {"stage": 0}, "bf16": {"enabled": True}, "torch_adam": True}))
-    launch_runs(root, [["demo", *common(root), "name=zero0-bf16", "train.batch_size=2", "train.max_steps=2",
+    config = root / f"zero0-{precision}.json"
+    config.write_text(json.dumps({"zero_optimization": {"stage": 0}, precision: {"enabled": True}, "torch_adam": True}))
+    launch_runs(root, [["demo", *common(root), f"name=zero0-{precision}", "train.batch_size=2", "train.max_steps=2",
                         "train.grad_accum=1", "train.eval_every=0", "train.save_every=2", "dist.strategy=deepspeed",
                         f"dist.deepspeed_config={config}"]])
-    weights = load_model(root / "runs" / "zero0-bf16").state_dict()
-    projection = weights["blocks.0.attention.heads.to_q.weight"]
+    projection = load_model(root / "runs" / f"zero0-{precision}").state_dict()["blocks.0.attention.heads.to_q.weight"]
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     assert projection.dtype == torch.float32
-    assert not torch.equal(projection, projection.bfloat16().float())
+    assert not torch.equal(projection, projection.to(half).float())
 
 
 @pytest.fixture(scope="module")
