@@ -501,10 +501,11 @@ class DeepSpeed(_ProcessGroupStrategy):
         self.forward.save_checkpoint(str(folder.parent), tag=folder.name)
         dist.barrier()
         self.seal(folder)
-        whole = None if self.forward.zero_optimization() else self.stage_0_weights()
+        zero = self.forward.zero_optimization()
+        whole = None if zero else self.stage_0_weights()  # a collective: on every rank
         if not self.is_main:
             return None
-        weights = whole or get_fp32_state_dict_from_zero_checkpoint(str(folder.parent), tag=folder.name)
+        weights = get_fp32_state_dict_from_zero_checkpoint(str(folder.parent), tag=folder.name) if zero else whole
         return {"model": weights, "optimizer": {},
                 **{name: copy.state_dict() for name, copy in self.copies.items()}}
 
