@@ -7,7 +7,8 @@ in turn, round by round (the compiled step's compilation happens in an untimed w
 medians of the per-round medians. --also adds other compiled steps, side by side: `library` (the
 products with the weights through ATen's library calls instead of the packed kernels,
 compile_decoding(linear="library")), `python-wrapper` (the step called from inductor's Python
-wrapper instead of its C++ one, compile_decoding(cpp_wrapper=False)).
+wrapper instead of its C++ one, compile_decoding(cpp_wrapper=False)). --dtype: every model's weights
+and caches (float32 unless told).
 
     OMP_NUM_THREADS=2 python bench/compiled_decoding.py --context 256 4096 --new-tokens 128 --rounds 3 --also library
 """
@@ -35,11 +36,11 @@ SAMPLING = SamplingConfig(top_k=26)
 OTHER_STEPS = {"library": {"linear": "library"}, "python-wrapper": {"cpp_wrapper": False}}
 
 
-def build(kind: str, max_len: int, variant: str) -> Transformer:
+def build(kind: str, max_len: int, variant: str, dtype: torch.dtype) -> Transformer:
     """variant: eager, compiled (compile_decoding's defaults) or one of OTHER_STEPS."""
     values = {**MODEL, "kv_heads": KV_HEADS.get(kind), "max_seq_len": max_len, "attention": {"kind": kind, **WINDOW}}
     torch.manual_seed(0)
-    model = Transformer(model_config(values)).eval()
+    model = Transformer(model_config(values)).to(dtype).eval()
     if variant != "eager":
         model.compile_decoding(**OTHER_STEPS.get(variant, {}))
     return model
@@ -60,8 +61,9 @@ def ms_per_token(model: Transformer, prompt: torch.Tensor, new_tokens: int, seed
     return statistics.median(times) * 1e3
 
 
-def measure(kinds: list[str], contexts: list[int], new_tokens: int, rounds: int, variants: tuple[str, ...]) -> dict:
-    models = {(kind, context, variant): build(kind, context + new_tokens, variant)
+def measure(kinds: list[str], contexts: list[int], new_tokens: int, rounds: int, variants: tuple[str, ...],
+            dtype: torch.dtype) -> dict:
+    models = {(kind, context, variant): build(kind, context + new_tokens, variant, dtype)
               for kind in kinds for context in contexts for variant in variants}
     prompts = {context: torch.randint(0, 256, (1, context), generator=torch.Generator().manual_seed(context))
                for context in contexts}
@@ -83,11 +85,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--also", nargs="*", default=[], choices=sorted(OTHER_STEPS),
                         help="other compiled steps, side by side with the default one")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                        help="every model's weights and caches")
     args = parser.parse_args()
     variants = ("eager", "compiled", *args.also)
-    medians = measure(args.attention, args.context, args.new_tokens, args.rounds, variants)
+    medians = measure(args.attention, args.context, args.new_tokens, args.rounds, variants, getattr(torch, args.dtype))
     print(json.dumps({"threads": torch.get_num_threads(), "new_tokens": args.new_tokens, "rounds": args.rounds,
-                      "ms_per_token": medians}), flush=True)
+                      "dtype": args.dtype, "ms_per_token": medians}), flush=True)
     short, long = args.context[0], args.context[-1]
     print(f"\nms/token (tokens/s), top-k {SAMPLING.top_k}, median of {args.rounds} rounds")
     print(f"| attention | eager {short} | compiled {short} | speed-up | eager {long} | compiled {long} | speed-up "

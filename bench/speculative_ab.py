@@ -7,14 +7,15 @@ the tokens committed per step). The drafts are interleaved, so they see the same
 
     python bench/speculative_ab.py TARGET_RUN NAME=DRAFT_RUN[:int8] [NAME=...] [--rounds 9]
         [--batch-size 1] [--batch-scheme auto] [--temperature 1] [--top-k K] [--gamma 5 [6 ...]]
-        [--max-new-tokens 256] [--compile]
+        [--max-new-tokens 256] [--compile] [--dtype bfloat16]
 
 --gamma with several values: each draft decodes at each of them, every (draft, gamma) pair a
 variant of its own in the rounds (named NAME, or NAME@GAMMA with several gammas), so draft lengths
 are compared side by side as drafts are.
 
 --compile: the target and every draft decode with compiled steps (Transformer.compile_decoding),
-the base decoding too; the warm-up round makes the graphs, so the timed rounds run them.
+the base decoding too; the warm-up round makes the graphs, so the timed rounds run them. --dtype:
+every model decodes in it (weights and caches), the base too.
 
 One JSON line per round and draft, then one summary line per draft. `attnlab speculative` times
 one draft the same way (alternating base and speculative runs) and reports medians of each side.
@@ -59,12 +60,15 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--prime-length", type=int, default=128)
     parser.add_argument("--compile", action="store_true", help="compiled decoding for every model, the base's too")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                        help="every model's weights and caches, the base's too")
     args = parser.parse_args()
 
-    target = load_model(args.target).eval()
+    dtype = getattr(torch, args.dtype)
+    target = load_model(args.target, dtype=dtype).eval()
     drafts = {}
     for name, run, quantization in args.drafts:
-        drafts[name] = load_model(run).eval()
+        drafts[name] = load_model(run, dtype=dtype).eval()
         quantize_weights(drafts[name], quantization)
     if args.compile:
         for model in (target, *drafts.values()):
@@ -106,7 +110,8 @@ def main() -> None:
             print(json.dumps(row), flush=True)
     settings = {"batch_size": args.batch_size, "batch_scheme": args.batch_scheme, "temperature": args.temperature,
                 "top_k": args.top_k, "max_new_tokens": args.max_new_tokens,
-                "rounds": args.rounds, "threads": torch.get_num_threads(), "compiled": args.compile}
+                "rounds": args.rounds, "threads": torch.get_num_threads(), "compiled": args.compile,
+                "dtype": args.dtype}
     for variant, collected in rows.items():
         name, gamma = variants[variant]
         medians = {key: round(statistics.median(row[key] for row in collected), 3)

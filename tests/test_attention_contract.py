@@ -182,6 +182,27 @@ def test_bf16_autocast(name):
         assert torch.isfinite(model(x[:, :9], cache=cache).logits).all()
 
 
+def test_cast_to_bfloat16_decodes_like_its_parallel_forward(name):
+    """A model cast to bfloat16 (`--dtype bfloat16` of the decoding commands) decodes in it: its
+    caches keep keys and values in bfloat16, and cached steps, a chunk and a per-row rollback give
+    its parallel forward's logits to bfloat16's precision (a few of its steps near logits of ~2)."""
+    model = make_model(name).to(torch.bfloat16)
+    x = tokens(2, LENGTH)
+    with torch.no_grad():
+        parallel = model(x).logits
+        cache = model.new_cache(2, 64)
+        cached = torch.cat([model(x[:, :20], cache=cache).logits]
+                           + [model(x[:, t : t + 1], cache=cache).logits for t in range(20, 25)]
+                           + [model(x[:, 25:31], cache=cache).logits], dim=1)
+        cache.truncate_rows(torch.tensor([31, 27]))
+        rolled_back = model(x[:, 27:28], cache=cache).logits[1]  # row 1 continues at position 27
+    assert parallel.dtype == torch.bfloat16
+    assert {value.dtype for layer in cache.layers for value in vars(layer).values()
+            if isinstance(value, torch.Tensor) and value.is_floating_point()} & {torch.bfloat16}
+    torch.testing.assert_close(cached.float(), parallel[:, :31].float(), atol=0.05, rtol=0.02)
+    torch.testing.assert_close(rolled_back.float(), parallel[1, 27:28].float(), atol=0.05, rtol=0.02)
+
+
 # ----------------------------------------------------------------------------------------------
 # Memory: the largest tensor a layer's forward + backward creates, counted exactly by a dispatch
 # mode (deterministic, unlike timing or allocator statistics on a shared machine).

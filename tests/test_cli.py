@@ -48,6 +48,22 @@ def test_sample_cache_matches_no_cache(run_dir, capsys):
     assert capsys.readouterr().out == cached and cached.startswith("def ")
 
 
+def test_sample_decodes_in_the_dtype_asked_for(run_dir, capsys):
+    """--dtype bfloat16: the text is the bfloat16-cast model's own greedy decoding."""
+    import torch
+
+    from attnlab.generate.sampling import SamplingConfig, generate
+    from attnlab.train.checkpoint import load_model
+
+    capsys.readouterr()
+    assert main(["sample", str(run_dir), "--prompt", "def ", "--max-new-tokens", "20", "--temperature", "0",
+                 "--dtype", "bfloat16"]) == 0
+    model = load_model(run_dir, dtype=torch.bfloat16)
+    assert next(model.parameters()).dtype == torch.bfloat16
+    expected = generate(model, torch.tensor([list(b"def ")]), 20, SamplingConfig(temperature=0))
+    assert capsys.readouterr().out == bytes(expected[0].tolist()).decode("utf-8", "replace") + "\n"
+
+
 def test_seeded_sampling_repeats(run_dir, capsys):
     capsys.readouterr()
     args = ["sample", str(run_dir), "--max-new-tokens", "16", "--top-k", "20", "--seed", "5"]

@@ -138,6 +138,31 @@ def test_compiled_decoding_through_inductor(name):
     assert compiled._compiled_step is not None, "the compiled step failed and decoding fell back to eager"
 
 
+def test_bfloat16_decoding_through_inductor():
+    """A model cast to bfloat16 (`--dtype bfloat16`): inductor's step (the packed products with
+    bfloat16 weights, the caches in bfloat16) gives the eager bfloat16 logits to bfloat16's
+    precision over steps, a chunk and a per-row rollback, all in the compiled step."""
+    eager, compiled = twins("full", backend="inductor", depth=1)
+    eager.to(torch.bfloat16)
+    compiled.to(torch.bfloat16)
+    tokens = torch.randint(0, 61, (2, 40), generator=torch.Generator().manual_seed(5))
+
+    def steps(model: Transformer) -> torch.Tensor:
+        cache = model.new_cache(2, 64)
+        logits = [model(tokens[:, :20], cache=cache).logits]
+        logits += [model(tokens[:, p : p + 1], cache=cache).logits for p in range(20, 26)]
+        logits.append(model(tokens[:, 26:32], cache=cache).logits)
+        cache.truncate_rows(torch.tensor([30, 27]))
+        logits += [model(tokens[:, p : p + 1], cache=cache).logits for p in range(32, 36)]
+        return torch.cat(logits, dim=1)
+
+    with torch.inference_mode():
+        compiled_logits, eager_logits = steps(compiled), steps(eager)
+    assert compiled_logits.dtype == torch.bfloat16
+    torch.testing.assert_close(compiled_logits.float(), eager_logits.float(), atol=0.05, rtol=0.02)
+    assert compiled._compiled_step is not None, "the compiled step failed and decoding fell back to eager"
+
+
 def test_each_model_keeps_its_graphs_apart():
     """Dynamo looks through every graph under a code object at each call: each model's step has a
     code object of its own, so a model's one-token step is the only graph its calls look through,

@@ -268,6 +268,17 @@ def test_quantized_draft_follows_the_target(full_pair):
     assert chi_square_p_value(counts, expected) > 0.01
 
 
+def test_bfloat16_pair_follows_the_bfloat16_target(full_pair):
+    """Both models cast to bfloat16 (`attnlab speculative --dtype bfloat16`), the draft's weights
+    int8 as well: the output follows the cast target's distribution (per-row scheme at batch 4).
+    The acceptance rule works on float32 probabilities whatever the logits' dtype (filter_logits)."""
+    target, draft = (copy.deepcopy(model).to(torch.bfloat16) for model in full_pair)
+    assert quantize_weights(draft, "int8") > 0
+    _, expected = exact_distribution(target, SAMPLINGS["plain"])
+    counts = sampled_counts(target, draft, 4, 2000, SAMPLINGS["plain"], seed=8, per_row=True)
+    assert chi_square_p_value(counts, expected) > 0.01
+
+
 def test_accept_always_is_detected(pair, monkeypatch):
     """Accepting every draft token samples the draft, not the target: the test must notice."""
     target, draft = pair
@@ -591,6 +602,9 @@ def test_speculative_command_with_an_int8_draft(trained_pair, capsys):
     assert report["speculative"]["text"] == report["base"]["text"]  # greedy: token for token
     assert main([*arguments, "--early-exit", "1"]) == 2  # its layers are the target's
     assert "--draft-quantize needs a draft of its own" in capsys.readouterr().err
+    assert main([*arguments, "--draft", str(root / "draft"), "--dtype", "bfloat16", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)  # both models in bfloat16, the base decoding too
+    assert report["dtype"] == "bfloat16" and report["products"] == {"target": "F.linear", "draft": "int8"}
 
 
 def test_decoding_past_the_training_length_warns(trained_pair, caplog):

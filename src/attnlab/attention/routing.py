@@ -276,11 +276,12 @@ class RoutingAttention(Attention):
         """Routed heads' keys [B, R, T, D] before rotary -> their clusters [B, R, T]; in training also
         the commitment loss and this step's centroid statistics."""
         with torch.no_grad():  # the gradient reaches the keys through the commitment loss only
+            # routed in float32 whatever the model's dtype (a model cast to bfloat16 for decoding)
             routing = F.normalize(keys.float(), dim=-1)  # [B, R, T, D]
-            similarity, clusters = nearest_centroids(routing, self.centroids)  # [B, R, T]
+            similarity, clusters = nearest_centroids(routing, self.centroids.float())  # [B, R, T]
         self.aux_losses = {}
         if self.training and self.n_routed:
-            loss = commitment_loss(keys.float(), self.centroids, clusters, similarity)
+            loss = commitment_loss(keys.float(), self.centroids.float(), clusters, similarity)
             self.aux_losses = {"commitment": self.config.commitment_weight * loss}
             if not is_recomputing():  # a recomputed forward must not count twice
                 with torch.no_grad():

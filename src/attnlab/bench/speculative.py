@@ -53,6 +53,7 @@ class SpeculativeBench:
     repeats: int = 1  # timed runs of each decoder; medians reported
     weights: str = "auto"  # auto, model or ema
     device: str = "cpu"
+    dtype: str = "float32"  # both models' weights and caches (torch's name): the base decodes in it too
     compile: bool = False  # both models decode with compiled steps (Transformer.compile_decoding)
 
     def __post_init__(self) -> None:  # worded for `attnlab speculative`, whose flags these fields are
@@ -78,7 +79,7 @@ def timed(function: Callable[[], object], device: torch.device) -> tuple[object,
 
 def load_pair(bench: SpeculativeBench, device: torch.device) -> tuple[Transformer, CachedLanguageModel, str]:
     """(target, draft, the draft's name for the report)."""
-    target = load_model(bench.target, device=device, weights=bench.weights)
+    target = load_model(bench.target, device=device, weights=bench.weights, dtype=getattr(torch, bench.dtype))
     if bench.compile:
         target.compile_decoding()
     if bench.early_exit is not None:
@@ -87,7 +88,7 @@ def load_pair(bench: SpeculativeBench, device: torch.device) -> tuple[Transforme
                                f"1 to {target.config.depth}")
         draft_name = f"early exit after layer {bench.early_exit} of the target"
         return target, EarlyExitDraft(target, bench.early_exit), draft_name
-    draft = load_model(bench.draft, device=device, weights=bench.weights)
+    draft = load_model(bench.draft, device=device, weights=bench.weights, dtype=getattr(torch, bench.dtype))
     draft_name = str(bench.draft)
     if draft.config.num_tokens != target.config.num_tokens:
         raise AttnlabError("draft and target must share a vocabulary (model.num_tokens)")
@@ -201,6 +202,7 @@ def run_speculative_bench(bench: SpeculativeBench) -> dict[str, Any]:
         "draft_quantize": bench.draft_quantize,
         "compile": bench.compile,  # both models decode with compiled steps
         "device": str(device),
+        "dtype": bench.dtype,  # both models', so the base decodes in it too
         "gamma": bench.gamma,
         "batch_size": bench.batch_size,
         "max_new_tokens": bench.max_new_tokens,

@@ -86,6 +86,27 @@ def usable_device(name: str) -> str:
     return name
 
 
+DTYPES = ("float32", "bfloat16", "float16")  # torch's names (hf.DTYPES'), here without importing torch
+DTYPE_SHORT_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # `attnlab bench`'s names
+
+
+def dtype(text: str) -> str:
+    """A torch dtype name of DTYPES, or its short name (bf16) -> the torch name."""
+    name = DTYPE_SHORT_NAMES.get(text, text)
+    if name not in DTYPES:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not one of {', '.join(DTYPES)} (or {', '.join(DTYPE_SHORT_NAMES)})")
+    return name
+
+
+def add_decoding_dtype(parser) -> None:
+    """--dtype of the decoding commands: the dtype the models' weights and caches decode in."""
+    parser.add_argument("--dtype", type=dtype, default="float32",
+                        help="decode in this dtype, weights and caches (float32, bfloat16 or float16; bf16 and fp16 "
+                        "too): bfloat16 reads half the bytes of float32 and uses a CPU's bfloat16 matrix units where "
+                        "it has them")
+
+
 def add_sampling(parser) -> None:
     """The sampling options of every decoding command (generate/sampling.py's SamplingConfig)."""
     parser.add_argument("--temperature", type=temperature, default=1.0, help="0 = greedy")

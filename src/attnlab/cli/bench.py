@@ -23,7 +23,7 @@ def register(subparsers) -> None:
                          help="model config overrides, e.g. attention.local.window_size=64")
         sub.add_argument("--threads", type=arguments.positive, default=2, help="OMP_NUM_THREADS of each worker")
         sub.add_argument("--device", default="cpu")
-        sub.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
+        sub.add_argument("--dtype", type=short_dtype, default="fp32", help="fp32, bf16 or fp16 (or torch's names)")
         sub.add_argument("--out", type=Path, default=None, help="append JSON lines here")
         sub.add_argument("--markdown", type=Path, default=None, help="write the markdown table here")
         if name == "train":
@@ -48,6 +48,12 @@ def register(subparsers) -> None:
     suite.add_argument("--doc", type=Path, default=None,
                        help="also put the report into this markdown file's bench-suite block (docs/benchmarks.md)")
     suite.set_defaults(func=run)
+
+
+def short_dtype(text: str) -> str:
+    """A dtype as arguments.dtype takes it -> the short name the benchmark records (bf16)."""
+    name = arguments.dtype(text)
+    return next(short for short, full in arguments.DTYPE_SHORT_NAMES.items() if full == name)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-DTYPES = ("float32", "bfloat16", "float16")  # hf.DTYPES' names, here without importing torch
+from attnlab.cli.arguments import DTYPES
+
 MODEL_TYPES = ("auto", "native", "attnlab")  # hf.MODEL_TYPES
 
 

@@ -1,4 +1,5 @@
-"""`attnlab sample RUN --prompt TEXT --max-new-tokens N [--temperature T --top-k K --top-p P --min-p M]`"""
+"""`attnlab sample RUN --prompt TEXT --max-new-tokens N [--temperature T --top-k K --top-p P --min-p M]
+[--dtype bfloat16] [--compile]`"""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ def register(subparsers) -> None:
     parser.add_argument("--no-cache", action="store_true", help="recompute the whole prefix each token (slow path)")
     parser.add_argument("--weights", choices=["auto", "model", "ema"], default="auto")
     parser.add_argument("--device", type=arguments.device, default="cpu")
+    arguments.add_decoding_dtype(parser)
     parser.add_argument("--compile", action="store_true",
                         help="decode with a compiled step (torch.compile; CUDA graphs on a GPU)")
     parser.set_defaults(func=run)
@@ -33,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     from attnlab.train.portable import run_directory
 
     device = arguments.usable_device(args.device)
-    model = load_model(args.run, device=device, weights=args.weights)
+    model = load_model(args.run, device=device, weights=args.weights, dtype=getattr(torch, args.dtype))
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
     tokenizer = tokenizer_for(model.run_config.data, run_directory(args.run))  # None: a byte-level run
     prompt = torch.tensor([encode_prompt(tokenizer, args.prompt)], device=device)

@@ -3,7 +3,8 @@ training a draft with its target.
 
     attnlab speculative --target RUN (--draft RUN | --early-exit K) [--gamma 5]
         (--prompt TEXT | --prime-from-val) [--batch-size B] [--max-new-tokens N] [--repeats R]
-        [--temperature T --top-k K --top-p P --min-p M] [--draft-quantize int8] [--json]
+        [--temperature T --top-k K --top-p P --min-p M] [--draft-quantize int8] [--dtype bfloat16]
+        [--compile] [--json]
     attnlab speculative train (--target-preset P | --target RUN [--draft-steps N]) --draft-preset Q [--distill W]
         [key.path=value (both) | target.key.path=value | draft.key.path=value ...] [--resume]
 
@@ -64,6 +65,7 @@ def register(subparsers) -> None:
                         help="timed runs of each decoder; medians reported")
     parser.add_argument("--weights", choices=["auto", "model", "ema"], default="auto")
     parser.add_argument("--device", type=arguments.device, default="cpu")
+    arguments.add_decoding_dtype(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(func=run)
 
@@ -108,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
         sampling=SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p),
         seed=args.seed, batch_scheme=args.batch_scheme, repeats=args.repeats, weights=args.weights,
-        device=arguments.usable_device(args.device), compile=args.compile,
+        device=arguments.usable_device(args.device), dtype=args.dtype, compile=args.compile,
     )
     report = run_speculative_bench(bench)
     if args.json:
@@ -117,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     spec = report["speculative"]
     print(f"target {report['target']}, draft {report['draft']}, gamma {report['gamma']}, batch {report['batch_size']} "
           f"({spec['batch_scheme']}), {report['max_new_tokens']} new tokens, {report['repeats']} repeat(s) on "
-          f"{report['device']}")
+          f"{report['device']} in {report['dtype']}")
     print(f"--- prompt (row 0) ---\n{report['prompt']}")
     print(f"--- base decoding (target, cached) ---\n{report['base']['text']}")
     print(f"--- speculative decoding ---\n{spec['text']}")

@@ -182,11 +182,14 @@ def describe_corruption(path: Path, error: CheckpointError) -> CheckpointError:
 
 
 def load_model(
-    run_or_checkpoint: str | Path, device: str | torch.device = "cpu", weights: str = "auto"
+    run_or_checkpoint: str | Path, device: str | torch.device = "cpu", weights: str = "auto",
+    dtype: torch.dtype | None = None,
 ) -> Transformer:
     """A trained model in eval mode from a run directory (its latest checkpoint) or a checkpoint.
 
     weights: "model", "ema" (the moving average, if the run kept one) or "auto" (ema when present).
+    dtype: cast the weights (and so the caches decoding makes) to it, e.g. torch.bfloat16 to decode
+    in half the bytes; None keeps the checkpoint's float32.
     """
     path = resolve_checkpoint(run_or_checkpoint)
     state = read_checkpoint(path)
@@ -196,7 +199,7 @@ def load_model(
     if use_ema and state.get("ema") is None:
         raise CheckpointError(f"checkpoint {path} has no EMA weights")
     model.load_state_dict(state["ema"] if use_ema else state["model"])
-    model.to(device).eval()
+    model.to(device=device, dtype=dtype).eval()
     model.run_config = config  # where the model came from, for eval and sampling defaults
     model.checkpoint_step = int(state.get("step", 0))
     log.debug("loaded %s (step %s, %s weights)", path, model.checkpoint_step, "ema" if use_ema else "model")
