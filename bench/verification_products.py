@@ -9,7 +9,7 @@ median over rounds of each round's packed / library ratio (below 1: packed is fa
 are spec-small-target's (dim 256, depth 6; weights as initialised: a forward's cost does not
 depend on them).
 
-    OMP_NUM_THREADS=2 python bench/verification_products.py [--batch-size 1 4] [--rounds 11]
+    OMP_NUM_THREADS=2 python bench/verification_products.py [--batch-size 1 4] [--rounds 11] [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -28,15 +28,15 @@ LINEAR_KERNELS = ("packed", "library")
 KINDS = ("target token", "verification")  # compiled_speculative_costs.timed_call's: a one-token step, a verification
 
 
-def build(linear: str) -> Transformer:
+def build(linear: str, dtype: torch.dtype) -> Transformer:
     torch.manual_seed(0)
-    model = Transformer(load_config("spec-small-target").model).eval()
+    model = Transformer(load_config("spec-small-target").model).to(dtype).eval()
     model.compile_decoding(linear=linear)
     return model
 
 
-def measure(batch: int, context: int, rounds: int, repeats: int, gamma: int) -> dict:
-    models = {linear: build(linear) for linear in LINEAR_KERNELS}
+def measure(batch: int, context: int, rounds: int, repeats: int, gamma: int, dtype: torch.dtype) -> dict:
+    models = {linear: build(linear, dtype) for linear in LINEAR_KERNELS}
     prompt = torch.randint(0, 256, (batch, context), generator=torch.Generator().manual_seed(0))
     times = {(linear, kind): [] for linear in LINEAR_KERNELS for kind in KINDS}
     with torch.inference_mode():
@@ -52,7 +52,7 @@ def measure(batch: int, context: int, rounds: int, repeats: int, gamma: int) -> 
                     if round_:
                         times[linear, kind].append(elapsed)
     report = {"batch_size": batch, "context": context, "gamma": gamma, "rounds": rounds, "repeats": repeats,
-              "threads": torch.get_num_threads()}
+              "threads": torch.get_num_threads(), "dtype": str(dtype).removeprefix("torch.")}
     for kind in KINDS:
         ratios = [packed / library for packed, library in zip(times["packed", kind], times["library", kind])]
         report[kind] = {"packed_ms": statistics.median(times["packed", kind]),
@@ -68,9 +68,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=11)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--gamma", type=int, default=5)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                        help="the model's weights and caches")
     args = parser.parse_args()
     for batch in args.batch_size:
-        report = measure(batch, args.context, args.rounds, args.repeats, args.gamma)
+        report = measure(batch, args.context, args.rounds, args.repeats, args.gamma, getattr(torch, args.dtype))
         print(json.dumps(report), flush=True)
         for kind in KINDS:
             part = report[kind]

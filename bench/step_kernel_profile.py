@@ -1,0 +1,80 @@
+"""Where a compiled decode step of the CPU pair's target goes, kernel by kernel: the one-token step
+and the verification of gamma + 1 tokens (spec-small-target's shapes, weights as initialised),
+under torch's profiler with inductor's kernel profile on (each generated C++ kernel recorded by
+name beside the library calls it makes, such as torch's fused attention).
+
+The cache holds `--context` tokens in a storage of `--capacity` (speculative_generate's is the
+prompt, the new tokens and two windows: 128 + 256 + 12 = 396 for the benchmark's settings); a
+step attends over the whole storage, masked. Prints the median time of each step unprofiled, then
+for each the share of torch's fused attention and of the products (the GEMM kernels), and the
+profiler's table. The profiler adds its own cost to every kernel: compare shares, not times.
+
+    OMP_NUM_THREADS=2 python bench/step_kernel_profile.py [--batch-size 4] [--dtype bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch._inductor.config as inductor_config
+from torch.profiler import ProfilerActivity, profile
+
+from attnlab.config import load_config
+from attnlab.model import Transformer
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--context", type=int, default=200)
+    parser.add_argument("--capacity", type=int, default=396)
+    parser.add_argument("--gamma", type=int, default=5)
+    parser.add_argument("--calls", type=int, default=50)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    parser.add_argument("--rows", type=int, default=15, help="rows of each profiler table")
+    args = parser.parse_args()
+    inductor_config.cpp.enable_kernel_profile = True
+    torch.manual_seed(0)
+    model = Transformer(load_config("spec-small-target").model).to(getattr(torch, args.dtype)).eval()
+    model.compile_decoding()
+    tokens = torch.randint(0, 256, (args.batch_size, args.context + args.gamma + 1))
+    widths = {"one token": 1, "verification": args.gamma + 1}
+    with torch.inference_mode():
+        cache = model.new_cache(args.batch_size, args.capacity)
+        model(tokens[:, : args.context], cache=cache)
+
+        def call(width: int) -> None:
+            model(tokens[:, args.context : args.context + width], cache=cache)
+            cache.truncate(args.context)
+
+        for _ in range(5):  # the graphs are made here
+            for width in widths.values():
+                call(width)
+        for name, width in widths.items():
+            times = []
+            for _ in range(args.calls):
+                started = time.perf_counter()
+                call(width)
+                times.append(time.perf_counter() - started)
+            with profile(activities=[ProfilerActivity.CPU]) as profiler:
+                for _ in range(args.calls):
+                    call(width)
+            events = profiler.key_averages()
+            total = sum(event.self_cpu_time_total for event in events)
+            attention = sum(event.self_cpu_time_total for event in events if "scaled_dot_product" in event.key
+                            and "cpp_fused" not in event.key)
+            products = sum(event.self_cpu_time_total for event in events if "_gemm_" in event.key)
+            print(json.dumps({"step": name, "batch_size": args.batch_size, "dtype": args.dtype,
+                              "context": args.context, "capacity": args.capacity,
+                              "median_ms": statistics.median(times) * 1e3,
+                              "fused_attention_share": attention / total, "products_share": products / total}))
+            print(events.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60),
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
