@@ -61,6 +61,14 @@ def test_speculative_profile_splits_a_step():
     assert report["compiled_calls_per_step"] >= 2 and report["dynamo_us_per_compiled_call"] > 0
 
 
+def test_step_kernel_profile_prints_each_steps_shares():
+    printed = run_script("step_kernel_profile.py", "--backend", "aot_eager", "--batch-size", "2", "--context", "8",
+                         "--capacity", "16", "--calls", "2", "--rows", "3")
+    steps = [json.loads(line) for line in printed.splitlines() if line.startswith("{")]
+    assert [step["step"] for step in steps] == ["one token", "verification"]
+    assert all(0 < step["fused_attention_share"] < 1 and step["median_ms"] > 0 for step in steps)
+
+
 def test_inference_mode_decoding_prints_the_ratio():
     printed = run_script("inference_mode_decoding.py", "--attention", "full", "--context", "8", "--new-tokens", "4",
                          "--rounds", "1", "--variants", "eager")
