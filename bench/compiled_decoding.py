@@ -36,7 +36,7 @@ SAMPLING = SamplingConfig(top_k=26)
 OTHER_STEPS = {"library": {"linear": "library"}, "python-wrapper": {"cpp_wrapper": False}}
 
 
-def build(kind: str, max_len: int, variant: str, dtype: torch.dtype) -> Transformer:
+def build(kind: str, max_len: int, variant: str, dtype: torch.dtype = torch.float32) -> Transformer:
     """variant: eager, compiled (compile_decoding's defaults) or one of OTHER_STEPS."""
     values = {**MODEL, "kv_heads": KV_HEADS.get(kind), "max_seq_len": max_len, "attention": {"kind": kind, **WINDOW}}
     torch.manual_seed(0)
