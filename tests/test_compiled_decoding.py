@@ -116,12 +116,16 @@ def test_cuda_graph_step_keeps_compiled_equal_to_eager(name, monkeypatch):
     assert cache.pinned and all(getattr(tensor, "_dynamo_static_input_type", None) for tensor in storage)
 
 
-@pytest.mark.parametrize("name", ["routing", "nsa"])
-def test_compiled_decoding_through_inductor(name):
+@pytest.mark.parametrize("name, dtype", [("routing", torch.float32), ("nsa", torch.float32), ("full", torch.bfloat16)])
+def test_compiled_decoding_through_inductor(name, dtype):
     """Routing's decode step (top-k over the cluster storage) and NSA's (a torch.cond around the
     compression) in inductor's generated code with the CPU's defaults (the C++ wrapper, the packed
-    linear kernels): one-token steps, a level and a per-row rollback (one graph)."""
+    linear kernels): one-token steps, a level and a per-row rollback (one graph). And a model cast
+    to bfloat16 (`--dtype bfloat16`: the packed products with bfloat16 weights, the caches in
+    bfloat16), to bfloat16's precision."""
     eager, compiled = twins(name, backend="inductor", depth=1)
+    eager.to(dtype)
+    compiled.to(dtype)
     tokens = torch.randint(0, 61, (2, 40), generator=torch.Generator().manual_seed(2))
 
     def steps(model: Transformer) -> torch.Tensor:
@@ -134,32 +138,10 @@ def test_compiled_decoding_through_inductor(name):
         return torch.cat(logits, dim=1)
 
     with torch.no_grad():
-        torch.testing.assert_close(steps(compiled), steps(eager), atol=1e-5, rtol=1e-5)
-    assert compiled._compiled_step is not None, "the compiled step failed and decoding fell back to eager"
-
-
-def test_bfloat16_decoding_through_inductor():
-    """A model cast to bfloat16 (`--dtype bfloat16`): inductor's step (the packed products with
-    bfloat16 weights, the caches in bfloat16) gives the eager bfloat16 logits to bfloat16's
-    precision over steps, a chunk and a per-row rollback, all in the compiled step."""
-    eager, compiled = twins("full", backend="inductor", depth=1)
-    eager.to(torch.bfloat16)
-    compiled.to(torch.bfloat16)
-    tokens = torch.randint(0, 61, (2, 40), generator=torch.Generator().manual_seed(5))
-
-    def steps(model: Transformer) -> torch.Tensor:
-        cache = model.new_cache(2, 64)
-        logits = [model(tokens[:, :20], cache=cache).logits]
-        logits += [model(tokens[:, p : p + 1], cache=cache).logits for p in range(20, 26)]
-        logits.append(model(tokens[:, 26:32], cache=cache).logits)
-        cache.truncate_rows(torch.tensor([30, 27]))
-        logits += [model(tokens[:, p : p + 1], cache=cache).logits for p in range(32, 36)]
-        return torch.cat(logits, dim=1)
-
-    with torch.inference_mode():
         compiled_logits, eager_logits = steps(compiled), steps(eager)
-    assert compiled_logits.dtype == torch.bfloat16
-    torch.testing.assert_close(compiled_logits.float(), eager_logits.float(), atol=0.05, rtol=0.02)
+    assert compiled_logits.dtype == dtype
+    tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.05, "rtol": 0.02}
+    torch.testing.assert_close(compiled_logits.float(), eager_logits.float(), **tolerance)
     assert compiled._compiled_step is not None, "the compiled step failed and decoding fell back to eager"
 
 
