@@ -48,18 +48,23 @@ def test_sample_cache_matches_no_cache(run_dir, capsys):
     assert capsys.readouterr().out == cached and cached.startswith("def ")
 
 
-def test_sample_decodes_in_the_dtype_asked_for(run_dir, capsys):
-    """--dtype bfloat16: the text is the bfloat16-cast model's own greedy decoding."""
+def test_sample_decodes_in_the_dtype_asked_for(run_dir, capsys, monkeypatch):
+    """--dtype bfloat16: the command decodes the model cast to bfloat16, and its text is that
+    model's own greedy decoding."""
     import torch
 
     from attnlab.generate.sampling import SamplingConfig, generate
-    from attnlab.train.checkpoint import load_model
+    from attnlab.train import checkpoint
 
+    loaded = []
+    load_model = checkpoint.load_model
+    monkeypatch.setattr(checkpoint, "load_model", lambda *args, **kwargs: loaded.append(load_model(*args, **kwargs))
+                        or loaded[-1])
     capsys.readouterr()
     assert main(["sample", str(run_dir), "--prompt", "def ", "--max-new-tokens", "20", "--temperature", "0",
-                 "--dtype", "bfloat16"]) == 0
-    model = load_model(run_dir, dtype=torch.bfloat16)
-    assert next(model.parameters()).dtype == torch.bfloat16
+                 "--dtype", "bf16"]) == 0
+    [model] = loaded
+    assert {parameter.dtype for parameter in model.parameters()} == {torch.bfloat16}
     expected = generate(model, torch.tensor([list(b"def ")]), 20, SamplingConfig(temperature=0))
     assert capsys.readouterr().out == bytes(expected[0].tolist()).decode("utf-8", "replace") + "\n"
 

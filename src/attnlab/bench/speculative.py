@@ -202,7 +202,8 @@ def run_speculative_bench(bench: SpeculativeBench) -> dict[str, Any]:
         "draft_quantize": bench.draft_quantize,
         "compile": bench.compile,  # both models decode with compiled steps
         "device": str(device),
-        "dtype": bench.dtype,  # both models', so the base decodes in it too
+        # what the models decode in, read off them (both cast alike: the base decodes in it too)
+        "dtype": str(next(target.parameters()).dtype).removeprefix("torch."),
         "gamma": bench.gamma,
         "batch_size": bench.batch_size,
         "max_new_tokens": bench.max_new_tokens,
