@@ -15,7 +15,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from attnlab.generate.distribution import probabilities, token_at
-from attnlab.generate.sampling import SamplingConfig, generate
+from attnlab.generate.sampling import SamplingConfig, generate, sample_from, stream
 from attnlab.generate.speculative import speculative_generate
 from attnlab.model import Transformer
 from variants import variant_config
@@ -372,6 +372,29 @@ def test_speculative_and_generate_on_compiled_models(batch):
         result = speculative_generate(compiled_target, compiled_draft, prompt, 24, gamma=4, sampling=greedy,
                                       per_row=per_row)
         assert torch.equal(result.tokens, expected), per_row
+
+
+def test_compiled_generate_draws_the_tokens_sample_from_draws():
+    """A compiled model's generate() draws each token inside its step (draw_last, at a uniform
+    drawn before the call): seeded, its tokens and the logits it yields are those of a forward
+    then sample_from, token by token."""
+    eager, compiled = twins("full", depth=2)
+    prompt = torch.randint(0, 61, (2, 7), generator=torch.Generator().manual_seed(6))
+    sampling = SamplingConfig(temperature=0.9, top_k=20)
+    generator = torch.Generator().manual_seed(3)
+    tokens, logits = [], []
+    with torch.no_grad():
+        cache = eager.new_cache(2, 7 + 16)
+        next_input = prompt
+        for _ in range(16):
+            logits.append(eager(next_input, cache=cache).logits[:, -1])  # [B, V]
+            tokens.append(sample_from(probabilities(logits[-1], sampling), generator))  # [B]
+            next_input = tokens[-1][:, None]
+    streamed = list(stream(compiled, prompt, 16, sampling, generator=torch.Generator().manual_seed(3)))
+    assert torch.equal(torch.stack([token for token, _ in streamed], dim=1), torch.stack(tokens, dim=1))
+    torch.testing.assert_close(torch.stack([step for _, step in streamed]), torch.stack(logits), atol=1e-5,
+                               rtol=1e-5)
+    assert compiled._compiled_decode_then is not None
 
 
 def drawn_one_by_one(model: Transformer, cache, tokens, uniforms, sampling, forced_tokens, forced):

@@ -91,6 +91,14 @@ def token_at(probs: Tensor, uniform: Tensor) -> Tensor:
     return torch.searchsorted(cumulative, draw, right=True).squeeze(-1)  # first index whose sum exceeds it
 
 
+def draw_last(logits: Tensor, config: SamplingConfig, uniform: Tensor) -> tuple[Tensor, Tensor]:
+    """The token after logits [B, T, V] drawn at uniform [B] -> (token [B], the last position's
+    logits [B, V]): a cached decoding step's sampling, traceable, so that a compiled step draws
+    inside its graph (Transformer.decode_then); sample_from's token for sample_from's uniform."""
+    last = logits[:, -1]  # [B, V]
+    return token_at(probabilities(last, config), uniform), last
+
+
 def draw_chain(step: Callable[[Tensor], Tensor], tokens: Tensor, uniforms: Tensor, config: SamplingConfig,
                forced_tokens: Tensor | None = None, forced: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Draw n tokens one after another from a cached model: feed tokens [B, T], draw a token from

@@ -18,6 +18,7 @@ from attnlab.config import ModelConfig
 from attnlab.errors import GenerationError
 from attnlab.generate.distribution import (  # noqa: F401  (filter_logits: re-exported for callers)
     SamplingConfig,
+    draw_last,
     filter_logits,
     probabilities,
     sample_from,
@@ -80,7 +81,9 @@ def stream(
     re-runs the model on the whole sequence (the slow path, kept as a check of the cache). The
     steps run under torch.inference_mode (the model's own tables are still made as ordinary
     tensors, so it trains afterwards); what is yielded are ordinary tensors.
-    compile: decode with the model's compiled step (Transformer.compile_decoding; made once).
+    compile: decode with the model's compiled step (Transformer.compile_decoding; made once), which
+    also draws the token (draw_last inside the step's graph, at a uniform drawn before it: the
+    tokens sample_from would draw).
     """
     sampling = sampling or SamplingConfig()
     check_length(model, prompt.shape[1] + max_new_tokens)
@@ -94,8 +97,12 @@ def stream(
         next_input = prompt
         for _ in range(max_new_tokens):
             with torch.inference_mode():  # never around a yield: the caller's code runs outside it
-                logits = model(next_input if use_cache else sequence, cache=cache).logits[:, -1]  # [B, V]
-                token = sample_from(probabilities(logits, sampling), generator)  # [B]
+                if use_cache:  # the forward and the draw: one call of a compiled model's step
+                    uniform = torch.rand(prompt.shape[0], generator=generator, device=prompt.device)  # [B] float32
+                    token, logits = model.decode_then(draw_last, next_input, cache, sampling, uniform)
+                else:
+                    logits = model(sequence).logits[:, -1]  # [B, V]
+                    token = sample_from(probabilities(logits, sampling), generator)  # [B]
             # ordinary tensors for the caller (an inference tensor cannot be changed in place outside
             # inference mode): [B] tokens and [B, V] logits, small beside a step
             token, logits = token.clone(), logits.clone()
