@@ -23,6 +23,7 @@ import time
 import torch
 
 from attnlab.bench.measure import model_config
+from attnlab.cli import arguments  # the decoding commands' --dtype names (bf16 too)
 from attnlab.generate.sampling import SamplingConfig, probabilities, sample_from
 from attnlab.model import Transformer
 
@@ -85,7 +86,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--also", nargs="*", default=[], choices=sorted(OTHER_STEPS),
                         help="other compiled steps, side by side with the default one")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+    parser.add_argument("--dtype", type=arguments.dtype, default="float32",
                         help="every model's weights and caches")
     args = parser.parse_args()
     variants = ("eager", "compiled", *args.also)

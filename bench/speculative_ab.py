@@ -30,6 +30,7 @@ import time
 
 import torch
 
+from attnlab.cli import arguments  # the decoding commands' --dtype names (bf16 too)
 from attnlab.data.corpus import load_corpus
 from attnlab.data.sampler import eval_windows
 from attnlab.generate.sampling import SamplingConfig, generate
@@ -60,7 +61,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--prime-length", type=int, default=128)
     parser.add_argument("--compile", action="store_true", help="compiled decoding for every model, the base's too")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+    parser.add_argument("--dtype", type=arguments.dtype, default="float32",
                         help="every model's weights and caches, the base's too")
     args = parser.parse_args()
 

@@ -23,6 +23,7 @@ import torch
 import torch._inductor.config as inductor_config
 from torch.profiler import ProfilerActivity, profile
 
+from attnlab.cli import arguments  # the decoding commands' --dtype names (bf16 too)
 from attnlab.config import load_config
 from attnlab.model import Transformer
 
@@ -34,7 +35,7 @@ def main() -> None:
     parser.add_argument("--capacity", type=int, default=396)
     parser.add_argument("--gamma", type=int, default=5)
     parser.add_argument("--calls", type=int, default=50)
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    parser.add_argument("--dtype", type=arguments.dtype, default="float32")
     parser.add_argument("--rows", type=int, default=15, help="rows of each profiler table")
     parser.add_argument("--backend", default="inductor", help="torch.compile's (aot_eager: no generated kernels)")
     args = parser.parse_args()

@@ -21,6 +21,7 @@ import statistics
 import torch
 from compiled_speculative_costs import timed_call, warm_ms  # this folder's: the same calls, timed alike
 
+from attnlab.cli import arguments  # the decoding commands' --dtype names (bf16 too)
 from attnlab.config import load_config
 from attnlab.model import Transformer
 
@@ -68,7 +69,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=11)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--gamma", type=int, default=5)
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+    parser.add_argument("--dtype", type=arguments.dtype, default="float32",
                         help="the model's weights and caches")
     args = parser.parse_args()
     for batch in args.batch_size:
