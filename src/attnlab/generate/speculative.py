@@ -310,16 +310,14 @@ def _decode_per_row(state: _Decoding) -> None:
     sequence = state.sequence
     batch, width = sequence.shape[0], gamma + 1
     device = sequence.device
-    rows = torch.arange(batch, device=device)
     window_slots = torch.arange(width, device=device)  # [W]
     no_known = torch.zeros(batch, width - 1, dtype=torch.bool, device=device)
     no_tokens = torch.zeros(batch, width - 1, dtype=torch.long, device=device)
     # the draft cache holds each row's committed tokens but the last n_catch_up ones
     n_catch_up = 1
-    while True:
-        done = state.done()
-        if bool(done.all()):
-            break
+    done = state.done()
+    finished = bool(done.all())
+    while not finished:
         lengths = state.lengths  # [B] committed tokens of each row (L)
         # 1. draft: feed each row's last n_catch_up committed tokens, then one token per slot
         catch_up = lengths[:, None] - n_catch_up + window_slots[:n_catch_up]  # [B, c] positions
@@ -330,17 +328,19 @@ def _decode_per_row(state: _Decoding) -> None:
         sequence.scatter_(1, lengths[:, None] + window_slots[: width - 1], drafted)
 
         # 2. target: each row's last committed token and its W-1 drafted ones, at its own positions,
-        # 3. and accept/reject per row; a stopped row keeps its length (its step is discarded)
+        # 3. and accept/reject per row. A stopped row keeps its length (its step is discarded); its
+        # next token is written past that length all the same, where its drafts lie: never output
         inputs = sequence.gather(1, lengths[:, None] - 1 + window_slots)  # [B, W]
         uniforms = torch.rand(batch, width, generator=generator, device=device)  # [B, W]
         accepted, next_token = _verify(target, inputs, target_cache, sampling, draft_probs, drafted, no_known,
                                        uniforms)
+        sequence.scatter_(1, (lengths + accepted)[:, None], next_token[:, None])
         running = ~done
-        sequence[rows, lengths + accepted] = torch.where(running, next_token, sequence[rows, lengths + accepted])
-        state.n_row_steps += running.sum()
-        state.n_drafted += running.sum() * (width - 1)
+        n_running = running.sum()
+        state.n_row_steps += n_running
+        state.n_drafted += n_running * (width - 1)
         state.n_accepted += (accepted * running).sum()
-        new_lengths = torch.where(running, lengths + accepted + 1, lengths)
+        new_lengths = lengths + (accepted + 1) * running  # [B]
         state.lengths = new_lengths
         state.n_steps += 1
 
@@ -348,8 +348,9 @@ def _decode_per_row(state: _Decoding) -> None:
         # window's first input). The draft has fed L - 1 + gamma - 1 tokens of a row: all of
         # them committed up to L + accepted - 1; a row that accepted all gamma lacks the last
         # drafted one, so then every row rolls back one more and re-feeds it (one chunk shape).
+        done = state.done()
+        n_catch_up, finished = torch.stack((1 + (accepted == width - 1).any(), done.all())).tolist()  # one read
         target_cache.truncate_rows(new_lengths - 1)
-        n_catch_up = 2 if bool((accepted == width - 1).any()) else 1
         draft_cache.truncate_rows(new_lengths - n_catch_up)
 
 
