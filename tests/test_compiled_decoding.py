@@ -440,6 +440,46 @@ def test_compiled_draw_equals_a_forward_per_token(name):
     assert compiled._compiled_draw is not None
 
 
+def test_early_exit_draft_draws_through_the_compiled_graph(monkeypatch):
+    """An early-exit draft (the target's first layers) of a compiled target proposes in one call of
+    the target's compiled draw (n_layers in its graph): the distributions and tokens of the eager
+    early exit, forced slots included, nothing compiled after its first calls; and seeded
+    speculative decoding with it draws the eager pair's tokens, both batch schemes."""
+    from attnlab.generate.speculative import EarlyExitDraft
+
+    eager, compiled = twins("full", depth=3)
+    drafts = [EarlyExitDraft(model, 2) for model in (eager, compiled)]
+    calls = []
+    run_compiled = Transformer._run_compiled
+    monkeypatch.setattr(Transformer, "_run_compiled", lambda self, name, *rest: calls.append(name) or
+                        run_compiled(self, name, *rest))
+    generator = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, 61, (2, 12), generator=generator)
+    sampling = SamplingConfig(temperature=0.9, top_k=20)
+    caches = [draft.new_cache(2, 200) for draft in drafts]
+    for draft, cache in zip(drafts, caches):
+        draft(prompt, cache=cache)
+    graphs = None
+    for step in range(8):
+        uniforms = torch.rand(2, 4, generator=generator)
+        forced = torch.rand(2, 4, generator=generator) < 0.3
+        forced_tokens = torch.randint(0, 61, (2, 4), generator=generator)
+        chunk = torch.randint(0, 61, (2, 1 + step % 2), generator=generator)
+        expected = drawn_one_by_one(drafts[0], caches[0], chunk, uniforms, sampling, forced_tokens, forced)
+        probs, tokens = drafts[1].draw(chunk, caches[1], uniforms, sampling, forced_tokens, forced)
+        torch.testing.assert_close(probs, expected[0], atol=1e-5, rtol=1e-5)
+        assert torch.equal(tokens, expected[1]) and torch.equal(caches[1].lengths, caches[0].lengths)
+        if step == 3:
+            graphs = counters["stats"]["unique_graphs"]
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert calls == ["_compiled_draw"] * 8
+    for per_row in (True, False):
+        runs = [speculative_generate(model, draft, prompt, 16, gamma=3, per_row=per_row,
+                                     generator=torch.Generator().manual_seed(9))
+                for model, draft in zip((eager, compiled), drafts)]
+        assert torch.equal(runs[0].tokens, runs[1].tokens) and runs[0].n_accepted == runs[1].n_accepted, per_row
+
+
 @pytest.mark.parametrize("cuda_graph_bookkeeping", [False, True])
 def test_compiled_speculative_sampling_equals_eager(cuda_graph_bookkeeping):
     """At temperature 1 with one generator seed, speculative decoding on compiled models draws the

@@ -64,7 +64,7 @@ from torch import Tensor, nn
 
 from attnlab.generate.distribution import SamplingConfig, draw_chain, probabilities, token_at
 from attnlab.model.modes import eval_mode
-from attnlab.model.transformer import ModelCache, ModelOutput, Transformer, new_model_cache, token_positions
+from attnlab.model.transformer import ModelCache, ModelOutput, Transformer, new_model_cache
 
 log = logging.getLogger(__name__)
 
@@ -160,26 +160,15 @@ class EarlyExitDraft(nn.Module):
 
     def forward(self, tokens: Tensor, cache: ModelCache | None = None) -> ModelOutput:
         """tokens [B, T] -> ModelOutput(logits [B, T, V]), as Transformer.forward without a loss."""
-        if cache is not None:
-            cache.begin(tokens.shape[1])
-        output = self.run(tokens, cache)
-        if cache is not None:
-            cache.end(tokens.shape[1])
-        return output
+        if cache is None:
+            return self.target.run(tokens, None, None, None, self.n_layers)
+        return self.target._forward_blocks(tokens, cache, self.n_layers)
 
-    def run(self, tokens: Tensor, cache: ModelCache | None) -> ModelOutput:
-        target = self.target
-        x = target.token_embedding(tokens)  # [B, T, dim]
-        if target.position_embedding is not None:
-            x = x + target.position_embedding(token_positions(cache, tokens.shape[1], tokens.device))
-        for index, block in enumerate(target.blocks[: self.n_layers]):
-            x = block(x, None if cache is None else cache.layers[index])
-        if cache is not None:
-            cache.lengths += tokens.shape[1]
-        x = target.norm(x)
-        if target.head_project is not None:
-            x = target.head_project(x)
-        return ModelOutput(logits=target.head(x))  # [B, T, V]
+    def draw(self, tokens: Tensor, cache: ModelCache, uniforms: Tensor, sampling: SamplingConfig,
+             forced_tokens: Tensor | None = None, forced: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """The draft's proposals (Transformer.draw through its first n_layers blocks): one compiled
+        call of the target's after its compile_decoding()."""
+        return self.target.draw(tokens, cache, uniforms, sampling, forced_tokens, forced, self.n_layers)
 
     def new_cache(self, batch_size: int, max_len: int | None = None, device=None, dtype=None) -> ModelCache:
         layers = [block.attention for block in self.target.blocks[: self.n_layers]]

@@ -453,19 +453,32 @@ class Transformer(nn.Module):
 
     @torch.no_grad()  # draws have no gradient; a graph of several steps over one cache has no backward
     def draw(self, tokens: Tensor, cache: ModelCache, uniforms: Tensor, sampling: SamplingConfig,
-             forced_tokens: Tensor | None = None, forced: Tensor | None = None) -> tuple[Tensor, Tensor]:
+             forced_tokens: Tensor | None = None, forced: Tensor | None = None, n_layers: int | None = None
+             ) -> tuple[Tensor, Tensor]:
         """Feed tokens [B, T] through the cache, then draw n = uniforms.shape[1] tokens one after
         another (attnlab.generate.distribution.draw_chain: each drawn at its uniform [B] and fed
         back, but the last), under `sampling`. Returns (probs [B, n, V] each token was drawn from,
         tokens [B, n]). After compile_decoding(), a call after earlier tokens is one compiled graph:
         the n - 1 steps and the draws without a return to Python between them (speculative
-        decoding's draft)."""
+        decoding's draft). n_layers: through the first n_layers blocks only, then the norm and the
+        head (an early-exit draft's proposals, EarlyExitDraft: `cache` holds those blocks alone)."""
         if cache.length == 0 or self._compiled_draw is None:  # a prefill stays eager, as in forward
-            return draw_chain(lambda chunk: self(chunk, cache=cache).logits, tokens, uniforms, sampling,
-                              forced_tokens, forced)
-        arguments = (uniforms, sampling, forced_tokens, forced)
+            return draw_chain(lambda chunk: self._forward_blocks(chunk, cache, n_layers).logits, tokens, uniforms,
+                              sampling, forced_tokens, forced)
+        arguments = (uniforms, sampling, forced_tokens, forced, n_layers)
         return self._compiled_chunk("_compiled_draw", tokens.shape[1] + uniforms.shape[1] - 1, tokens, cache,
                                     tuple(map(call_key, arguments)), self._draw, tokens, cache, *arguments)
+
+    def _forward_blocks(self, tokens: Tensor, cache: ModelCache, n_layers: int | None) -> ModelOutput:
+        """The cached forward of tokens [B, T]; with n_layers, through the first n_layers blocks only,
+        eagerly (an early-exit draft's)."""
+        if n_layers is None:
+            return self(tokens, cache=cache)
+        self._check_positions(cache, tokens.shape[1])
+        cache.begin(tokens.shape[1])
+        output = self.run(tokens, None, cache, None, n_layers)
+        cache.end(tokens.shape[1])
+        return output
 
     @torch.no_grad()
     def decode_then(self, function, tokens: Tensor, cache: ModelCache, *arguments):
@@ -496,10 +509,10 @@ class Transformer(nn.Module):
         """decode_then()'s work after cache.begin: traceable whole."""
         return function(self.run(tokens, None, cache, None).logits, *arguments)
 
-    def _draw(self, tokens, cache, uniforms, sampling, forced_tokens, forced) -> tuple[Tensor, Tensor]:
+    def _draw(self, tokens, cache, uniforms, sampling, forced_tokens, forced, n_layers) -> tuple[Tensor, Tensor]:
         """draw()'s work after cache.begin: tensors in, tensors out, traceable whole."""
-        return draw_chain(lambda chunk: self.run(chunk, None, cache, None).logits, tokens, uniforms, sampling,
-                          forced_tokens, forced)
+        return draw_chain(lambda chunk: self.run(chunk, None, cache, None, n_layers).logits, tokens, uniforms,
+                          sampling, forced_tokens, forced)
 
     def _tracing_settings(self) -> contextlib.AbstractContextManager:
         """Around a call that may compile: a packed step's settings (packed_step_compiling)."""
@@ -598,18 +611,20 @@ class Transformer(nn.Module):
         load_state_dict) raises a tensor's version, and versions never fall."""
         return sum(map(TENSOR_VERSION, self._frozen_tensors))
 
-    def run(self, tokens: Tensor, targets: Tensor | None, cache: ModelCache | None, loss_mask: Tensor | None
-            ) -> ModelOutput:
+    def run(self, tokens: Tensor, targets: Tensor | None, cache: ModelCache | None, loss_mask: Tensor | None,
+            n_layers: int | None = None) -> ModelOutput:
         """The forward itself (`forward` adds the cache's host bookkeeping): tensors in, tensors out,
-        traceable whole by torch.compile."""
+        traceable whole by torch.compile. n_layers: the first n_layers blocks only, then the norm
+        and the head (an early exit: EarlyExitDraft; the cache, if any, holds those blocks)."""
         n_tokens = tokens.shape[1]
+        blocks = list(self.blocks)[:n_layers]  # a list: slicing the ModuleList would register a new module
         x = self.token_embedding(tokens)  # [B, T, dim]
         if self.position_embedding is not None:
             x = x + self.position_embedding(token_positions(cache, n_tokens, tokens.device))  # [T] or [B, T]
         if self.config.reversible:  # two-stream reversible residuals (model/reversible.py)
-            x = reversible_blocks(self.blocks, x, None if cache is None else cache.layers)
+            x = reversible_blocks(blocks, x, None if cache is None else cache.layers)
         else:
-            for index, block in enumerate(self.blocks):
+            for index, block in enumerate(blocks):
                 x = block(x, None if cache is None else cache.layers[index])
         if cache is not None:
             cache.lengths += n_tokens  # every layer has written its tokens
