@@ -253,13 +253,12 @@ def _decode_shared_window(state: _Decoding) -> None:
     batch, width = sequence.shape[0], gamma + 1
     device = sequence.device
     slots = torch.arange(width - 1, device=device)  # [W-1]
-    rows = torch.arange(batch, device=device)
     start = state.prompt_length  # first slot: every row has committed the tokens before it
-    while not bool(state.done().all()):
-        lengths = state.lengths
+    n_ahead = 0  # slots the leading row has committed past start (0: rows level)
+    finished = bool(state.done().all())
+    while not finished:
         # both caches hold (at most) the first start - 1 tokens, committed by every row
-        n_ahead = int(lengths.max()) - start  # slots the leading row has committed (0: rows level)
-        known = start + slots < lengths[:, None]  # [B, W-1] slots a row has already committed
+        known = start + slots < state.lengths[:, None]  # [B, W-1] slots a row has already committed
         # Draft tokens are written straight into `sequence` past each row's committed length
         # (nothing there is committed), so the window is a view: no copies, no concatenation.
         window = sequence[:, start : start + width - 1]  # [B, W-1] view
@@ -275,7 +274,7 @@ def _decode_shared_window(state: _Decoding) -> None:
         inputs = sequence[:, start - 1 : start + width - 1]  # [B, W] view
         uniforms = torch.rand(batch, width, generator=generator, device=device)  # [B, W]
         accepted, next_token = _verify(target, inputs, target_cache, sampling, draft_probs, window, known, uniforms)
-        sequence[rows, start + accepted] = next_token
+        sequence.scatter_(1, (start + accepted)[:, None], next_token[:, None])
         n_known = known.sum() if n_ahead else 0  # known slots are neither drafted nor counted
         state.n_drafted += batch * (width - 1) - n_known
         state.n_accepted += accepted.sum() - n_known
@@ -283,8 +282,11 @@ def _decode_shared_window(state: _Decoding) -> None:
         state.n_steps += 1
         state.n_row_steps += batch
 
-        # roll both caches back to the shortest committed prefix minus its last token
-        start = int(state.lengths.min())
+        # roll both caches back to the shortest committed prefix minus its last token (what the
+        # host needs of this step comes back in one read)
+        shortest, longest, finished = torch.stack((state.lengths.min(), state.lengths.max(),
+                                                   state.done().all())).tolist()
+        start, n_ahead = shortest, longest - shortest
         common = start - 1
         target_cache.truncate(common)
         draft_cache.truncate(min(common, draft_cache.length))
