@@ -258,3 +258,31 @@ def test_speculative_greedy_equals_target_on_gpu(per_row, name):
         for row, length in enumerate((12, 16, 20)):
             own = torch.cat((tokens[row, :length], tokens[row, 20:26]))[None]
             assert relative_error(got[row], target(own).logits[0, length:]) < 1e-4
+
+
+@pytest.mark.parametrize("per_row", [True, False])
+def test_compiled_early_exit_speculative_on_gpu(per_row):
+    """An early-exit draft of a target compiled with CUDA graphs proposes through the target's
+    compiled draw (its first block's graph): greedy speculative decoding at batch 4 equals the
+    target's greedy decoding, and no call skips CUDA graphs."""
+    from torch._dynamo.utils import counters
+
+    from attnlab.generate.sampling import SamplingConfig, generate
+    from attnlab.generate.speculative import EarlyExitDraft, speculative_generate
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    target = Transformer(variant_config("full", depth=2)).to(DEVICE).eval()
+    greedy = SamplingConfig(temperature=0)
+    prompt = torch.randint(0, 61, (4, 9), device=DEVICE)
+    expected = generate(target, prompt, 32, greedy)
+    assert target.compile_decoding() and target._cuda_graphs
+    draws = []
+    draw = target.draw
+    target.draw = lambda *arguments: draws.append(arguments[-1]) or draw(*arguments)
+    result = speculative_generate(target, EarlyExitDraft(target, 1), prompt, 32, gamma=5, sampling=greedy,
+                                  per_row=per_row)
+    assert torch.equal(result.tokens, expected)
+    assert draws and set(draws) == {1}  # every proposal through the target's draw, one block deep
+    assert counters["inductor"]["cudagraph_skips"] == 0
