@@ -411,32 +411,41 @@ def drawn_one_by_one(model: Transformer, cache, tokens, uniforms, sampling, forc
     return torch.stack(distributions, dim=1), torch.stack(drawn, dim=1)
 
 
-@pytest.mark.parametrize("name", ["full", "nsa"])
-def test_compiled_draw_equals_a_forward_per_token(name):
-    """Transformer.draw (n tokens drawn in one compiled call, the draws inside the graph) gives the
-    distributions and tokens of a forward per token, forced slots included, leaves the cache as
-    long as they would, and compiles nothing after its first calls."""
-    eager, compiled = twins(name)
-    generator = torch.Generator().manual_seed(3)
+def assert_draws_as_one_by_one(eager, compiled, n_calls: int, seed: int) -> torch.Tensor:
+    """compiled.draw against drawn_one_by_one(eager, ...) for n_calls calls after a 12-token prompt
+    (2 rows; catch-up chunks of 1 and 2 tokens, forced slots, top-k sampling): the same
+    distributions, tokens and cache lengths, and nothing compiled after the fourth call. Returns
+    the prompt."""
+    generator = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, 61, (2, 12), generator=generator)
     sampling = SamplingConfig(temperature=0.9, top_k=20)
     caches = [model.new_cache(2, 200) for model in (eager, compiled)]
     for model, cache in zip((eager, compiled), caches):
         model(prompt, cache=cache)
     graphs = None
-    for step in range(12):
+    for call in range(n_calls):
         uniforms = torch.rand(2, 4, generator=generator)
         forced = torch.rand(2, 4, generator=generator) < 0.3
         forced_tokens = torch.randint(0, 61, (2, 4), generator=generator)
-        chunk = torch.randint(0, 61, (2, 1 + step % 2), generator=generator)  # catch-up chunks of 1 and 2
+        chunk = torch.randint(0, 61, (2, 1 + call % 2), generator=generator)  # catch-up chunks of 1 and 2
         expected = drawn_one_by_one(eager, caches[0], chunk, uniforms, sampling, forced_tokens, forced)
         probs, tokens = compiled.draw(chunk, caches[1], uniforms, sampling, forced_tokens, forced)
         torch.testing.assert_close(probs, expected[0], atol=1e-5, rtol=1e-5)
         assert torch.equal(tokens, expected[1])
         assert caches[1].length == caches[0].length and torch.equal(caches[1].lengths, caches[0].lengths)
-        if step == 3:
+        if call == 3:
             graphs = counters["stats"]["unique_graphs"]
     assert counters["stats"]["unique_graphs"] == graphs
+    return prompt
+
+
+@pytest.mark.parametrize("name", ["full", "nsa"])
+def test_compiled_draw_equals_a_forward_per_token(name):
+    """Transformer.draw (n tokens drawn in one compiled call, the draws inside the graph) gives the
+    distributions and tokens of a forward per token, forced slots included, leaves the cache as
+    long as they would, and compiles nothing after its first calls."""
+    eager, compiled = twins(name)
+    assert_draws_as_one_by_one(eager, compiled, n_calls=12, seed=3)
     assert compiled._compiled_draw is not None
 
 
@@ -453,25 +462,7 @@ def test_early_exit_draft_draws_through_the_compiled_graph(monkeypatch):
     run_compiled = Transformer._run_compiled
     monkeypatch.setattr(Transformer, "_run_compiled", lambda self, name, *rest: calls.append(name) or
                         run_compiled(self, name, *rest))
-    generator = torch.Generator().manual_seed(5)
-    prompt = torch.randint(0, 61, (2, 12), generator=generator)
-    sampling = SamplingConfig(temperature=0.9, top_k=20)
-    caches = [draft.new_cache(2, 200) for draft in drafts]
-    for draft, cache in zip(drafts, caches):
-        draft(prompt, cache=cache)
-    graphs = None
-    for step in range(8):
-        uniforms = torch.rand(2, 4, generator=generator)
-        forced = torch.rand(2, 4, generator=generator) < 0.3
-        forced_tokens = torch.randint(0, 61, (2, 4), generator=generator)
-        chunk = torch.randint(0, 61, (2, 1 + step % 2), generator=generator)
-        expected = drawn_one_by_one(drafts[0], caches[0], chunk, uniforms, sampling, forced_tokens, forced)
-        probs, tokens = drafts[1].draw(chunk, caches[1], uniforms, sampling, forced_tokens, forced)
-        torch.testing.assert_close(probs, expected[0], atol=1e-5, rtol=1e-5)
-        assert torch.equal(tokens, expected[1]) and torch.equal(caches[1].lengths, caches[0].lengths)
-        if step == 3:
-            graphs = counters["stats"]["unique_graphs"]
-    assert counters["stats"]["unique_graphs"] == graphs
+    prompt = assert_draws_as_one_by_one(*drafts, n_calls=8, seed=5)
     assert calls == ["_compiled_draw"] * 8
     for per_row in (True, False):
         runs = [speculative_generate(model, draft, prompt, 16, gamma=3, per_row=per_row,
