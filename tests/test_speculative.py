@@ -549,6 +549,42 @@ def test_draft_steps_need_an_existing_target(tmp_path, capsys):
     assert not any(tmp_path.iterdir())  # refused before anything trained
 
 
+@pytest.mark.parametrize("stop_step", [2, 4])
+def test_a_stopped_target_stops_the_pair(tmp_path, monkeypatch, capsys, stop_step):
+    """A stop signal while the target trains (a scheduler's SIGTERM), before or during its last
+    step, saves the target and ends the command with the requeue status: the draft neither trains
+    on nor distils from an unfinished target, nor starts after the command was asked to stop.
+    --resume then finishes the target and trains the draft."""
+    import os
+    import signal
+
+    from attnlab.cli.main import main
+    from attnlab.train import loop
+    from attnlab.train.checkpoint import list_checkpoints
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(Path(speculative.__file__).read_bytes() * 4)
+    real = loop.record_metrics
+
+    def record(run, result, elapsed):  # the signal arrives while the target's step is recorded
+        real(run, result, elapsed)
+        if run.config.name == "target" and run.step == stop_step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(loop, "record_metrics", record)
+    command = ["speculative", "train", "--target-preset", "spec-small-target", "--draft-preset", "spec-small-draft",
+               "--distill", "0.5", *TINY, "train.log_every=1", f"data.path={corpus}", f"out_dir={tmp_path}",
+               "target.name=target", "draft.name=draft", "target.model.depth=2"]
+    assert main(command) == 75
+    printed = capsys.readouterr().out
+    assert f"stopped at step {stop_step} by SIGTERM" in printed and "--resume" in printed
+    assert [path.name for path in list_checkpoints(tmp_path / "target")] == [f"step-000000{stop_step}.pt"]
+    assert not (tmp_path / "draft").exists()
+    monkeypatch.undo()
+    assert main([*command, "--resume"]) == 0
+    assert [path.name for path in list_checkpoints(tmp_path / "draft")] == ["step-0000004.pt"]
+
+
 @pytest.mark.parametrize("draft_arguments", [["--draft", "draft"], ["--early-exit", "1"]])
 def test_speculative_command_reports_both_decodings(trained_pair, draft_arguments, capsys):
     from attnlab.cli.main import main

@@ -69,6 +69,18 @@ def test_stop_signals_save_the_last_step(tmp_path, text_file, monkeypatch, signu
         assert losses(whole.run_dir) == losses(resumed.run_dir)
 
 
+def test_a_signal_during_the_last_step_completes_the_run(tmp_path, text_file, monkeypatch, capsys):
+    """A stop signal while the last step is recorded: the run is complete (not interrupted, its
+    last step saved, the command's status 0), and the result names the signal, so what was to
+    follow the run (a draft after its target) does not start."""
+    send_at_step(monkeypatch, 10, signal.SIGTERM)
+    result = train(tiny(tmp_path, text_file, "late"))
+    assert (result.step, result.interrupted, result.stop_signal) == (10, False, signal.SIGTERM)
+    assert list_checkpoints(result.run_dir)[-1].name == "step-0000010.pt"
+    assert main(["train", "-p", "demo", *cli_args(tmp_path, text_file, "late-command")]) == 0
+    assert "done: step 10" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("signum, status", [(signal.SIGTERM, 75)])  # SIGINT: test_train.py's Ctrl-C test
 def test_signal_to_the_command_saves_and_exits_with_its_status(tmp_path, text_file, signum, status):
     args = [f"out_dir={tmp_path / 'runs'}", "name=signalled", "model.dim=32", "model.depth=2", "model.heads=2",

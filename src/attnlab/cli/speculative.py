@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -139,29 +140,35 @@ def run(args: argparse.Namespace) -> int:
 
 def run_train(args: argparse.Namespace) -> int:
     from attnlab.train.draft import existing_target_settings, split_overrides, train_pair
-    from attnlab.train.signals import exit_status
+    from attnlab.train.signals import Stopped, exit_status
 
     target_overrides, draft_overrides = split_overrides(args.overrides)
     draft_config = load_config(args.draft_preset, draft_overrides)
     command_line = ["attnlab", *sys.argv[1:]]
-    if args.target_run is not None:
-        target_settings = existing_target_settings(Path(args.target_run), args.overrides)
-        target_result, draft_result = train_pair(
-            None, draft_config, target_settings=target_settings, resume=args.resume, command_line=command_line,
-            distill_weight=args.distill, target_dir=Path(args.target_run), draft_steps=args.draft_steps,
-        )
-    else:
-        target_config = load_config(args.target_preset, target_overrides)
-        target_result, draft_result = train_pair(
-            target_config, draft_config, resume=args.resume, command_line=command_line, distill_weight=args.distill,
-            draft_steps=args.draft_steps,
-        )
+    try:
+        if args.target_run is not None:
+            target_settings = existing_target_settings(Path(args.target_run), args.overrides)
+            target_result, draft_result = train_pair(
+                None, draft_config, target_settings=target_settings, resume=args.resume, command_line=command_line,
+                distill_weight=args.distill, target_dir=Path(args.target_run), draft_steps=args.draft_steps,
+            )
+        else:
+            target_config = load_config(args.target_preset, target_overrides)
+            target_result, draft_result = train_pair(
+                target_config, draft_config, resume=args.resume, command_line=command_line,
+                distill_weight=args.distill, draft_steps=args.draft_steps,
+            )
+    except Stopped as stopped:
+        print(f"attnlab speculative train: stopped by {stopped} during start-up; nothing to save", file=sys.stderr)
+        return exit_status(stopped.signum)
     for role, result in (("target", target_result), ("draft", draft_result)):
         if result is None:
             continue
         bits = f", validation bits per byte {result.last_eval['val_bpb']:.4f}" if result.last_eval else ""
         print(f"{role}: {result.run_dir} (step {result.step}{bits})")
-        if result.interrupted:
+        if result.stop_signal:
+            print(f"stopped at step {result.step} by {signal.Signals(result.stop_signal).name}; continue the pair "
+                  "with: attnlab speculative train ... --resume")
             return exit_status(result.stop_signal)
     target_dir = target_result.run_dir if target_result is not None else args.target_run
     print(f"decode with: attnlab speculative --target {target_dir} --draft {draft_result.run_dir} "

@@ -69,10 +69,10 @@ def run(args: argparse.Namespace) -> int:
             raise
         raise AttnlabError(f"cannot write {error.filename or 'to the run directory'}: {error.strerror}") from error
     where = result.run_dir
-    status = exit_status(result.stop_signal) if result.stop_signal else 0
+    status = exit_status(result.stop_signal) if result.interrupted else 0  # a run complete despite a signal: 0
     if os.environ.get("RANK", "0") != "0":
         return status  # rank 0 speaks for a distributed run
-    if result.stop_signal:
+    if result.interrupted:
         print(f"stopped at step {result.step} by {signal.Signals(result.stop_signal).name}; continue with: "
               f"attnlab train --resume ... (run {where})")
         return status

@@ -52,10 +52,13 @@ def train_pair(
     distill_weight: float | None = None,
     target_dir: Path | None = None,
     draft_steps: int | None = None,
-) -> tuple[TrainResult | None, TrainResult]:
+) -> tuple[TrainResult | None, TrainResult | None]:
     """Train a target and its draft on the same batches (one after the other, each with its own
     optimiser), or, with target None, only a draft for the existing target whose config is
-    `target_settings` and whose run is `target_dir`. Returns (target result or None, draft result).
+    `target_settings` and whose run is `target_dir`. Returns (target result or None, draft result);
+    the draft's is None when a stop signal arrived while the target trained (its last step saved:
+    `--resume` continues the pair from there): the draft would train on, or distil from, an
+    unfinished target, or start after the command was asked to stop.
 
     distill_weight: the draft also learns the target's distribution, from the target's final
     checkpoint (train.distill_from and train.distill_weight, train/distill.py).
@@ -85,6 +88,8 @@ def train_pair(
     if target is not None:
         log.info("training the target %s", target.name)
         target_result = train(target, resume=resume or None, command_line=command_line)
+        if target_result.stop_signal:
+            return target_result, None
     log.info("training the draft %s on the target's batches", draft.name)
     draft_result = train(draft, resume=resume or None, command_line=command_line)
     return target_result, draft_result

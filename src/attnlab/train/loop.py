@@ -82,9 +82,11 @@ log = logging.getLogger(__name__)
 class TrainResult:
     run_dir: Path
     step: int  # optimiser steps completed
-    interrupted: bool  # stopped by a signal, with a checkpoint of the last step
+    interrupted: bool  # stopped by a signal before its last step, with a checkpoint of the step it reached
     last_eval: dict[str, float] | None
-    stop_signal: int | None = None  # the signal that stopped it (train/signals.py gives its exit status)
+    # the signal that stopped it, or that arrived during its last step (the run is complete, but
+    # what was to follow it should not start: train/draft.py); train/signals.py gives its exit status
+    stop_signal: int | None = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -548,7 +550,7 @@ def loop(run: Run, signals: StopSignals, until_step: int | None) -> TrainResult:
         run.last_eval = validate(run)
     run.model.train()
     last_step = tc.max_steps if until_step is None else min(until_step, tc.max_steps)
-    stopped_by = None
+    stopped_by = late_signal = None
     try:
         with logging_redirect_tqdm():
             while run.step < last_step and not (stopped_by := stop_agreed(signals, run.strategy)):
@@ -570,6 +572,8 @@ def loop(run: Run, signals: StopSignals, until_step: int | None) -> TrainResult:
                     log_sample(run)
                 if run.step % tc.save_every == 0 or run.step in (tc.max_steps, until_step):
                     write_checkpoint(run)
+            if not stopped_by and run.step >= last_step:  # a signal during the last step (agreed by every rank)
+                late_signal = stop_agreed(signals, run.strategy) or None
             if stopped_by and run.step > 0:  # save the step just finished, unless it is saved
                 if not checkpoint_path(config.run_dir, run.step).is_file():
                     write_checkpoint(run)
@@ -581,7 +585,7 @@ def loop(run: Run, signals: StopSignals, until_step: int | None) -> TrainResult:
     if run.strategy.is_main:
         write_weights_file(config.run_dir)  # RUN/model.safetensors: the latest weights alone
     return TrainResult(run_dir=config.run_dir, step=run.step, interrupted=bool(stopped_by),
-                       last_eval=run.last_eval, stop_signal=stopped_by or None)
+                       last_eval=run.last_eval, stop_signal=stopped_by or late_signal)
 
 
 def stop_agreed(signals: StopSignals, strategy: SingleProcess) -> int:

@@ -8,6 +8,8 @@
                                forwards the SIGTERM it got itself to every worker
     during start-up            nothing new to save: the run stops at once, with the same status and
                                a one-line message (`Stopped`, caught by the command)
+    during the last step       the run completes (saved, status 0), but what was to follow it in the
+                               same command stops: `speculative train` does not start the draft
 
 Under several processes every rank stops after the same step (the loop agrees on it through one
 collective a step), rank 0 writes the checkpoint, and every rank exits with the same status.
