@@ -529,6 +529,7 @@ def test_an_untraceable_function_leaves_the_other_compiled_entries(caplog):
     """decode_then with a function dynamo cannot trace gives the eager result after one warning;
     the compiled decode step stays compiled."""
     eager, compiled = twins("full")
+    assert compiled.compiled_entries() == ["step", "draw", "decode_then"]
     prompt = torch.randint(0, 61, (1, 8), generator=torch.Generator().manual_seed(6))
     caches = [model.new_cache(1, 100) for model in (eager, compiled)]
     for model, cache in zip((eager, compiled), caches):
@@ -537,8 +538,7 @@ def test_an_untraceable_function_leaves_the_other_compiled_entries(caplog):
     expected = eager(window, cache=caches[0]).logits.argmax(dim=-1)
     with caplog.at_level("WARNING", logger="attnlab.model.transformer"):
         assert torch.equal(compiled.decode_then(untraceable_argmax, window, caches[1]), expected)
-    assert "decode_then" in caplog.text and compiled._compiled_decode_then is None
-    assert compiled._compiled_step is not None
+    assert "decode_then" in caplog.text and compiled.compiled_entries() == ["step", "draw"]
     torch.testing.assert_close(compiled(window[:, :1], cache=caches[1]).logits,
                                eager(window[:, :1], cache=caches[0]).logits, atol=1e-5, rtol=1e-5)
 
@@ -554,7 +554,7 @@ def test_without_torch_compile_decoding_stays_eager(monkeypatch, caplog):
     with caplog.at_level("WARNING", logger="attnlab.model.transformer"):
         assert not model.compile_decoding()
     assert len(caplog.records) == 1 and "unavailable" in caplog.text
-    assert model._compiled_step is model._compiled_draw is model._compiled_decode_then is None
+    assert model.compiled_entries() == []
     prompt = torch.randint(0, 61, (1, 6), generator=torch.Generator().manual_seed(2))
     assert generate(model, prompt, 4, SamplingConfig(temperature=0.0)).shape == (1, 10)
 

@@ -607,6 +607,7 @@ def test_speculative_command_reports_both_decodings(trained_pair, draft_argument
     assert report["speedup_paired_median"] == pytest.approx(sorted(paired)[len(paired) // 2])
     assert report["speculative"]["batch_scheme"] == "per-row"  # full attention: auto rolls back per row
     assert report["products"] == {"target": "F.linear", "draft": "F.linear"}  # models far below 8 MB
+    assert report["compiled_entries"] == {"target": [], "draft": []} and report["cudagraph_skips"] is None
     code = main([
         "speculative", "--target", str(root / "target"), *draft_arguments, "--gamma", "3", "--prompt", "def ",
         "--max-new-tokens", "12", "--batch-size", "2", "--temperature", "0", "--batch-scheme", "shared", "--json",

@@ -99,6 +99,19 @@ def load_pair(bench: SpeculativeBench, device: torch.device) -> tuple[Transforme
     return target, draft, draft_name
 
 
+def compiled_entries(model: CachedLanguageModel) -> list[str]:
+    """Transformer.compiled_entries of a draft (an early-exit draft runs its target's)."""
+    return (model.target if isinstance(model, EarlyExitDraft) else model).compiled_entries()
+
+
+def cudagraph_skips() -> int:
+    """Compiled calls inductor ran without CUDA graphs in this process (each one says why in a
+    warning): 0 when every compiled step on the GPU replayed its graph."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"]["cudagraph_skips"])
+
+
 def build_prompt(bench: SpeculativeBench, target: Transformer, tokenizer: Tokenizer | None) -> torch.Tensor:
     """[B, T] prompt tokens: the text repeated per row, or one validation prime per row (a window
     of byte data; the beginning of a document of tokenized data, all cut to the shortest)."""
@@ -201,6 +214,8 @@ def run_speculative_bench(bench: SpeculativeBench) -> dict[str, Any]:
         "draft": draft_name,
         "draft_quantize": bench.draft_quantize,
         "compile": bench.compile,  # both models decode with compiled steps
+        # what still ran compiled at the end (an entry that failed decodes eagerly, after a warning)
+        "compiled_entries": {"target": target.compiled_entries(), "draft": compiled_entries(draft)},
         "device": str(device),
         # what the models decode in, read off them (both cast alike: the base decodes in it too)
         "dtype": str(next(target.parameters()).dtype).removeprefix("torch."),
@@ -231,6 +246,7 @@ def run_speculative_bench(bench: SpeculativeBench) -> dict[str, Any]:
         # which products the models' linear layers multiply with when decoding (model/quantize.py)
         "products": {"target": decoding_products(target), "draft": decoding_products(draft)},
         "speedup": base_seconds / speculative_seconds,
+        "cudagraph_skips": cudagraph_skips() if device.type == "cuda" and bench.compile else None,
         # each speculative run against the base run of the same seed just before it: on a shared
         # machine whose speed drifts, the median of these pairs is the steadier figure
         "speedup_paired_median": statistics.median(

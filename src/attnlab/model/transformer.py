@@ -588,6 +588,13 @@ class Transformer(nn.Module):
             self._compiled_step = self._compiled_draw = self._compiled_decode_then = None
         return self._compiled_step is not None
 
+    def compiled_entries(self) -> list[str]:
+        """The compiled decode entries this model still runs: "step", "draw" and "decode_then" after
+        compile_decoding(), less any that failed and decodes eagerly since (its warning said why);
+        [] for an eager model. A benchmark reports it beside its figures."""
+        entries = {"step": self._compiled_step, "draw": self._compiled_draw, "decode_then": self._compiled_decode_then}
+        return [name for name, compiled in entries.items() if compiled is not None]
+
     def _linear_for_weights(self, linear: str | None) -> str | None:
         """`linear` as asked, but the library's products for weights made under torch.inference_mode:
         an inference tensor counts no versions, so a packed step could not see that its weights
