@@ -101,3 +101,51 @@ def test_speculative_ab_times_each_draft_at_each_gamma(tmp_path):
     rounds = [line for line in lines if "round" in line]
     assert sorted((line["draft"], line["gamma"]) for line in rounds) == sorted(
         [(draft_name, gamma) for draft_name in ("float32", "int8") for gamma in (2, 3)] * 2)
+
+
+def run_gpu_script(tmp_path: Path, *parts: str, **settings: str) -> subprocess.CompletedProcess:
+    """bench/gpu.sh with its outputs under tmp_path, this interpreter first on PATH (attnlab importable:
+    the script installs nothing)."""
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "RUNS": str(tmp_path / "runs"), **settings,
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    return subprocess.run(["bash", str(BENCH / "gpu.sh"), *parts], capture_output=True, text=True, env=env,
+                          timeout=120)
+
+
+def timings(tmp_path: Path) -> list[tuple[str, str]]:
+    lines = (tmp_path / "out" / "timings.jsonl").read_text().splitlines()
+    return [(record["part"], record["status"]) for record in map(json.loads, lines)]
+
+
+def command_lines() -> list[str]:
+    """The command lines of this machine's processes (/proc)."""
+    lines = []
+    for entry in Path("/proc").iterdir():
+        try:
+            lines.append((entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+        except OSError:  # not a process, or one that just ended
+            continue
+    return lines
+
+
+def test_gpu_script_keeps_to_its_budget(tmp_path):
+    """The one GPU command runs its parts in order within BUDGET_S: a part that does not fit is
+    skipped and one that outlasts the budget is stopped, its whole process group with it; both are
+    named in the last line, to run in a next call, and recorded in timings.jsonl."""
+    result = run_gpu_script(tmp_path, BUDGET_S="0")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == ("not done within the budget: bash bench/gpu.sh pair speculative tests "
+                                              "decode train layer kernels")
+    assert timings(tmp_path) == [(part, "skipped") for part in
+                                 ("pair", "speculative", "tests", "decode", "train", "layer", "kernels")]
+
+    (tmp_path / "out" / "timings.jsonl").unlink()
+    result = run_gpu_script(tmp_path, "tests", BUDGET_S="2", MIN_PART_S="1")  # pytest alone takes longer
+    assert result.returncode == 0, result.stderr
+    assert "== tests: cut after" in result.stdout
+    assert result.stdout.splitlines()[-1] == "not done within the budget: bash bench/gpu.sh tests"
+    assert timings(tmp_path) == [("tests", "cut")]
+    assert not any("tests/test_gpu.py" in command for command in command_lines())  # nothing of it outlives it
+
+    result = run_gpu_script(tmp_path, "tests", "benchmarks")
+    assert result.returncode == 2 and "unknown part benchmarks" in result.stdout
