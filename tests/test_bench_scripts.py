@@ -149,3 +149,17 @@ def test_gpu_script_keeps_to_its_budget(tmp_path):
 
     result = run_gpu_script(tmp_path, "tests", "benchmarks")
     assert result.returncode == 2 and "unknown part benchmarks" in result.stdout
+
+
+def test_compile_time_script_runs_fresh_processes(tmp_path):
+    """bench/compile_time.py times one fresh process after another per kind of step (aot_eager here:
+    no inductor graphs to cache, so a quick check that it runs and reports each process)."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(bytes(range(256)) * 4)
+    run = save_byte_run(tmp_path / "tiny", 1, corpus)
+    printed = run_script("compile_time.py", str(run), "--backend", "aot_eager", "--variants", "library",
+                         "--rounds", "1", "--new-tokens", "4")
+    rows = [json.loads(line) for line in printed.splitlines() if line.startswith("{")]
+    assert [(row["variant"], row["process"]) for row in rows] == [("library", 1), ("library", 2)]
+    assert all(row["first_generate_s"] > 0 and row["ms_per_token"] > 0 for row in rows)
+    assert "| library | 2 |" in printed
