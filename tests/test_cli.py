@@ -69,6 +69,27 @@ def test_sample_decodes_in_the_dtype_asked_for(run_dir, capsys, monkeypatch):
     assert capsys.readouterr().out == bytes(expected[0].tolist()).decode("utf-8", "replace") + "\n"
 
 
+def test_sample_compiles_the_step_inductor_caches(run_dir, capsys, monkeypatch):
+    """--compile on a CPU asks for the step with ATen's products (the one inductor's cache keeps for
+    the next process; aot_eager here, for speed), and its greedy text is the eager command's."""
+    from attnlab.model.transformer import Transformer
+
+    asked = []
+    compile_decoding = Transformer.compile_decoding
+
+    def recorded(self, **options):
+        asked.append(options)
+        return compile_decoding(self, **{**options, "backend": "aot_eager"})
+
+    monkeypatch.setattr(Transformer, "compile_decoding", recorded)
+    args = ["sample", str(run_dir), "--prompt", "def ", "--max-new-tokens", "20", "--temperature", "0"]
+    capsys.readouterr()
+    assert main(args) == 0
+    eager = capsys.readouterr().out
+    assert main([*args, "--compile"]) == 0
+    assert capsys.readouterr().out == eager and asked == [{"linear": "library"}]
+
+
 def test_seeded_sampling_repeats(run_dir, capsys):
     capsys.readouterr()
     args = ["sample", str(run_dir), "--max-new-tokens", "16", "--top-k", "20", "--seed", "5"]

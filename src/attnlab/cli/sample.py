@@ -22,7 +22,8 @@ def register(subparsers) -> None:
     parser.add_argument("--device", type=arguments.device, default="cpu")
     arguments.add_decoding_dtype(parser)
     parser.add_argument("--compile", action="store_true",
-                        help="decode with a compiled step (torch.compile; CUDA graphs on a GPU)")
+                        help="decode with a compiled step (torch.compile; CUDA graphs on a GPU; on a CPU the step "
+                        "inductor stores in its cache, so later runs compile in seconds)")
     parser.set_defaults(func=run)
 
 
@@ -40,6 +41,11 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = tokenizer_for(model.run_config.data, run_directory(args.run))  # None: a byte-level run
     prompt = torch.tensor([encode_prompt(tokenizer, args.prompt)], device=device)
     generator = torch.Generator(device=device).manual_seed(args.seed)
+    if args.compile and not args.no_cache:
+        # A one-off sample pays its compilation in full: on a CPU, the step with ATen's products, which
+        # inductor's cache keeps for the next process (a packed step, faster by a tenth a token,
+        # compiles again in every process: docs/benchmarks.md "Compile time"); the GPU's own default.
+        model.compile_decoding(linear="library" if torch.device(device).type == "cpu" else None)
     pieces = stream_text(model, prompt, args.max_new_tokens, sampling, not args.no_cache, generator, tokenizer,
                          args.compile)
     # a prompt from the command line may hold bytes that are not UTF-8 (as surrogates): shown replaced
