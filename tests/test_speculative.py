@@ -585,6 +585,25 @@ def test_a_stopped_target_stops_the_pair(tmp_path, monkeypatch, capsys, stop_ste
     assert [path.name for path in list_checkpoints(tmp_path / "draft")] == ["step-0000004.pt"]
 
 
+def test_a_stop_during_start_up_is_one_line(tmp_path, monkeypatch, capsys):
+    import os
+    import signal
+    import time
+
+    from attnlab.cli.main import main
+    from attnlab.train import loop
+
+    def interrupted(*args):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(1)
+
+    monkeypatch.setattr(loop, "load_training_corpus", interrupted)
+    code = main(["speculative", "train", "--target-preset", "spec-small-target", "--draft-preset", "spec-small-draft",
+                 *TINY, f"out_dir={tmp_path}", "target.name=target", "draft.name=draft"])
+    assert code == 130
+    assert capsys.readouterr().err == "attnlab speculative train: stopped by SIGINT during start-up; nothing to save\n"
+
+
 @pytest.mark.parametrize("draft_arguments", [["--draft", "draft"], ["--early-exit", "1"]])
 def test_speculative_command_reports_both_decodings(trained_pair, draft_arguments, capsys):
     from attnlab.cli.main import main
