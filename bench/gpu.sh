@@ -36,10 +36,10 @@ export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
 stamp() { echo "{\"date\": \"$(date -u +%FT%TZ)\"}"; }  # (a copied tree's git metadata may be stale)
 
 train_pair() {
-    if ls "$runs"/spec-draft/checkpoints/* >/dev/null 2>&1; then return; fi
     # the seed's models; a short bf16 run with a larger batch and learning rate than the seed's (its
     # 100k steps at lr 1e-4 do not fit a GPU lease); the draft distilled from the trained target.
-    # --resume: a pair stopped by the budget continues where it was saved (a fresh pair otherwise)
+    # --resume: a pair stopped by the budget continues where it was saved, a finished one returns at
+    # once (no step left), a missing one starts
     attnlab speculative train --target-preset spec-target --draft-preset spec-draft --distill 1.0 --resume \
         data.source=builtin out_dir="$runs" train.max_steps="${SPEC_STEPS:-1500}" train.batch_size=16 \
         train.grad_accum=1 train.lr=1e-3 train.schedule=cosine train.warmup_steps=100 train.grad_clip=1.0 \
