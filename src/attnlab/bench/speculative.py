@@ -99,11 +99,6 @@ def load_pair(bench: SpeculativeBench, device: torch.device) -> tuple[Transforme
     return target, draft, draft_name
 
 
-def compiled_entries(model: CachedLanguageModel) -> list[str]:
-    """Transformer.compiled_entries of a draft (an early-exit draft runs its target's)."""
-    return (model.target if isinstance(model, EarlyExitDraft) else model).compiled_entries()
-
-
 def cudagraph_skips() -> int:
     """Compiled calls inductor ran without CUDA graphs in this process (each one says why in a
     warning): 0 when every compiled step on the GPU replayed its graph."""
@@ -215,7 +210,7 @@ def run_speculative_bench(bench: SpeculativeBench) -> dict[str, Any]:
         "draft_quantize": bench.draft_quantize,
         "compile": bench.compile,  # both models decode with compiled steps
         # what still ran compiled at the end (an entry that failed decodes eagerly, after a warning)
-        "compiled_entries": {"target": target.compiled_entries(), "draft": compiled_entries(draft)},
+        "compiled_entries": {"target": target.compiled_entries(), "draft": draft.compiled_entries()},
         "device": str(device),
         # what the models decode in, read off them (both cast alike: the base decodes in it too)
         "dtype": str(next(target.parameters()).dtype).removeprefix("torch."),

@@ -170,6 +170,10 @@ class EarlyExitDraft(nn.Module):
         call of the target's after its compile_decoding()."""
         return self.target.draw(tokens, cache, uniforms, sampling, forced_tokens, forced, self.n_layers)
 
+    def compiled_entries(self) -> list[str]:
+        """The target's (Transformer.compiled_entries): the draft decodes through its graphs."""
+        return self.target.compiled_entries()
+
     def new_cache(self, batch_size: int, max_len: int | None = None, device=None, dtype=None) -> ModelCache:
         layers = [block.attention for block in self.target.blocks[: self.n_layers]]
         return new_model_cache(self.target, layers, batch_size,
