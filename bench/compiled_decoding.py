@@ -7,8 +7,10 @@ in turn, round by round (the compiled step's compilation happens in an untimed w
 medians of the per-round medians. --also adds other compiled steps, side by side: `library` (the
 products with the weights through ATen's library calls instead of the packed kernels,
 compile_decoding(linear="library")), `python-wrapper` (the step called from inductor's Python
-wrapper instead of its C++ one, compile_decoding(cpp_wrapper=False)). --dtype: every model's weights
-and caches (float32 unless told).
+wrapper instead of its C++ one, compile_decoding(cpp_wrapper=False)), `torch-attention` (full and
+local attention's cached calls by torch's attention instead of the cpu back-end's operator,
+attention.<kind>.backend=torch; the same step as the default for the other kinds). --dtype: every
+model's weights and caches (float32 unless told).
 
     OMP_NUM_THREADS=2 python bench/compiled_decoding.py --context 256 4096 --new-tokens 128 --rounds 3 --also library
 """
@@ -33,17 +35,24 @@ WINDOW = dict(local={"window_size": 64}, routing={"window_size": 64}, sinkhorn={
                    "selection_block_size": 16, "num_selected": 4})
 KV_HEADS = {"nsa": 2}  # NSA shares its selection over a key/value group
 SAMPLING = SamplingConfig(top_k=26)
-# compile_decoding's arguments of the other compiled steps --also can add
-OTHER_STEPS = {"library": {"linear": "library"}, "python-wrapper": {"cpp_wrapper": False}}
+# compile_decoding's arguments of the other compiled steps --also can add, or their attention's settings
+OTHER_STEPS = {"library": {"linear": "library"}, "python-wrapper": {"cpp_wrapper": False},
+               "torch-attention": {"backend": "torch"}}
+BACKEND_KINDS = ("full", "local")  # the kinds whose cached calls have a cpu back-end
 
 
 def build(kind: str, max_len: int, variant: str, dtype: torch.dtype = torch.float32) -> Transformer:
     """variant: eager, compiled (compile_decoding's defaults) or one of OTHER_STEPS."""
-    values = {**MODEL, "kv_heads": KV_HEADS.get(kind), "max_seq_len": max_len, "attention": {"kind": kind, **WINDOW}}
+    step = dict(OTHER_STEPS.get(variant, {}))
+    attention = {"kind": kind, **WINDOW}
+    backend = step.pop("backend", None)
+    if backend is not None and kind in BACKEND_KINDS:
+        attention[kind] = {**attention.get(kind, {}), "backend": backend}
+    values = {**MODEL, "kv_heads": KV_HEADS.get(kind), "max_seq_len": max_len, "attention": attention}
     torch.manual_seed(0)
     model = Transformer(model_config(values)).to(dtype).eval()
     if variant != "eager":
-        model.compile_decoding(**OTHER_STEPS.get(variant, {}))
+        model.compile_decoding(**step)
     return model
 
 

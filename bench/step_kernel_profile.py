@@ -27,6 +27,8 @@ from attnlab.cli import arguments  # the decoding commands' --dtype names (bf16 
 from attnlab.config import load_config
 from attnlab.model import Transformer
 
+ATTENTION_CALLS = ("scaled_dot_product", "cached_attention_cpu")  # torch's fused attention, kernels/decode_cpu.py
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -67,14 +69,15 @@ def main() -> None:
                     call(width)
             events = profiler.key_averages()
             total = sum(event.self_cpu_time_total for event in events)
-            # torch's call (not a generated kernel fused around it, which carries the op's name too)
-            attention = sum(event.self_cpu_time_total for event in events if "scaled_dot_product" in event.key
-                            and "cpp_fused" not in event.key)
+            # the attention's call, torch's fused attention or the cpu back-end's operator (not a generated
+            # kernel fused around it, which carries the op's name too)
+            attention = sum(event.self_cpu_time_total for event in events
+                            if any(name in event.key for name in ATTENTION_CALLS) and "cpp_fused" not in event.key)
             products = sum(event.self_cpu_time_total for event in events if "_gemm_" in event.key)
             print(json.dumps({"step": name, "batch_size": args.batch_size, "dtype": args.dtype,
                               "context": args.context, "capacity": args.capacity,
                               "median_ms": statistics.median(times) * 1e3,
-                              "fused_attention_share": attention / total, "products_share": products / total}))
+                              "attention_share": attention / total, "products_share": products / total}))
             print(events.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60),
                   flush=True)
 

@@ -25,7 +25,7 @@ def test_auto_takes_the_cpu_kernels_where_they_serve(monkeypatch):
     assert choose("auto", ALL, x, whole=False) == "torch"  # a chunk through a cache
     assert choose("auto", ALL, x, whole=True, dropout=0.1) == "torch"
     assert choose("auto", ALL, x.double(), whole=True) == "torch"
-    assert choose("auto", ("torch", "flex"), x, whole=True) == "torch"  # local attention offers no cpu
+    assert choose("auto", ("torch", "flex"), x, whole=True) == "torch"  # a variant that offers no cpu
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert choose("auto", ALL, x, whole=True) == "torch"
     monkeypatch.setenv("ATTNLAB_CPU_KERNELS", "0")
@@ -45,9 +45,9 @@ def test_a_named_back_end_serves_its_calls_and_refuses_what_it_cannot_run():
     with pytest.raises(ConfigError, match="dropout"):
         choose("cpu", ALL, x, whole=True, dropout=0.1)
     with pytest.raises(ConfigError, match="not offered"):
-        check_backend("local", "cpu", ("torch", "flex"))
+        check_backend("local", "triton", ("torch", "flex", "cpu"))
     with pytest.raises(ConfigError, match="is not one of"):  # the config itself refuses it
-        variant_config("local", attention={"kind": "local", "local": {"backend": "cpu"}})
+        variant_config("local", attention={"kind": "local", "local": {"backend": "triton"}})
 
 
 def twin(name: str, backend: str) -> tuple[Transformer, Transformer]:

@@ -66,7 +66,7 @@ def test_step_kernel_profile_prints_each_steps_shares():
                          "--capacity", "16", "--calls", "2", "--rows", "3")
     steps = [json.loads(line) for line in printed.splitlines() if line.startswith("{")]
     assert [step["step"] for step in steps] == ["one token", "verification"]
-    assert all(0 < step["fused_attention_share"] < 1 and step["median_ms"] > 0 for step in steps)
+    assert all(0 < step["attention_share"] < 1 and step["median_ms"] > 0 for step in steps)
 
 
 def test_inference_mode_decoding_prints_the_ratio():
@@ -76,9 +76,9 @@ def test_inference_mode_decoding_prints_the_ratio():
     assert report["full eager"]["no_grad_over_inference"] > 0 and "no_grad / inference mode" in printed
 
 
-def save_byte_run(run_dir: Path, depth: int, corpus: Path) -> Path:
+def save_byte_run(run_dir: Path, depth: int, corpus: Path, **overrides) -> Path:
     """A small byte-level full-attention model saved as a run whose data is `corpus` (a file)."""
-    model = Transformer(variant_config("full", num_tokens=256, depth=depth))
+    model = Transformer(variant_config("full", num_tokens=256, depth=depth, **overrides))
     config = RunConfig(name=run_dir.name, out_dir=str(run_dir.parent), model=model.config,
                        data=DataConfig(source="file", path=str(corpus), cache_dir=str(run_dir.parent / "cache")))
     save_checkpoint(checkpoint_path(run_dir, 1), {"config": config_to_dict(config), "model": model.state_dict(),
@@ -101,6 +101,21 @@ def test_speculative_ab_times_each_draft_at_each_gamma(tmp_path):
     rounds = [line for line in lines if "round" in line]
     assert sorted((line["draft"], line["gamma"]) for line in rounds) == sorted(
         [(draft_name, gamma) for draft_name in ("float32", "int8") for gamma in (2, 3)] * 2)
+
+
+def test_decode_backend_pair_times_both_backends(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(bytes(range(256)) * 64)
+    target = save_byte_run(tmp_path / "target", 2, corpus, dim_head=16)  # a head width the operator takes
+    draft = save_byte_run(tmp_path / "draft", 1, corpus, dim_head=16)
+    printed = run_script("decode_backend_pair.py", str(target), str(draft), "--eager", "--rounds", "2", "--gamma", "2",
+                         "--max-new-tokens", "8", "--batch-size", "2")
+    lines = [json.loads(line) for line in printed.splitlines()]
+    assert sorted((line["backend"], line["round"]) for line in lines[:-1]) == [("auto", 0), ("auto", 1), ("torch", 0),
+                                                                                 ("torch", 1)]
+    summary = lines[-1]["summary"]
+    assert summary["auto"]["speedup"] > 0 and summary["torch"]["speedup"] > 0
+    assert summary["operator / torch, base"] > 0 and summary["operator / torch, speculative"] > 0
 
 
 def run_gpu_script(tmp_path: Path, *parts: str, **settings: str) -> subprocess.CompletedProcess:

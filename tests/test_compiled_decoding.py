@@ -21,7 +21,7 @@ from attnlab.model import Transformer
 from variants import variant_config
 
 pytestmark = pytest.mark.slow
-NAMES = ["full", "local", "routing", "sinkhorn", "nsa"]
+NAMES = ["full", "local", "routing", "sinkhorn", "nsa", "full-cpu-decode", "local-cpu-decode"]
 
 
 def twins(name: str, backend: str = "aot_eager", **overrides) -> tuple[Transformer, Transformer]:
@@ -68,12 +68,13 @@ def test_compiled_decoding_equals_eager_and_never_recompiles(name):
 
 
 @pytest.mark.parametrize("name, backend", [*((name, "aot_eager") for name in NAMES), ("sinkhorn", "inductor"),
-                                           ("nsa", "inductor")])
+                                           ("nsa", "inductor"), ("full-cpu-decode", "inductor")])
 def test_compiled_decoding_of_one_row(name, backend):
     """At batch 1 (a size-1 dimension, whose stride any value leaves a tensor contiguous): a
     prefill, verification-sized chunks of 6 and one-token steps, around a rollback, give the eager
     logits, and the compiled step serves them all (none fell back to eager). Sinkhorn's and NSA's
-    steps branch (torch.cond), whose two sides must agree in layout: also through inductor."""
+    steps branch (torch.cond), whose two sides must agree in layout: also through inductor, as is
+    the cpu back-end's C++ operator (called from inductor's C++ wrapper)."""
     eager, compiled = twins(name, backend=backend, **({"depth": 1} if backend == "inductor" else {}))
     tokens = torch.randint(0, 61, (1, 60), generator=torch.Generator().manual_seed(4))
 

@@ -382,15 +382,17 @@ def test_per_row_mask_bug_is_detected(monkeypatch):
     tokens a shorter row leaves past its length, and its own later window tokens) are caught.
     (The tiny models of the chi-square tests attend too weakly for this bias to show in 6000
     samples; the logits are compared exactly here instead.)"""
-    target, draft = model("full", depth=2, logit_scale=3), model("full", seed=1, depth=1, logit_scale=3)
+    torch_attention = {"attention": {"kind": "full", "full": {"backend": "torch"}}}  # the masked path
+    target = model("full", depth=2, logit_scale=3, **torch_attention)
+    draft = model("full", seed=1, depth=1, logit_scale=3, **torch_attention)
     prompt = torch.randint(0, 61, (6, 5), generator=torch.Generator().manual_seed(0))
-    append = FullCache.append
+    visible = FullCache.visible
 
-    def append_level(cache, k, v, positions):
-        mask = append(cache, k, v, positions)  # [B, 1, T, L]
+    def visible_level(cache, positions):
+        mask = visible(cache, positions)  # [B, 1, T, L]
         return mask.any(dim=0, keepdim=True).expand_as(mask)  # every row sees what any row sees
 
-    monkeypatch.setattr(FullCache, "append", append_level)
+    monkeypatch.setattr(FullCache, "visible", visible_level)
     recording = RecordingTarget(target)
     result = speculative_generate(recording, draft, prompt, 40, gamma=4, generator=torch.Generator().manual_seed(0))
     assert not attended_only_committed_tokens(recording, result.tokens)

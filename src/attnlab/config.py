@@ -110,9 +110,15 @@ Weight = Annotated[float, Range(0, 1, open_low=True)]  # a mixing weight: 0 woul
 
 
 @dataclass(kw_only=True)
+class FullAttentionConfig:
+    backend: Literal["auto", "torch", "cpu"] = "auto"  # attention/kernels/__init__.py; cpu: cached calls on the CPU
+
+
+@dataclass(kw_only=True)
 class LocalAttentionConfig:
     window_size: Size = 128  # keys visible to a query, itself included
-    backend: Literal["auto", "torch", "flex"] = "auto"  # attention/kernels/__init__.py; flex: GPU (CPU: forward only)
+    backend: Literal["auto", "torch", "flex", "cpu"] = "auto"  # attention/kernels/__init__.py; flex: GPU (CPU: forward
+    # only); cpu: cached calls on the CPU
 
 
 # ---- routing (owned by attention/routing.py)
@@ -170,6 +176,7 @@ class NSAAttentionConfig:
 class AttentionConfig:
     kind: str = "full"  # registry name: full | local | routing | sinkhorn | nsa
     dropout: Rate = 0.0  # dropout on attention probabilities (training only)
+    full: FullAttentionConfig = field(default_factory=FullAttentionConfig)
     local: LocalAttentionConfig = field(default_factory=LocalAttentionConfig)
     routing: RoutingAttentionConfig = field(default_factory=RoutingAttentionConfig)
     sinkhorn: SinkhornAttentionConfig = field(default_factory=SinkhornAttentionConfig)

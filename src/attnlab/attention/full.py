@@ -1,25 +1,25 @@
 """Full causal attention: every token attends to all earlier tokens and itself.
 
 "Attention Is All You Need" (Vaswani et al., arXiv 1706.03762), computed by torch's
-scaled_dot_product_attention (flash / memory-efficient kernels where available).
+scaled_dot_product_attention (flash / memory-efficient kernels where available); a call through a
+cache on the CPU by the `cpu` back-end's operator where it serves (kernels/decode_cpu.py: it reads
+only the keys its queries see).
 
 Legend: B batch, T new tokens, H query heads, G key/value heads, D head width.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
 from attnlab.attention.base import Attention, AttentionSpec, KVCache, masked_attention, new_lengths, sdpa, write_rows
+from attnlab.attention.kernels import check_backend, choose_cached
+from attnlab.attention.kernels.decode_cpu import cached_attention
+from attnlab.config import FullAttentionConfig
 from attnlab.registry import ATTENTION
 
-
-@dataclass(kw_only=True)
-class FullAttentionConfig:
-    """Full attention has no options of its own."""
+OFFERED = ("torch", "cpu")
 
 
 class FullCache(KVCache):
@@ -32,11 +32,13 @@ class FullCache(KVCache):
         self.keys = torch.zeros(shape, device=lengths.device, dtype=dtype)
         self.values = torch.zeros(shape, device=lengths.device, dtype=dtype)
 
-    def append(self, k: Tensor, v: Tensor, positions: Tensor) -> Tensor:
-        """Store k, v [B, G, T, D] at positions [B, T]; -> the mask [B, 1, T, max_len] of the keys
-        each new query sees."""
+    def append(self, k: Tensor, v: Tensor, positions: Tensor) -> None:
+        """Store k, v [B, G, T, D] at positions [B, T]."""
         write_rows(self.keys, k, positions)
         write_rows(self.values, v, positions)
+
+    def visible(self, positions: Tensor) -> Tensor:
+        """The mask [B, 1, T, max_len] of the keys each query at positions [B, T] sees."""
         keys = torch.arange(self.max_len, device=positions.device)
         return (keys <= positions[..., None])[:, None]
 
@@ -51,7 +53,9 @@ class FullAttention(Attention):
         return float(seq_len)
 
     def __init__(self, spec: AttentionSpec, config: FullAttentionConfig | None = None) -> None:
+        config = config or FullAttentionConfig()
         super().__init__(spec, config)
+        check_backend("full", config.backend, OFFERED)
 
     def forward(self, x: Tensor, cache: FullCache | None = None) -> Tensor:
         dropout = self.spec.dropout if self.training else 0.0
@@ -60,10 +64,12 @@ class FullAttention(Attention):
             return self.heads.merge(sdpa(q, k, v, mask=None, causal=True, dropout=dropout))
         positions = cache.positions(x.shape[1])  # [B, T]
         q, k, v = self.heads.split(x, positions)
-        mask = cache.append(k, v, positions)
+        cache.append(k, v, positions)
         if cache.prefill:  # every row empty: the chunk is a whole sequence
             return self.heads.merge(sdpa(q, k, v, mask=None, causal=True, dropout=dropout))
-        return self.heads.merge(masked_attention(q, cache.keys, cache.values, mask))
+        if choose_cached(self.config.backend, OFFERED, q, cache.keys, dropout) == "cpu":
+            return self.heads.merge(cached_attention(q, cache.keys, cache.values, positions))
+        return self.heads.merge(masked_attention(q, cache.keys, cache.values, cache.visible(positions)))
 
     def new_cache(self, batch: int, max_len: int, device=None, dtype=None, lengths: Tensor | None = None) -> FullCache:
         lengths = new_lengths(batch, device) if lengths is None else lengths

@@ -3,7 +3,8 @@ itself included.
 
 As used by the Longformer (Beltagy et al., arXiv 2004.05150) and as the local heads of the Routing
 and Sinkhorn Transformers. Computed in blocks of `window` queries, each attending to its own
-block and the one before, so memory is O(T * window), never T x T.
+block and the one before, so memory is O(T * window), never T x T. A call through a cache on the
+CPU runs on the `cpu` back-end's operator where it serves (kernels/decode_cpu.py).
 
 Legend: B batch, T queries, S keys, H query heads, G key/value heads, D head width,
 N query blocks, W window.
@@ -29,7 +30,8 @@ from attnlab.attention.base import (
     window_positions,
     write_rows,
 )
-from attnlab.attention.kernels import check_backend, choose
+from attnlab.attention.kernels import check_backend, choose, choose_cached
+from attnlab.attention.kernels.decode_cpu import cached_attention
 from attnlab.attention.kernels.flex_local import flex_local_attention
 from attnlab.config import LocalAttentionConfig
 from attnlab.errors import ConfigError
@@ -112,7 +114,7 @@ class LocalCache(KVCache):
         self.values = torch.zeros(shape, device=lengths.device, dtype=dtype)
 
 
-OFFERED = ("torch", "flex")
+OFFERED = ("torch", "flex", "cpu")
 
 
 @ATTENTION.register("local")
@@ -138,13 +140,16 @@ class LocalAttention(Attention):
             if cache is not None:
                 write_rows(cache.keys, k, positions)
                 write_rows(cache.values, v, positions)
-            if choose(self.config.backend, OFFERED, q, whole=True, dropout=dropout) == "flex":
+            whole_backend = "torch" if self.config.backend == "cpu" else self.config.backend  # cpu: cached calls only
+            if choose(whole_backend, OFFERED, q, whole=True, dropout=dropout) == "flex":
                 return self.heads.merge(flex_local_attention(q, k, v, window))
             return self.heads.merge(local_attention(q, k, v, window, dropout))
         positions = cache.positions(x.shape[1])  # [B, T]
         q, k, v = self.heads.split(x, positions)
         write_rows(cache.keys, k, positions)
         write_rows(cache.values, v, positions)
+        if choose_cached(self.config.backend, OFFERED, q, cache.keys, dropout) == "cpu":
+            return self.heads.merge(cached_attention(q, cache.keys, cache.values, positions, window))
         return self.heads.merge(window_attention(q, cache.keys, cache.values, positions, window, dropout))
 
     def new_cache(self, batch: int, max_len: int, device=None, dtype=None, lengths: Tensor | None = None) -> LocalCache:

@@ -54,35 +54,41 @@ def _torch_openmp_dir() -> Path | None:
     return lib if (lib / "libgomp.so.1").exists() else None
 
 
-def _build() -> ctypes.CDLL:
+def compile_library(name: str, sources: tuple[Path, ...], flags: list[str]) -> Path:
+    """The shared library `name` built from sources (and HEADERS) with the system's C++ compiler, in
+    the cache directory under a key of everything the build depends on; built once per key."""
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if compiler is None:
         raise RuntimeError("no C++ compiler found (set CXX)")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+    flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", *flags]
     if platform.machine().lower() in ("x86_64", "amd64"):
         flags.insert(2, "-mprefer-vector-width=512")  # full-width AVX-512 where the CPU has it
     openmp = _torch_openmp_dir()
     if openmp is not None:
         flags += [f"-L{openmp}", f"-Wl,-rpath,{openmp}"]
-    texts = [path.read_text() for path in (*SOURCES, *HEADERS)]
+    texts = [path.read_text() for path in (*sources, *HEADERS)]
     key = hashlib.sha256(
         "\n".join([*texts, compiler, version, " ".join(flags), _cpu_signature(), sys.platform]).encode()
     ).hexdigest()[:16]
     cache = Path(os.environ.get("ATTNLAB_CACHE") or Path.home() / ".cache" / "attnlab") / "kernels"
-    target = cache / f"attnlab_cpu-{key}.so"
+    target = cache / f"{name}-{key}.so"
     if not target.exists():
         cache.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache) as scratch:
             built = Path(scratch) / target.name
-            command = [compiler, *flags, *map(str, SOURCES), "-o", str(built)]
+            command = [compiler, *flags, *map(str, sources), "-o", str(built)]
             result = subprocess.run(command, capture_output=True, text=True)
             if result.returncode != 0:
-                raise RuntimeError(f"compiling the CPU kernels failed:\n{result.stderr[-2000:]}")
+                raise RuntimeError(f"compiling {name} failed:\n{result.stderr[-2000:]}")
             os.replace(built, target)  # atomic: a concurrent build of the same key writes the same file
-    library = ctypes.CDLL(str(target))
+    return target
+
+
+def _build() -> ctypes.CDLL:
+    library = ctypes.CDLL(str(compile_library("attnlab_cpu", SOURCES, ["-std=c++17"])))
     if library.attnlab_cpu_kernels_abi_version() != ABI_VERSION:
-        raise RuntimeError(f"{target} is not ABI version {ABI_VERSION}")
+        raise RuntimeError(f"the CPU kernels are not ABI version {ABI_VERSION}")
     for name in ("listed_attention_forward", "listed_attention_backward", "nsa_block_attention_forward",
                  "nsa_block_attention_backward"):
         getattr(library, name).restype = None

@@ -1,0 +1,251 @@
+// Attention of a few queries through a cache, on the CPU: the `cpu` back-end of full and local
+// attention's cached calls (a decode step, a speculative verification; kernels/decode_cpu.py).
+//
+// Query t of row b sees the keys at positions lo..positions[b, t] of the cache's storage
+// [B, G, L, D] (lo = position - window + 1 with a window, else 0). Each task, one (row, query head),
+// reads those keys and values once for all of its T queries, scoring 16 keys at a time: a key
+// block is multiplied by each query in vector lanes and the 16 lane sums are taken together by a
+// ladder of shuffles. Only the keys some query sees are read, not the whole storage (torch's fused
+// attention reads every position of it, masked). float32 or bfloat16 queries and storage, the
+// arithmetic in float32; head widths 16 to 128 in steps of 16.
+//
+// Registered as the torch operator attnlab::cached_attention_cpu, so a compiled decode step calls
+// it from inductor's C++ wrapper without a return to Python.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "cpu_vec.h"
+
+namespace {
+
+using namespace attnlab_cpu;
+typedef uint16_t vh __attribute__((vector_size(LANES * sizeof(uint16_t))));
+typedef uint32_t vu __attribute__((vector_size(LANES * sizeof(uint32_t))));
+
+constexpr float NEGATIVE_INFINITY = -std::numeric_limits<float>::infinity();
+constexpr int64_t QUERY_BLOCK = 4;  // queries whose output rows stay in registers together
+constexpr int64_t MAX_QUERIES = 64;
+
+inline vf load_bf16(const uint16_t* p) {  // 16 bfloat16 -> float32: the bits shifted up
+  vh half;
+  std::memcpy(&half, p, sizeof(half));
+  const vu bits = __builtin_convertvector(half, vu) << 16;
+  vf x;
+  std::memcpy(&x, &bits, sizeof(x));
+  return x;
+}
+
+inline uint16_t to_bf16(float x) {  // rounded to the nearest, ties to even (as torch's conversion)
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  if (std::isnan(x)) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  bits += 0x7FFF + ((bits >> 16) & 1);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+// n rows of width D (a multiple of 16) starting at element `offset` of `base`, as float32 in out
+inline void rows_to_float(const void* base, int64_t offset, int64_t n, int64_t width, bool bf16, float* out) {
+  if (!bf16) {
+    std::memcpy(out, static_cast<const float*>(base) + offset, n * width * sizeof(float));
+    return;
+  }
+  const uint16_t* p = static_cast<const uint16_t*>(base) + offset;
+  for (int64_t i = 0; i < n * width; i += LANES) store(out + i, load_bf16(p + i));
+}
+
+// The lane sums of 16 vectors p[0..15] as one vector (lane k: the sum of p[k]'s lanes): four rounds
+// of half-width shuffles and adds, a fixed order
+inline vf sums_of_16(const vf* p) {
+  vf a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)
+    a[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(p[2 * i], p[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+struct Task {
+  const float* queries;     // [T, D] float32, already scaled by 1/sqrt(D)
+  const void* keys;         // the storage, at this row's key/value head: [L, D]
+  const void* values;
+  bool bf16_storage;
+  const int64_t* lo;        // [T] the first and last key each query sees
+  const int64_t* hi;
+  int64_t n_queries;
+  int64_t first, end;       // keys first..end-1: those some query sees
+  float* scores;            // scratch [T, end - first rounded up to 16]
+  float* block;             // scratch [16, D]
+  float* out;               // [T, D] float32
+};
+
+// scores[t, j] = q_t . k_j for the keys query t sees, -inf for the others
+template <int DV>
+void score(const Task& task, int64_t stride) {
+  constexpr int64_t D = DV * LANES;
+  const vf lane_index = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  for (int64_t j0 = task.first; j0 < task.end; j0 += LANES) {
+    const int64_t n = std::min<int64_t>(LANES, task.end - j0);
+    rows_to_float(task.keys, j0 * D, n, D, task.bf16_storage, task.block);
+    if (n < LANES) std::memset(task.block + n * D, 0, (LANES - n) * D * sizeof(float));
+    const vf key_index = lane_index + static_cast<float>(j0);  // exact: positions are far below 2^24
+    for (int64_t t = 0; t < task.n_queries; ++t) {
+      vf q[DV], partial[LANES];
+      for (int d = 0; d < DV; ++d) q[d] = load(task.queries + t * D + d * LANES);
+      for (int k = 0; k < LANES; ++k) {
+        vf sum = q[0] * load(task.block + k * D);
+        for (int d = 1; d < DV; ++d) sum += q[d] * load(task.block + k * D + d * LANES);
+        partial[k] = sum;
+      }
+      const vf s = sums_of_16(partial);
+      const vi visible = (key_index >= static_cast<float>(task.lo[t])) & (key_index <= static_cast<float>(task.hi[t]));
+      store(task.scores + t * stride + (j0 - task.first), visible ? s : vf{} + NEGATIVE_INFINITY);
+    }
+  }
+}
+
+// each query's softmax weights in place of its scores; returns nothing, fills total[t] (their sum)
+void softmax_rows(const Task& task, int64_t stride, float* total) {
+  for (int64_t t = 0; t < task.n_queries; ++t) {
+    float* s = task.scores + t * stride;
+    vf running = vf{} + NEGATIVE_INFINITY;
+    for (int64_t j = 0; j < stride; j += LANES) running = running > load(s + j) ? running : load(s + j);
+    float top = running[0];
+    for (int l = 1; l < LANES; ++l) top = std::max(top, running[l]);
+    vf sum = {};
+    for (int64_t j = 0; j < stride; j += LANES) {
+      const vf e = exp_nonpositive(load(s + j) - top);  // -inf -> 0
+      store(s + j, e);
+      sum += e;
+    }
+    total[t] = sum_lanes(sum);  // > 0: every query sees at least its own key
+  }
+}
+
+// out[t] = sum_j weight[t, j] v_j / total[t], QUERY_BLOCK queries' rows held in registers at a time
+template <int DV>
+void weigh_values(const Task& task, int64_t stride, const float* total) {
+  constexpr int64_t D = DV * LANES;
+  for (int64_t t0 = 0; t0 < task.n_queries; t0 += QUERY_BLOCK) {
+    const int64_t n_block = std::min<int64_t>(QUERY_BLOCK, task.n_queries - t0);
+    vf acc[QUERY_BLOCK][DV] = {};
+    for (int64_t j0 = task.first; j0 < task.end; j0 += LANES) {
+      const int64_t n = std::min<int64_t>(LANES, task.end - j0);
+      rows_to_float(task.values, j0 * D, n, D, task.bf16_storage, task.block);
+      for (int64_t k = 0; k < n; ++k) {
+        vf v[DV];
+        for (int d = 0; d < DV; ++d) v[d] = load(task.block + k * D + d * LANES);
+        for (int64_t t = 0; t < n_block; ++t) {
+          const vf weight = vf{} + task.scores[(t0 + t) * stride + (j0 - task.first) + k];
+          for (int d = 0; d < DV; ++d) acc[t][d] += weight * v[d];
+        }
+      }
+    }
+    for (int64_t t = 0; t < n_block; ++t) {
+      const vf inverse = vf{} + 1.0f / total[t0 + t];
+      for (int d = 0; d < DV; ++d) store(task.out + (t0 + t) * D + d * LANES, acc[t][d] * inverse);
+    }
+  }
+}
+
+template <int DV>
+void attend(const Task& task) {
+  const int64_t stride = (task.end - task.first + LANES - 1) / LANES * LANES;
+  float total[MAX_QUERIES];
+  score<DV>(task, stride);
+  softmax_rows(task, stride, total);
+  weigh_values<DV>(task, stride, total);
+}
+
+void attend_any(const Task& task, int64_t head_width) {
+  switch (head_width / LANES) {
+    case 1: return attend<1>(task);
+    case 2: return attend<2>(task);
+    case 3: return attend<3>(task);
+    case 4: return attend<4>(task);
+    case 5: return attend<5>(task);
+    case 6: return attend<6>(task);
+    case 7: return attend<7>(task);
+    default: return attend<8>(task);
+  }
+}
+
+bool is_bf16(const at::Tensor& x) { return x.scalar_type() == at::kBFloat16; }
+
+// q [B, H, T, D], keys and values [B, G, L, D], positions [B, T] int64, window (0: none) -> [B, H, T, D]
+at::Tensor cached_attention_cpu(const at::Tensor& q_in, const at::Tensor& keys_in, const at::Tensor& values_in,
+                                const at::Tensor& positions_in, int64_t window) {
+  const at::Tensor q = q_in.contiguous(), keys = keys_in.contiguous(), values = values_in.contiguous();
+  const at::Tensor positions = positions_in.contiguous();
+  const int64_t batch = q.size(0), n_heads = q.size(1), n_queries = q.size(2), width = q.size(3);
+  const int64_t n_groups = keys.size(1), length = keys.size(2);
+  TORCH_CHECK(width % LANES == 0 && width >= LANES && width <= 8 * LANES,
+              "cached_attention_cpu: head width must be 16 to 128 in steps of 16, got ", width);
+  TORCH_CHECK(n_queries <= MAX_QUERIES, "cached_attention_cpu: at most ", MAX_QUERIES, " queries, got ", n_queries);
+  TORCH_CHECK(n_heads % n_groups == 0 && keys.size(3) == width && values.sizes() == keys.sizes(),
+              "cached_attention_cpu: shapes do not match");
+  TORCH_CHECK(keys.scalar_type() == values.scalar_type(), "cached_attention_cpu: keys and values differ in dtype");
+  for (const at::Tensor* x : {&q, &keys})
+    TORCH_CHECK(x->scalar_type() == at::kFloat || is_bf16(*x), "cached_attention_cpu: float32 or bfloat16 only");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.sizes() == at::IntArrayRef({batch, n_queries}),
+              "cached_attention_cpu: positions must be int64 [B, T]");
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  const bool bf16_queries = is_bf16(q), bf16_storage = is_bf16(keys);
+  const int64_t element = bf16_storage ? 2 : 4;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(width));
+  const int64_t* position = positions.data_ptr<int64_t>();
+  const int64_t per_group = n_heads / n_groups;
+  at::parallel_for(0, batch * n_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> queries(n_queries * width), rows(n_queries * width), block(LANES * width);
+    std::vector<float> scores(n_queries * ((length + LANES - 1) / LANES * LANES));
+    std::vector<int64_t> lo(n_queries), hi(n_queries);
+    for (int64_t index = begin; index < end; ++index) {
+      const int64_t b = index / n_heads, h = index % n_heads, g = h / per_group;
+      int64_t first = length, last = 0;
+      for (int64_t t = 0; t < n_queries; ++t) {
+        hi[t] = std::min(position[b * n_queries + t], length - 1);
+        lo[t] = window > 0 ? std::max<int64_t>(hi[t] - window + 1, 0) : 0;
+        first = std::min(first, lo[t]);
+        last = std::max(last, hi[t]);
+      }
+      const int64_t q_offset = (b * n_heads + h) * n_queries * width;
+      rows_to_float(q.data_ptr(), q_offset, n_queries, width, bf16_queries, queries.data());
+      for (float& x : queries) x *= scale;
+      const int64_t storage_offset = (b * n_groups + g) * length * width * element;
+      const Task task{queries.data(),
+                      static_cast<const char*>(keys.data_ptr()) + storage_offset,
+                      static_cast<const char*>(values.data_ptr()) + storage_offset,
+                      bf16_storage, lo.data(), hi.data(), n_queries, first, last + 1,
+                      scores.data(), block.data(), rows.data()};
+      attend_any(task, width);
+      if (bf16_queries) {
+        uint16_t* o = static_cast<uint16_t*>(out.data_ptr()) + q_offset;
+        for (int64_t i = 0; i < n_queries * width; ++i) o[i] = to_bf16(rows[i]);
+      } else {
+        std::memcpy(static_cast<float*>(out.data_ptr()) + q_offset, rows.data(), n_queries * width * sizeof(float));
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(attnlab, m) {
+  m.def("cached_attention_cpu(Tensor q, Tensor keys, Tensor values, Tensor positions, int window) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(attnlab, CPU, m) { m.impl("cached_attention_cpu", &cached_attention_cpu); }

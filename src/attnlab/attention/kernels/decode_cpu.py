@@ -1,0 +1,100 @@
+"""The `cpu` back-end of full and local attention's cached calls: a decode step's or a speculative
+verification's few queries through a cache's storage, by decode_cpu.cpp (its header says how).
+
+The operator attnlab::cached_attention_cpu is C++ through and through (built against torch's
+headers, registered with torch's dispatcher), so a compiled decode step calls it from inductor's
+C++ wrapper directly: a Python custom operator would cost each call a return to Python, as much
+as the attention itself at these sizes. Built on first use like the other CPU kernels
+(kernels/cpu.py: cached by source, compiler and CPU); a few seconds more, as it includes torch's
+headers. Without a compiler, or with ATTNLAB_CPU_KERNELS=0, `available()` is False and `auto`
+takes torch's fused attention.
+
+Legend: B batch, H query heads, G key/value heads, T queries, L storage positions, D head width.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+SOURCE = Path(__file__).parent / "decode_cpu.cpp"
+HEAD_WIDTHS = tuple(range(16, 129, 16))  # decode_cpu.cpp's register blocks
+MAX_QUERIES = 64  # queries per call (decode_cpu.cpp's MAX_QUERIES)
+_lock = threading.Lock()
+_state: dict[str, str | bool] = {}  # "loaded": True, or "failure": why not
+
+
+def _build_and_load() -> None:
+    from torch.utils.cpp_extension import include_paths
+
+    from attnlab.attention.kernels.cpu import compile_library
+
+    torch_lib = Path(torch.__file__).parent / "lib"
+    flags = ["-std=c++20", *(f"-I{path}" for path in include_paths()),
+             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+             f"-L{torch_lib}", "-Wl,--no-as-needed", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}"]
+    torch.ops.load_library(str(compile_library("attnlab_decode", (SOURCE,), flags)))
+
+
+def _load() -> bool:
+    if os.environ.get("ATTNLAB_CPU_KERNELS", "1") == "0":
+        return False
+    if not _state:
+        with _lock:
+            if not _state:
+                try:
+                    _build_and_load()
+                    _register_fake()
+                    _state["loaded"] = True
+                except Exception as error:  # noqa: BLE001 - any failure means: use torch's attention
+                    _state["failure"] = str(error)
+                    log.warning("CPU decode attention kernel unavailable, using torch's attention: %s", error)
+    return "loaded" in _state
+
+
+@torch.compiler.assume_constant_result
+def available() -> bool:
+    """Whether the operator can run here (built and loaded on first call). A constant for
+    torch.compile: the answer does not change within a process."""
+    return _load()
+
+
+def refusal(q: Tensor, keys: Tensor, dropout: float) -> str | None:
+    """Why the operator cannot run here at all (None: it can): float32 or bfloat16 CPU tensors, no
+    autocast, dropout or gradient, the library built."""
+    if q.device.type != "cpu" or torch.is_autocast_enabled("cpu"):
+        return "runs CPU tensors without autocast"
+    if q.dtype not in (torch.float32, torch.bfloat16) or keys.dtype not in (torch.float32, torch.bfloat16):
+        return "runs float32 or bfloat16 tensors"
+    if dropout:
+        return "has no attention dropout"
+    if torch.is_grad_enabled() and (q.requires_grad or keys.requires_grad):
+        return "has no backward (it decodes)"
+    if not available():
+        return "needs the compiled CPU kernels (a C++ compiler; ATTNLAB_CPU_KERNELS not 0)"
+    return None
+
+
+def serves(q: Tensor) -> bool:
+    """Whether the operator takes queries q [B, H, T, D]: head widths 16 to 128 in steps of 16, at most
+    MAX_QUERIES queries."""
+    return q.shape[-1] in HEAD_WIDTHS and q.shape[-2] <= MAX_QUERIES
+
+
+def cached_attention(q: Tensor, keys: Tensor, values: Tensor, positions: Tensor, window: int = 0) -> Tensor:
+    """q [B, H, T, D] at positions [B, T] over a cache's storage keys, values [B, G, L, D]: query t of
+    row b sees the keys at lo..positions[b, t] (lo = position - window + 1 with a window, else 0).
+    -> [B, H, T, D] in q's dtype. The caller has checked `refusal` and `serves`."""
+    return torch.ops.attnlab.cached_attention_cpu(q, keys, values, positions, window)
+
+
+def _register_fake() -> None:
+    """The operator's shape for torch.compile, once it is loaded (its schema is the library's)."""
+    torch.library.register_fake("attnlab::cached_attention_cpu")(
+        lambda q, keys, values, positions, window: q.new_empty(q.shape))

@@ -1,0 +1,144 @@
+"""The cpu back-end's operator for calls through a cache (kernels/decode_cpu.py): equal to the test
+oracle over per-row positions, windows, key/value groups, head widths, query counts and dtypes; a
+full or local model decodes through it (the contract suite's *-cpu-decode variants check cache =
+no cache and compiled = eager on it); where it cannot serve, torch's attention does, or a named
+back-end says why in one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnlab.attention import full, local
+from attnlab.attention.base import naive_attention
+from attnlab.attention.kernels import choose_cached, decode_cpu
+from attnlab.errors import ConfigError
+from attnlab.model import Transformer
+from variants import variant_config
+
+pytestmark = pytest.mark.skipif(not decode_cpu.available(), reason="no C++ compiler for the CPU kernels")
+
+
+def visible_keys(positions: torch.Tensor, length: int, window: int) -> torch.Tensor:
+    """[B, 1, T, L]: key j is seen by the query at position p when p - window < j <= p (no window: j <= p)."""
+    keys = torch.arange(length)
+    seen = keys <= positions[..., None]
+    if window:
+        seen &= keys > positions[..., None] - window
+    return seen[:, None]
+
+
+def case(batch, heads, groups, queries, length, width, dtype, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, queries, width, generator=generator).to(dtype)
+    keys, values = (torch.randn(batch, groups, length, width, generator=generator).to(dtype) for _ in range(2))
+    # each row's own positions, consecutive (a verification window), one row at the storage's end
+    starts = torch.randint(0, length - queries + 1, (batch, 1), generator=generator)
+    starts[-1] = length - queries
+    return q, keys, values, starts + torch.arange(queries)
+
+
+@pytest.mark.parametrize("batch, heads, groups, queries, length, width, window", [
+    (1, 4, 4, 1, 50, 64, 0),     # a decode step
+    (3, 4, 2, 7, 77, 16, 0),     # a verification window, key/value groups, storage not a multiple of 16
+    (2, 8, 2, 5, 40, 48, 6),     # a window (local attention), a width of three vectors
+    (2, 2, 1, 3, 33, 128, 0),
+    (1, 2, 2, 64, 80, 32, 0),    # the most queries a call takes
+    (2, 4, 2, 4, 300, 80, 100),  # a window longer than a key block
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_equals_the_oracle(batch, heads, groups, queries, length, width, window, dtype):
+    q, keys, values, positions = case(batch, heads, groups, queries, length, width, dtype)
+    expected = naive_attention(q.float(), keys.float(), values.float(), visible_keys(positions, length, window))
+    out = decode_cpu.cached_attention(q, keys, values, positions, window)
+    assert out.dtype == dtype and out.shape == q.shape
+    tolerance = dict(atol=2e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(out.float(), expected, **tolerance)
+
+
+def test_reads_only_the_keys_its_queries_see():
+    """What lies past every query's position (rejected draft tokens, a storage never written) or
+    before every query's window changes nothing, even where it is not a number."""
+    q, keys, values, positions = case(2, 4, 2, 3, 64, 32, torch.float32)
+    positions = torch.tensor([[20, 21, 22], [40, 41, 42]])
+    expected = decode_cpu.cached_attention(q, keys, values, positions, 8)
+    for cut in (slice(0, 13), slice(23, 64)):  # the windows start at 13, 14 and 15
+        spoiled_keys, spoiled_values = keys.clone(), values.clone()
+        spoiled_keys[0, :, cut] = float("nan")
+        spoiled_values[0, :, cut] = float("inf")
+        spoiled = decode_cpu.cached_attention(q, spoiled_keys, spoiled_values, positions, 8)
+        assert torch.equal(spoiled, expected)
+
+
+def test_a_compiled_call_equals_the_eager_one():
+    """Traced as one operator (its fake gives the shape), through inductor."""
+    q, keys, values, positions = case(2, 4, 2, 6, 40, 32, torch.float32)
+    compiled = torch.compile(decode_cpu.cached_attention, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(q, keys, values, positions, 0), decode_cpu.cached_attention(q, keys, values,
+                                                                                               positions, 0))
+
+
+def test_opcheck():
+    q, keys, values, positions = case(2, 4, 2, 3, 40, 32, torch.float32)
+    torch.library.opcheck(torch.ops.attnlab.cached_attention_cpu, (q, keys, values, positions, 0),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def counted(monkeypatch, module) -> list[int]:
+    """Calls of the operator from `module` (full or local attention), counted."""
+    calls = []
+    operator = module.cached_attention
+
+    def counting(*arguments):
+        calls.append(1)
+        return operator(*arguments)
+
+    monkeypatch.setattr(module, "cached_attention", counting)
+    return calls
+
+
+@pytest.mark.parametrize("name, module", [("full-cpu-decode", full), ("local-cpu-decode", local)])
+def test_auto_decodes_through_it_and_equals_torch(name, module, monkeypatch):
+    """`auto` takes the operator for a cached call (not for the prefill), and decodes what the torch
+    back-end does."""
+    section = name.split("-")[0]
+    torch.manual_seed(0)
+    config = variant_config(name)
+    auto = Transformer(variant_config(name, attention={"kind": section, section: {"backend": "auto"}})).eval()
+    reference = Transformer(variant_config(name, attention={"kind": section, section: {"backend": "torch"}})).eval()
+    reference.load_state_dict(auto.state_dict())
+    assert config.attention.kind == section
+    tokens = torch.randint(0, 61, (2, 30), generator=torch.Generator().manual_seed(2))
+    calls = counted(monkeypatch, module)
+
+    def decode(model):
+        cache = model.new_cache(2, 40)
+        chunks = [model(tokens[:, :20], cache=cache).logits, model(tokens[:, 20:26], cache=cache).logits]
+        cache.truncate_rows(torch.tensor([23, 21]))
+        return torch.cat([*chunks, model(tokens[:, 26:27], cache=cache).logits], dim=1)
+
+    with torch.no_grad():
+        expected = decode(reference)
+        assert not calls
+        torch.testing.assert_close(decode(auto), expected, atol=1e-5, rtol=1e-5)
+    assert len(calls) == 2 * config.depth  # the two chunks after the prefill, in every layer
+
+
+def test_where_it_cannot_serve_torch_does_or_a_named_backend_says_why(monkeypatch):
+    q, keys, values, positions = case(1, 2, 2, 1, 20, 8, torch.float32)  # a head width of 8: no block for it
+    assert choose_cached("cpu", full.OFFERED, q, keys) == "torch"
+    wide = torch.randn(1, 2, 1, 32)
+    assert choose_cached("auto", full.OFFERED, wide, keys) == "cpu"
+    assert choose_cached("torch", full.OFFERED, wide, keys) == "torch"
+    assert choose_cached("auto", full.OFFERED, wide, keys, dropout=0.1) == "torch"
+    with pytest.raises(ConfigError, match="^attention back-end cpu runs float32 or bfloat16 tensors; choose"):
+        choose_cached("cpu", full.OFFERED, wide.double(), keys.double())
+    monkeypatch.setattr(decode_cpu, "available", lambda: False)  # no compiler, or ATTNLAB_CPU_KERNELS=0
+    assert choose_cached("auto", full.OFFERED, wide, keys) == "torch"
+    with pytest.raises(ConfigError, match="needs the compiled CPU kernels"):
+        choose_cached("cpu", full.OFFERED, wide, keys)
+
+
+def test_a_backend_full_attention_lacks_is_a_one_line_error():
+    with pytest.raises(ConfigError, match="^attention.full.backend: 'flex' is not one of 'auto', 'torch', 'cpu'$"):
+        variant_config("full", attention={"kind": "full", "full": {"backend": "flex"}})
