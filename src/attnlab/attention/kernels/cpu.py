@@ -54,9 +54,10 @@ def _torch_openmp_dir() -> Path | None:
     return lib if (lib / "libgomp.so.1").exists() else None
 
 
-def compile_library(name: str, sources: tuple[Path, ...], flags: list[str]) -> Path:
-    """The shared library `name` built from sources (and HEADERS) with the system's C++ compiler, in
-    the cache directory under a key of everything the build depends on; built once per key."""
+def compile_library(name: str, sources: tuple[Path, ...], flags: list[str], link: tuple[str, ...] = ()) -> Path:
+    """The shared library `name` built from sources (and HEADERS) with the system's C++ compiler and
+    `flags`, linked to `link` (libraries, after the sources), in the cache directory under a key of
+    everything the build depends on; built once per key."""
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if compiler is None:
         raise RuntimeError("no C++ compiler found (set CXX)")
@@ -69,7 +70,7 @@ def compile_library(name: str, sources: tuple[Path, ...], flags: list[str]) -> P
         flags += [f"-L{openmp}", f"-Wl,-rpath,{openmp}"]
     texts = [path.read_text() for path in (*sources, *HEADERS)]
     key = hashlib.sha256(
-        "\n".join([*texts, compiler, version, " ".join(flags), _cpu_signature(), sys.platform]).encode()
+        "\n".join([*texts, compiler, version, " ".join([*flags, *link]), _cpu_signature(), sys.platform]).encode()
     ).hexdigest()[:16]
     cache = Path(os.environ.get("ATTNLAB_CACHE") or Path.home() / ".cache" / "attnlab") / "kernels"
     target = cache / f"{name}-{key}.so"
@@ -77,7 +78,7 @@ def compile_library(name: str, sources: tuple[Path, ...], flags: list[str]) -> P
         cache.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache) as scratch:
             built = Path(scratch) / target.name
-            command = [compiler, *flags, *map(str, sources), "-o", str(built)]
+            command = [compiler, *flags, *map(str, sources), *link, "-o", str(built)]
             result = subprocess.run(command, capture_output=True, text=True)
             if result.returncode != 0:
                 raise RuntimeError(f"compiling {name} failed:\n{result.stderr[-2000:]}")

@@ -5,7 +5,7 @@ The operator attnlab::cached_attention_cpu is C++ through and through (built aga
 headers, registered with torch's dispatcher), so a compiled decode step calls it from inductor's
 C++ wrapper directly: a Python custom operator would cost each call a return to Python, as much
 as the attention itself at these sizes. Built on first use like the other CPU kernels
-(kernels/cpu.py: cached by source, compiler and CPU); a few seconds more, as it includes torch's
+(kernels/cpu.py: cached by source, compiler and CPU); about ten seconds, as it includes torch's
 headers. Without a compiler, or with ATTNLAB_CPU_KERNELS=0, `available()` is False and `auto`
 takes torch's fused attention.
 
@@ -37,9 +37,9 @@ def _build_and_load() -> None:
 
     torch_lib = Path(torch.__file__).parent / "lib"
     flags = ["-std=c++20", *(f"-I{path}" for path in include_paths()),
-             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-             f"-L{torch_lib}", "-Wl,--no-as-needed", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}"]
-    torch.ops.load_library(str(compile_library("attnlab_decode", (SOURCE,), flags)))
+             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+    link = (f"-L{torch_lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}")
+    torch.ops.load_library(str(compile_library("attnlab_decode", (SOURCE,), flags, link)))
 
 
 def _load() -> bool:
