@@ -114,7 +114,8 @@ class LocalCache(KVCache):
         self.values = torch.zeros(shape, device=lengths.device, dtype=dtype)
 
 
-OFFERED = ("torch", "flex", "cpu")
+OFFERED = ("torch", "flex", "cpu")  # cpu: calls through a cache only (choose_cached)
+WHOLE_SEQUENCE = ("torch", "flex")  # the back-ends of a whole sequence (choose)
 
 
 @ATTENTION.register("local")
@@ -140,8 +141,8 @@ class LocalAttention(Attention):
             if cache is not None:
                 write_rows(cache.keys, k, positions)
                 write_rows(cache.values, v, positions)
-            whole_backend = "torch" if self.config.backend == "cpu" else self.config.backend  # cpu: cached calls only
-            if choose(whole_backend, OFFERED, q, whole=True, dropout=dropout) == "flex":
+            backend = "torch" if self.config.backend == "cpu" else self.config.backend
+            if choose(backend, WHOLE_SEQUENCE, q, whole=True, dropout=dropout) == "flex":
                 return self.heads.merge(flex_local_attention(q, k, v, window))
             return self.heads.merge(local_attention(q, k, v, window, dropout))
         positions = cache.positions(x.shape[1])  # [B, T]
