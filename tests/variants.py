@@ -19,9 +19,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "full-tied-factorised": dict(tie_embeddings=True, emb_dim=16, ff_chunks=3, kv_heads=None),
     "local-no-positions": dict(position="none", attention={"kind": "local", "local": {"window_size": 5}}),
     "local": dict(attention={"kind": "local", "local": {"window_size": 8}}),
-    # the cpu back-end's operator for calls through a cache (kernels/decode_cpu.py: head widths of 16 and more)
-    "full-cpu-decode": dict(dim_head=16, attention={"kind": "full", "full": {"backend": "cpu"}}),
-    "local-cpu-decode": dict(dim_head=16, attention={"kind": "local", "local": {"window_size": 8, "backend": "cpu"}}),
+    # heads wide enough for the cpu back-end's operator, which auto takes for calls through a cache
+    # (kernels/decode_cpu.py; torch's attention where it cannot be built: tests/test_decode_cpu.py checks it runs)
+    "full-cpu-decode": dict(dim_head=16, attention={"kind": "full"}),
+    "local-cpu-decode": dict(dim_head=16, attention={"kind": "local", "local": {"window_size": 8}}),
     # routing: windows and clusters small enough that length 45 overflows both; layer 0 mixes
     # 1 local head with 3 routed ones (not aligned with the 2 kv groups), layer 1 has 2 and 2
     "routing": dict(attention={"kind": "routing", "routing": {
