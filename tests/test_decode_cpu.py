@@ -73,7 +73,8 @@ def test_reads_only_the_keys_its_queries_see():
 
 
 def test_a_compiled_call_equals_the_eager_one():
-    """Traced as one operator (its fake gives the shape), through inductor."""
+    """Traced whole as one operator (its fake gives the shape; the compiled-decoding tests run it
+    through inductor's C++ wrapper)."""
     q, keys, values, positions = case(2, 4, 2, 6, 40, 32, torch.float32)
     compiled = torch.compile(decode_cpu.cached_attention, fullgraph=True, backend="aot_eager")
     assert torch.equal(compiled(q, keys, values, positions, 0), decode_cpu.cached_attention(q, keys, values,

@@ -55,6 +55,24 @@ def cpu_refusal(x: Tensor, dropout: float) -> str | None:
     return None
 
 
+def decode_cpu_refusal(q: Tensor, keys: Tensor, dropout: float) -> str | None:
+    """Why the decode operator (kernels/decode_cpu.py) cannot run here at all (None: it can):
+    float32 or bfloat16 CPU tensors, no autocast, dropout or gradient, the operator built."""
+    from attnlab.attention.kernels.decode_cpu import available
+
+    if q.device.type != "cpu" or torch.is_autocast_enabled("cpu"):
+        return "runs CPU tensors without autocast"
+    if q.dtype not in (torch.float32, torch.bfloat16) or keys.dtype not in (torch.float32, torch.bfloat16):
+        return "runs float32 or bfloat16 tensors"
+    if dropout:
+        return "has no attention dropout"
+    if torch.is_grad_enabled() and (q.requires_grad or keys.requires_grad):
+        return "has no backward (it decodes)"
+    if not available():
+        return "needs the compiled CPU kernels (a C++ compiler; ATTNLAB_CPU_KERNELS not 0)"
+    return None
+
+
 def flex_refusal(x: Tensor, dropout: float) -> str | None:
     return "has no attention dropout" if dropout else None
 
@@ -108,9 +126,9 @@ def choose_cached(backend: str, offered: tuple[str, ...], q: Tensor, keys: Tenso
     `choose`; a call it does not take (a head width or query count it has no block for) runs on torch."""
     if "cpu" not in offered or backend not in ("auto", "cpu"):
         return "torch"
-    from attnlab.attention.kernels import decode_cpu
+    from attnlab.attention.kernels.decode_cpu import serves
 
-    refusal = decode_cpu.refusal(q, keys, dropout)
+    refusal = decode_cpu_refusal(q, keys, dropout)
     if refusal is not None and backend == "cpu":
         raise ConfigError(f"attention back-end cpu {refusal}; choose backend=auto or torch")
-    return "cpu" if refusal is None and decode_cpu.serves(q) else "torch"
+    return "cpu" if refusal is None and serves(q) else "torch"

@@ -65,22 +65,6 @@ def available() -> bool:
     return _load()
 
 
-def refusal(q: Tensor, keys: Tensor, dropout: float) -> str | None:
-    """Why the operator cannot run here at all (None: it can): float32 or bfloat16 CPU tensors, no
-    autocast, dropout or gradient, the library built."""
-    if q.device.type != "cpu" or torch.is_autocast_enabled("cpu"):
-        return "runs CPU tensors without autocast"
-    if q.dtype not in (torch.float32, torch.bfloat16) or keys.dtype not in (torch.float32, torch.bfloat16):
-        return "runs float32 or bfloat16 tensors"
-    if dropout:
-        return "has no attention dropout"
-    if torch.is_grad_enabled() and (q.requires_grad or keys.requires_grad):
-        return "has no backward (it decodes)"
-    if not available():
-        return "needs the compiled CPU kernels (a C++ compiler; ATTNLAB_CPU_KERNELS not 0)"
-    return None
-
-
 def serves(q: Tensor) -> bool:
     """Whether the operator takes queries q [B, H, T, D]: head widths 16 to 128 in steps of 16, at most
     MAX_QUERIES queries."""
@@ -90,7 +74,7 @@ def serves(q: Tensor) -> bool:
 def cached_attention(q: Tensor, keys: Tensor, values: Tensor, positions: Tensor, window: int = 0) -> Tensor:
     """q [B, H, T, D] at positions [B, T] over a cache's storage keys, values [B, G, L, D]: query t of
     row b sees the keys at lo..positions[b, t] (lo = position - window + 1 with a window, else 0).
-    -> [B, H, T, D] in q's dtype. The caller has checked `refusal` and `serves`."""
+    -> [B, H, T, D] in q's dtype. The caller has checked that it can (kernels.choose_cached)."""
     return torch.ops.attnlab.cached_attention_cpu(q, keys, values, positions, window)
 
 
