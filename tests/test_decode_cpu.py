@@ -72,6 +72,20 @@ def test_reads_only_the_keys_its_queries_see():
         assert torch.equal(spoiled, expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reads_a_slice_in_place_and_lays_rows_out_for_the_merge(dtype):
+    """Queries that are a slice of the projections (heads spaced wider than a head's rows) give what
+    their contiguous copy gives; the output is [B, T, H, D] in memory, so merging the heads is a view."""
+    q, keys, values, positions = case(2, 4, 2, 6, 40, 32, dtype)
+    projections = torch.randn(2, 6, 4 + 2, 32).to(dtype)  # [B, T, queries and keys, D], as a step makes them
+    projections[:, :, :4] = q.transpose(1, 2)
+    sliced = projections.transpose(1, 2)[:, :4]  # [B, H, T, D], strides of the projections
+    assert not sliced.is_contiguous()
+    out = decode_cpu.cached_attention(sliced, keys, values, positions)
+    assert torch.equal(out, decode_cpu.cached_attention(q, keys, values, positions))
+    assert out.stride() == decode_cpu.out_layout(q).stride() and out.transpose(1, 2).is_contiguous()
+
+
 def test_a_compiled_call_equals_the_eager_one():
     """Traced whole as one operator (its fake gives the shape; the compiled-decoding tests run it
     through inductor's C++ wrapper)."""

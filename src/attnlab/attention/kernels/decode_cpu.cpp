@@ -185,10 +185,13 @@ void attend_any(const Task& task, int64_t head_width) {
 
 bool is_bf16(const at::Tensor& x) { return x.scalar_type() == at::kBFloat16; }
 
-// q [B, H, T, D], keys and values [B, G, L, D], positions [B, T] int64, window (0: none) -> [B, H, T, D]
+// q [B, H, T, D] (any strides with unit stride along D: a slice of the step's projections is read in
+// place), keys and values [B, G, L, D], positions [B, T] int64, window (0: none) -> [B, H, T, D]
+// laid out as [B, T, H, D] in memory, so that merging the heads back into rows is a view, not a copy
 at::Tensor cached_attention_cpu(const at::Tensor& q_in, const at::Tensor& keys_in, const at::Tensor& values_in,
                                 const at::Tensor& positions_in, int64_t window) {
-  const at::Tensor q = q_in.contiguous(), keys = keys_in.contiguous(), values = values_in.contiguous();
+  const at::Tensor q = q_in.stride(3) == 1 ? q_in : q_in.contiguous();
+  const at::Tensor keys = keys_in.contiguous(), values = values_in.contiguous();
   const at::Tensor positions = positions_in.contiguous();
   const int64_t batch = q.size(0), n_heads = q.size(1), n_queries = q.size(2), width = q.size(3);
   const int64_t n_groups = keys.size(1), length = keys.size(2);
@@ -202,7 +205,7 @@ at::Tensor cached_attention_cpu(const at::Tensor& q_in, const at::Tensor& keys_i
     TORCH_CHECK(x->scalar_type() == at::kFloat || is_bf16(*x), "cached_attention_cpu: float32 or bfloat16 only");
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.sizes() == at::IntArrayRef({batch, n_queries}),
               "cached_attention_cpu: positions must be int64 [B, T]");
-  at::Tensor out = at::empty(q.sizes(), q.options());
+  at::Tensor out = at::empty({batch, n_queries, n_heads, width}, q.options());  // [B, T, H, D]
   const bool bf16_queries = is_bf16(q), bf16_storage = is_bf16(keys);
   const int64_t element = bf16_storage ? 2 : 4;
   const float scale = 1.0f / std::sqrt(static_cast<float>(width));
@@ -221,8 +224,9 @@ at::Tensor cached_attention_cpu(const at::Tensor& q_in, const at::Tensor& keys_i
         first = std::min(first, lo[t]);
         last = std::max(last, hi[t]);
       }
-      const int64_t q_offset = (b * n_heads + h) * n_queries * width;
-      rows_to_float(q.data_ptr(), q_offset, n_queries, width, bf16_queries, queries.data());
+      for (int64_t t = 0; t < n_queries; ++t)  // query rows by q's strides
+        rows_to_float(q.data_ptr(), b * q.stride(0) + h * q.stride(1) + t * q.stride(2), 1, width, bf16_queries,
+                      queries.data() + t * width);
       for (float& x : queries) x *= scale;
       const int64_t storage_offset = (b * n_groups + g) * length * width * element;
       const Task task{queries.data(),
@@ -231,15 +235,19 @@ at::Tensor cached_attention_cpu(const at::Tensor& q_in, const at::Tensor& keys_i
                       bf16_storage, lo.data(), hi.data(), n_queries, first, last + 1,
                       scores.data(), block.data(), rows.data()};
       attend_any(task, width);
-      if (bf16_queries) {
-        uint16_t* o = static_cast<uint16_t*>(out.data_ptr()) + q_offset;
-        for (int64_t i = 0; i < n_queries * width; ++i) o[i] = to_bf16(rows[i]);
-      } else {
-        std::memcpy(static_cast<float*>(out.data_ptr()) + q_offset, rows.data(), n_queries * width * sizeof(float));
+      for (int64_t t = 0; t < n_queries; ++t) {  // row t of this head: out[b, t, h]
+        const int64_t out_offset = ((b * n_queries + t) * n_heads + h) * width;
+        const float* row = rows.data() + t * width;
+        if (bf16_queries) {
+          uint16_t* o = static_cast<uint16_t*>(out.data_ptr()) + out_offset;
+          for (int64_t i = 0; i < width; ++i) o[i] = to_bf16(row[i]);
+        } else {
+          std::memcpy(static_cast<float*>(out.data_ptr()) + out_offset, row, width * sizeof(float));
+        }
       }
     }
   });
-  return out;
+  return out.transpose(1, 2);  // [B, H, T, D]
 }
 
 }  // namespace

@@ -74,11 +74,20 @@ def serves(q: Tensor) -> bool:
 def cached_attention(q: Tensor, keys: Tensor, values: Tensor, positions: Tensor, window: int = 0) -> Tensor:
     """q [B, H, T, D] at positions [B, T] over a cache's storage keys, values [B, G, L, D]: query t of
     row b sees the keys at lo..positions[b, t] (lo = position - window + 1 with a window, else 0).
-    -> [B, H, T, D] in q's dtype. The caller has checked that it can (kernels.choose_cached)."""
+    -> [B, H, T, D] in q's dtype, laid out as [B, T, H, D] (out_layout): the heads merge back into
+    rows without a copy. q is read through its strides (a slice of the projections, not copied).
+    The caller has checked that it can (kernels.choose_cached)."""
     return torch.ops.attnlab.cached_attention_cpu(q, keys, values, positions, window)
 
 
 def _register_fake() -> None:
     """The operator's shape for torch.compile, once it is loaded (its schema is the library's)."""
     torch.library.register_fake("attnlab::cached_attention_cpu")(
-        lambda q, keys, values, positions, window: q.new_empty(q.shape))
+        lambda q, keys, values, positions, window: out_layout(q))
+
+
+def out_layout(q: Tensor) -> Tensor:
+    """An empty output for q [B, H, T, D] as the operator makes it: [B, T, H, D] in memory, seen as
+    [B, H, T, D] (decode_cpu.cpp's `out`)."""
+    batch, n_heads, n_queries, width = q.shape
+    return q.new_empty((batch, n_queries, n_heads, width)).transpose(1, 2)
