@@ -45,6 +45,7 @@ def case(batch, heads, groups, queries, length, width, dtype, seed=0):
     (3, 4, 2, 7, 77, 16, 0),     # a verification window, key/value groups, storage not a multiple of 16
     (2, 8, 2, 5, 40, 48, 6),     # a window (local attention), a width of three vectors
     (2, 2, 1, 3, 33, 128, 0),
+    (2, 4, 4, 7, 70, 128, 0),    # the values weighed for 3 queries at a time, then the 1 left
     (1, 2, 2, 64, 80, 32, 0),    # the most queries a call takes
     (2, 4, 2, 4, 300, 80, 100),  # a window longer than a key block
 ])

@@ -5,8 +5,10 @@
 // [B, G, L, D] (lo = position - window + 1 with a window, else 0). Each task, one (row, query head),
 // reads those keys and values once for all of its T queries, scoring 16 keys at a time: a key
 // block is multiplied by each query in vector lanes and the 16 lane sums are taken together by a
-// ladder of shuffles. Only the keys some query sees are read, not the whole storage (torch's fused
-// attention reads every position of it, masked). float32 or bfloat16 queries and storage, the
+// ladder of shuffles; then each block of 16 value rows, read once, is weighed into the output rows
+// of up to 8 queries at a time, held in registers. Only the keys some query sees are read, not the
+// whole storage (torch's fused attention reads every position of it, masked); float32 storage is
+// read in place, bfloat16 converted a block of 16 rows at a time. float32 or bfloat16 queries and storage, the
 // arithmetic in float32; head widths 16 to 128 in steps of 16.
 //
 // Registered as the torch operator attnlab::cached_attention_cpu, so a compiled decode step calls
@@ -31,8 +33,11 @@ typedef uint16_t vh __attribute__((vector_size(LANES * sizeof(uint16_t))));
 typedef uint32_t vu __attribute__((vector_size(LANES * sizeof(uint32_t))));
 
 constexpr float NEGATIVE_INFINITY = -std::numeric_limits<float>::infinity();
-constexpr int64_t QUERY_BLOCK = 4;  // queries whose output rows stay in registers together
 constexpr int64_t MAX_QUERIES = 64;
+
+// queries whose output rows stay in registers together while the values are weighed: at most 28
+// of the 32 vector registers for the rows (AVX-512; with AVX2 the compiler spills some)
+constexpr int64_t query_block(int head_vectors) { return std::max(1, std::min(8, 28 / head_vectors)); }
 
 inline vf load_bf16(const uint16_t* p) {  // 16 bfloat16 -> float32: the bits shifted up
   vh half;
@@ -59,6 +64,17 @@ inline void rows_to_float(const void* base, int64_t offset, int64_t n, int64_t w
   }
   const uint16_t* p = static_cast<const uint16_t*>(base) + offset;
   for (int64_t i = 0; i < n * width; i += LANES) store(out + i, load_bf16(p + i));
+}
+
+// rows j0..j0+n-1 (n <= 16) of a [L, D] storage as float32: the storage itself when it is float32
+// (read in place), else converted into block; with `padded`, 16 rows, those past n zero (a copy
+// for a float32 tail, whose storage may end before 16 rows)
+inline const float* float_rows(const void* storage, bool bf16, int64_t j0, int64_t n, int64_t width, bool padded,
+                               float* block) {
+  if (!bf16 && (n == LANES || !padded)) return static_cast<const float*>(storage) + j0 * width;
+  rows_to_float(storage, j0 * width, n, width, bf16, block);
+  if (padded && n < LANES) std::memset(block + n * width, 0, (LANES - n) * width * sizeof(float));
+  return block;
 }
 
 // The lane sums of 16 vectors p[0..15] as one vector (lane k: the sum of p[k]'s lanes): four rounds
@@ -88,7 +104,7 @@ struct Task {
   int64_t n_queries;
   int64_t first, end;       // keys first..end-1: those some query sees
   float* scores;            // scratch [T, end - first rounded up to 16]
-  float* block;             // scratch [16, D]
+  float* block;             // scratch [16, D]: a block of rows as float32 (bfloat16 storage, a float32 tail)
   float* out;               // [T, D] float32
 };
 
@@ -99,15 +115,14 @@ void score(const Task& task, int64_t stride) {
   const vf lane_index = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   for (int64_t j0 = task.first; j0 < task.end; j0 += LANES) {
     const int64_t n = std::min<int64_t>(LANES, task.end - j0);
-    rows_to_float(task.keys, j0 * D, n, D, task.bf16_storage, task.block);
-    if (n < LANES) std::memset(task.block + n * D, 0, (LANES - n) * D * sizeof(float));
+    const float* keys = float_rows(task.keys, task.bf16_storage, j0, n, D, true, task.block);  // [16, D]
     const vf key_index = lane_index + static_cast<float>(j0);  // exact: positions are far below 2^24
     for (int64_t t = 0; t < task.n_queries; ++t) {
       vf q[DV], partial[LANES];
       for (int d = 0; d < DV; ++d) q[d] = load(task.queries + t * D + d * LANES);
       for (int k = 0; k < LANES; ++k) {
-        vf sum = q[0] * load(task.block + k * D);
-        for (int d = 1; d < DV; ++d) sum += q[d] * load(task.block + k * D + d * LANES);
+        vf sum = q[0] * load(keys + k * D);
+        for (int d = 1; d < DV; ++d) sum += q[d] * load(keys + k * D + d * LANES);
         partial[k] = sum;
       }
       const vf s = sums_of_16(partial);
@@ -135,29 +150,49 @@ void softmax_rows(const Task& task, int64_t stride, float* total) {
   }
 }
 
-// out[t] = sum_j weight[t, j] v_j / total[t], QUERY_BLOCK queries' rows held in registers at a time
+// out[t0 .. t0 + NB - 1] += sum_k weight[t, j0 + k] v_(j0 + k) over the n rows of one value block:
+// the NB queries' rows in registers (NB, DV compile-time: no array indexed at run time)
+template <int DV, int NB>
+void weigh_block(const Task& task, int64_t stride, int64_t t0, int64_t j0, int64_t n, const float* values) {
+  constexpr int64_t D = DV * LANES;
+  vf acc[NB][DV];
+  for (int t = 0; t < NB; ++t)
+    for (int d = 0; d < DV; ++d) acc[t][d] = load(task.out + (t0 + t) * D + d * LANES);
+  const float* weights = task.scores + t0 * stride + (j0 - task.first);
+  for (int64_t k = 0; k < n; ++k) {
+    for (int t = 0; t < NB; ++t) {
+      const vf weight = vf{} + weights[t * stride + k];
+      for (int d = 0; d < DV; ++d) acc[t][d] += weight * load(values + k * D + d * LANES);
+    }
+  }
+  for (int t = 0; t < NB; ++t)
+    for (int d = 0; d < DV; ++d) store(task.out + (t0 + t) * D + d * LANES, acc[t][d]);
+}
+
+template <int DV, int NB = query_block(DV)>
+void weigh_any(const Task& task, int64_t stride, int64_t t0, int64_t n_block, int64_t j0, int64_t n,
+               const float* values) {
+  if constexpr (NB > 1) {
+    if (n_block < NB) return weigh_any<DV, NB - 1>(task, stride, t0, n_block, j0, n, values);
+  }
+  weigh_block<DV, NB>(task, stride, t0, j0, n, values);
+}
+
+// out[t] = sum_j weight[t, j] v_j / total[t]: each value block read (converted) once, weighed into
+// query_block(DV) queries' rows at a time
 template <int DV>
 void weigh_values(const Task& task, int64_t stride, const float* total) {
-  constexpr int64_t D = DV * LANES;
-  for (int64_t t0 = 0; t0 < task.n_queries; t0 += QUERY_BLOCK) {
-    const int64_t n_block = std::min<int64_t>(QUERY_BLOCK, task.n_queries - t0);
-    vf acc[QUERY_BLOCK][DV] = {};
-    for (int64_t j0 = task.first; j0 < task.end; j0 += LANES) {
-      const int64_t n = std::min<int64_t>(LANES, task.end - j0);
-      rows_to_float(task.values, j0 * D, n, D, task.bf16_storage, task.block);
-      for (int64_t k = 0; k < n; ++k) {
-        vf v[DV];
-        for (int d = 0; d < DV; ++d) v[d] = load(task.block + k * D + d * LANES);
-        for (int64_t t = 0; t < n_block; ++t) {
-          const vf weight = vf{} + task.scores[(t0 + t) * stride + (j0 - task.first) + k];
-          for (int d = 0; d < DV; ++d) acc[t][d] += weight * v[d];
-        }
-      }
-    }
-    for (int64_t t = 0; t < n_block; ++t) {
-      const vf inverse = vf{} + 1.0f / total[t0 + t];
-      for (int d = 0; d < DV; ++d) store(task.out + (t0 + t) * D + d * LANES, acc[t][d] * inverse);
-    }
+  constexpr int64_t D = DV * LANES, BLOCK = query_block(DV);
+  std::fill(task.out, task.out + task.n_queries * D, 0.0f);
+  for (int64_t j0 = task.first; j0 < task.end; j0 += LANES) {
+    const int64_t n = std::min<int64_t>(LANES, task.end - j0);
+    const float* values = float_rows(task.values, task.bf16_storage, j0, n, D, false, task.block);  // [n, D]
+    for (int64_t t0 = 0; t0 < task.n_queries; t0 += BLOCK)
+      weigh_any<DV>(task, stride, t0, std::min<int64_t>(BLOCK, task.n_queries - t0), j0, n, values);
+  }
+  for (int64_t t = 0; t < task.n_queries; ++t) {
+    const vf inverse = vf{} + 1.0f / total[t];
+    for (int d = 0; d < DV; ++d) store(task.out + t * D + d * LANES, load(task.out + t * D + d * LANES) * inverse);
   }
 }
 
