@@ -1,0 +1,98 @@
+"""The cpu back-end's decode operator (kernels/decode_cpu.cpp) of this checkout beside the same
+operator at another git revision, side by side in one process: each call of the few-query shapes a
+decode step and a speculative verification make (batch 1 and 4, 1 and 7 queries, 4 heads of width
+64 and 128, float32 and bfloat16, 200 keys seen in a storage of 396), the two operators in turn,
+round after round; medians of each round's median call, and of the rounds' time ratios (this
+checkout over the other). The other revision's source is built under the namespace
+attnlab_against (its registration renamed), so both load at once; the outputs are checked to agree.
+Keys and values stay in cache between calls here: a compiled step reads them cold, among the
+weights (bench/step_kernel_profile.py times the operator inside the step).
+
+    OMP_NUM_THREADS=2 python bench/decode_operator_ab.py --against REVISION [--rounds 9] [--calls 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.cpp_extension import include_paths
+
+from attnlab.attention.kernels import decode_cpu
+from attnlab.attention.kernels.cpu import compile_library
+
+KERNELS = Path(decode_cpu.__file__).parent
+SHAPES = [(batch, queries) for batch in (1, 4) for queries in (1, 7)]  # (B, T)
+
+
+def load_revision(revision: str) -> object:
+    """The decode operator as it was at `revision`, registered as torch.ops.attnlab_against."""
+    relative = KERNELS.relative_to(Path(subprocess.check_output(["git", "rev-parse", "--show-toplevel"],
+                                                                text=True).strip()))
+    folder = Path(tempfile.mkdtemp(prefix="decode-against-"))
+    for name in ("decode_cpu.cpp", "cpu_vec.h"):
+        text = subprocess.check_output(["git", "show", f"{revision}:{relative / name}"], text=True)
+        if name == "decode_cpu.cpp":
+            text = text.replace("TORCH_LIBRARY_FRAGMENT(attnlab,", "TORCH_LIBRARY_FRAGMENT(attnlab_against,")
+            text = text.replace("TORCH_LIBRARY_IMPL(attnlab,", "TORCH_LIBRARY_IMPL(attnlab_against,")
+        (folder / name).write_text(text)
+    torch_lib = Path(torch.__file__).parent / "lib"
+    flags = ["-std=c++20", *(f"-I{path}" for path in include_paths()),
+             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+    link = (f"-L{torch_lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}")
+    torch.ops.load_library(str(compile_library("attnlab_decode_against", (folder / "decode_cpu.cpp",), flags, link)))
+    return torch.ops.attnlab_against.cached_attention_cpu
+
+
+def case(batch: int, queries: int, width: int, dtype: torch.dtype, seen: int = 200, storage: int = 396):
+    """q [B, 4, T, D], keys and values [B, 4, L, D], positions [B, T]: each row's T queries after `seen` keys."""
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(batch, 4, queries, width, generator=generator).to(dtype)
+    keys, values = (torch.randn(batch, 4, storage, width, generator=generator).to(dtype) for _ in range(2))
+    return q, keys, values, (torch.arange(queries) + seen).expand(batch, queries).contiguous()
+
+
+def median_call(operator, arguments, calls: int) -> float:
+    times = []
+    for _ in range(calls):
+        started = time.perf_counter()
+        operator(*arguments, 0)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--against", required=True, help="the git revision to compare with")
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--calls", type=int, default=200, help="calls timed per operator and round")
+    args = parser.parse_args()
+    if not decode_cpu.available():
+        raise SystemExit("the decode operator cannot be built here (no C++ compiler)")
+    operators = {"this": torch.ops.attnlab.cached_attention_cpu, "against": load_revision(args.against)}
+    print(f"threads {torch.get_num_threads()}, against {args.against}; microseconds a call")
+    for width in (64, 128):
+        for dtype in (torch.float32, torch.bfloat16):
+            for batch, queries in SHAPES:
+                arguments = case(batch, queries, width, dtype)
+                torch.testing.assert_close(operators["this"](*arguments, 0).float(),
+                                           operators["against"](*arguments, 0).float(), atol=1e-5, rtol=1e-5)
+                times = {name: [] for name in operators}
+                for _ in range(args.rounds):
+                    for name, operator in operators.items():
+                        times[name].append(median_call(operator, arguments, args.calls))
+                ratios = sorted(this / against for this, against in zip(times["this"], times["against"]))
+                print(f"D {width:3d} {str(dtype).removeprefix('torch.'):8s} B {batch} T {queries}: "
+                      f"{args.against} {statistics.median(times['against']) * 1e6:6.1f}, "
+                      f"this {statistics.median(times['this']) * 1e6:6.1f}, "
+                      f"this / {args.against} {statistics.median(ratios):.2f} ({ratios[0]:.2f}-{ratios[-1]:.2f})",
+                      flush=True)
+
+
+if __name__ == "__main__":
+    main()
