@@ -7,6 +7,8 @@ import math
 import pytest
 import torch
 
+from attnlab.generate import sampling_cpu
+from attnlab.generate.distribution import token_at
 from attnlab.generate.sampling import SamplingConfig, filter_logits, generate, probabilities, sample_from, stream
 from attnlab.model import Transformer
 from variants import variant_config
@@ -84,6 +86,27 @@ def test_sampling_never_lands_past_the_last_likely_token(monkeypatch):
     assert sample_from(probs).tolist() == [2, 4]
     monkeypatch.setattr(torch, "rand", lambda shape, **options: torch.zeros(shape))
     assert sample_from(probs).tolist() == [0, 2]  # a draw of 0 skips the zero-probability tokens before
+
+
+@pytest.mark.skipif(not sampling_cpu.available(), reason="no C++ compiler for the CPU operators")
+def test_the_cpu_operator_draws_torchs_tokens(monkeypatch):
+    """token_at's CPU operator (sampling_cpu.cpp) picks the tokens torch's cumulative sum and search
+    pick, bit for bit: distributions with many zero-probability tokens, the extreme uniforms, leading
+    dimensions, vocabularies of 1 to 6400; and its fake gives torch.compile the operator's output."""
+    generator = torch.Generator().manual_seed(0)
+    cases = []
+    for n_tokens in (1, 2, 7, 256, 6400):
+        for _ in range(20):
+            probs = torch.softmax(4 * torch.randn(2, 3, n_tokens, generator=generator), dim=-1)
+            probs[torch.rand(probs.shape, generator=generator) < 0.5] = 0  # top-k, top-p and min-p leave zeros
+            uniform = torch.rand(2, 3, generator=generator)
+            uniform[0, :2] = torch.tensor([0.0, 1 - 2**-24])  # 0 and the largest float32 below 1
+            cases.append((probs, uniform))
+    tokens = [token_at(probs, uniform) for probs, uniform in cases]
+    monkeypatch.setattr(sampling_cpu, "available", lambda: False)  # torch's cumsum and searchsorted
+    for (probs, uniform), token in zip(cases, tokens):
+        assert token.dtype == torch.long and torch.equal(token, token_at(probs, uniform))
+    torch.library.opcheck(torch.ops.attnlab.token_at_cpu, cases[70])
 
 
 @pytest.mark.parametrize("decoder", ["generate", "speculative"])

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from attnlab.errors import ConfigError
+from attnlab.generate import sampling_cpu
 
 
 @dataclass(kw_only=True)
@@ -84,7 +85,11 @@ def token_at(probs: Tensor, uniform: Tensor) -> Tensor:
 
     Exact like torch.multinomial, and about half its cost per call on CPU. A token of probability
     zero adds nothing to the running sum, so no uniform lands on it; the draw is kept below the
-    total so that rounding never selects past the last likely token."""
+    total so that rounding never selects past the last likely token. On the CPU, in float32, one
+    operator gives the same tokens (sampling_cpu.cpp: a compiled step's draw without two library
+    calls)."""
+    if sampling_cpu.serves(probs, uniform):
+        return sampling_cpu.token_at(probs, uniform)
     cumulative = probs.cumsum(dim=-1)  # [..., V]
     total = cumulative[..., -1:]  # [..., 1]
     draw = torch.minimum(uniform[..., None] * total, torch.nextafter(total, torch.zeros_like(total)))  # < total
