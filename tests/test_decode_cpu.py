@@ -14,6 +14,7 @@ import torch
 from attnlab.attention import full, local
 from attnlab.attention.base import naive_attention
 from attnlab.attention.kernels import choose_cached, decode_cpu
+from attnlab.attention.kernels.cpu import OperatorLibrary
 from attnlab.errors import ConfigError
 from attnlab.model import Transformer
 from variants import variant_config
@@ -160,3 +161,16 @@ def test_where_it_cannot_serve_torch_does_or_a_named_backend_says_why(monkeypatc
 def test_a_backend_full_attention_lacks_is_a_one_line_error():
     with pytest.raises(ConfigError, match="^attention.full.backend: 'flex' is not one of 'auto', 'torch', 'cpu'$"):
         variant_config("full", attention={"kind": "full", "full": {"backend": "flex"}})
+
+
+def test_an_operator_library_that_does_not_build_says_so_once(tmp_path, monkeypatch, caplog):
+    """kernels/cpu.py's OperatorLibrary (the decode and sampling operators' loader): a source that does
+    not compile leaves it unloaded, with one warning naming what serves instead; no second try."""
+    monkeypatch.setenv("ATTNLAB_CACHE", str(tmp_path))
+    broken = tmp_path / "broken.cpp"
+    broken.write_text("this is not C++;\n")
+    library = OperatorLibrary("attnlab_broken", broken, lambda: None, "using torch's path")
+    assert not library.loaded() and not library.loaded()
+    assert len(caplog.records) == 1 and "attnlab_broken unavailable, using torch's path" in caplog.text
+    monkeypatch.setenv("ATTNLAB_CPU_KERNELS", "0")
+    assert not OperatorLibrary("attnlab_off", broken, lambda: None, "").loaded() and len(caplog.records) == 1

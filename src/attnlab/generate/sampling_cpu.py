@@ -10,54 +10,30 @@ calls it from inductor's C++ wrapper. Without a compiler, or with ATTNLAB_CPU_KE
 
 from __future__ import annotations
 
-import logging
-import os
-import threading
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-log = logging.getLogger(__name__)
+from attnlab.attention.kernels.cpu import OperatorLibrary
+
 SOURCE = Path(__file__).parent / "sampling_cpu.cpp"
-_lock = threading.Lock()
-_state: dict[str, str | bool] = {}  # "loaded": True, or "failure": why not
 
 
-def _build_and_load() -> None:
-    from torch.utils.cpp_extension import include_paths
-
-    from attnlab.attention.kernels.cpu import compile_library
-
-    torch_lib = Path(torch.__file__).parent / "lib"
-    flags = ["-std=c++20", *(f"-I{path}" for path in include_paths()),
-             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
-    link = (f"-L{torch_lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}")
-    torch.ops.load_library(str(compile_library("attnlab_sampling", (SOURCE,), flags, link)))
+def _register_fake() -> None:
+    """The operator's shape for torch.compile, once it is loaded (its schema is the library's)."""
     torch.library.register_fake("attnlab::token_at_cpu")(
         lambda probs, uniform: probs.new_empty(probs.shape[:-1], dtype=torch.long))
 
 
-def _load() -> bool:
-    if os.environ.get("ATTNLAB_CPU_KERNELS", "1") == "0":
-        return False
-    if not _state:
-        with _lock:
-            if not _state:
-                try:
-                    _build_and_load()
-                    _state["loaded"] = True
-                except Exception as error:  # noqa: BLE001 - any failure means: torch's cumsum and search
-                    _state["failure"] = str(error)
-                    log.warning("CPU sampling operator unavailable, sampling with torch's operators: %s", error)
-    return "loaded" in _state
+_library = OperatorLibrary("attnlab_sampling", SOURCE, _register_fake, "sampling with torch's operators")
 
 
 @torch.compiler.assume_constant_result
 def available() -> bool:
     """Whether the operator can run here (built and loaded on first call). A constant for
     torch.compile: the answer does not change within a process."""
-    return _load()
+    return _library.loaded()
 
 
 def serves(probs: Tensor, uniform: Tensor) -> bool:

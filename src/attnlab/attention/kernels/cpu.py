@@ -121,6 +121,43 @@ def available() -> bool:
     return library() is not None
 
 
+class OperatorLibrary:
+    """C++ that registers torch operators (built against torch's headers, so that a compiled step
+    calls them from inductor's C++ wrapper: decode_cpu.cpp, generate/sampling_cpu.cpp), built and
+    loaded into torch's dispatcher on first use, its fake implementations registered after; once
+    per process. Without a compiler, or with ATTNLAB_CPU_KERNELS=0, it is not loaded (a failed
+    build is logged once, saying what serves instead)."""
+
+    def __init__(self, name: str, source: Path, register_fakes, instead: str) -> None:
+        self.name, self.source, self.register_fakes, self.instead = name, source, register_fakes, instead
+        self.state: dict[str, str | bool] = {}  # "loaded": True, or "failure": why not
+        self.lock = threading.Lock()
+
+    def loaded(self) -> bool:
+        if os.environ.get("ATTNLAB_CPU_KERNELS", "1") == "0":
+            return False
+        if not self.state:
+            with self.lock:
+                if not self.state:
+                    try:
+                        self._build_and_load()
+                        self.register_fakes()
+                        self.state["loaded"] = True
+                    except Exception as error:  # noqa: BLE001 - any failure means: the torch path serves
+                        self.state["failure"] = str(error)
+                        log.warning("%s unavailable, %s: %s", self.name, self.instead, error)
+        return "loaded" in self.state
+
+    def _build_and_load(self) -> None:
+        from torch.utils.cpp_extension import include_paths
+
+        torch_lib = Path(torch.__file__).parent / "lib"
+        flags = ["-std=c++20", *(f"-I{path}" for path in include_paths()),
+                 f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+        link = (f"-L{torch_lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}")
+        torch.ops.load_library(str(compile_library(self.name, (self.source,), flags, link)))
+
+
 def pointer(x: Tensor | None) -> ctypes.c_void_p:
     """The data pointer of x (None: a null pointer), for the kernels' ctypes calls."""
     return ctypes.c_void_p(0 if x is None or x.numel() == 0 else x.data_ptr())

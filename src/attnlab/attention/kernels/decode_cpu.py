@@ -14,55 +14,32 @@ Legend: B batch, H query heads, G key/value heads, T queries, L storage position
 
 from __future__ import annotations
 
-import logging
-import os
-import threading
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-log = logging.getLogger(__name__)
+from attnlab.attention.kernels.cpu import OperatorLibrary
+
 SOURCE = Path(__file__).parent / "decode_cpu.cpp"
 HEAD_WIDTHS = tuple(range(16, 129, 16))  # decode_cpu.cpp's register blocks
 MAX_QUERIES = 64  # queries per call (decode_cpu.cpp's MAX_QUERIES)
-_lock = threading.Lock()
-_state: dict[str, str | bool] = {}  # "loaded": True, or "failure": why not
 
 
-def _build_and_load() -> None:
-    from torch.utils.cpp_extension import include_paths
-
-    from attnlab.attention.kernels.cpu import compile_library
-
-    torch_lib = Path(torch.__file__).parent / "lib"
-    flags = ["-std=c++20", *(f"-I{path}" for path in include_paths()),
-             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
-    link = (f"-L{torch_lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}")
-    torch.ops.load_library(str(compile_library("attnlab_decode", (SOURCE,), flags, link)))
+def _register_fake() -> None:
+    """The operator's shape for torch.compile, once it is loaded (its schema is the library's)."""
+    torch.library.register_fake("attnlab::cached_attention_cpu")(
+        lambda q, keys, values, positions, window: out_layout(q))
 
 
-def _load() -> bool:
-    if os.environ.get("ATTNLAB_CPU_KERNELS", "1") == "0":
-        return False
-    if not _state:
-        with _lock:
-            if not _state:
-                try:
-                    _build_and_load()
-                    _register_fake()
-                    _state["loaded"] = True
-                except Exception as error:  # noqa: BLE001 - any failure means: use torch's attention
-                    _state["failure"] = str(error)
-                    log.warning("CPU decode attention kernel unavailable, using torch's attention: %s", error)
-    return "loaded" in _state
+_library = OperatorLibrary("attnlab_decode", SOURCE, _register_fake, "using torch's attention")
 
 
 @torch.compiler.assume_constant_result
 def available() -> bool:
     """Whether the operator can run here (built and loaded on first call). A constant for
     torch.compile: the answer does not change within a process."""
-    return _load()
+    return _library.loaded()
 
 
 def serves(q: Tensor) -> bool:
@@ -78,12 +55,6 @@ def cached_attention(q: Tensor, keys: Tensor, values: Tensor, positions: Tensor,
     rows without a copy. q is read through its strides (a slice of the projections, not copied).
     The caller has checked that it can (kernels.choose_cached)."""
     return torch.ops.attnlab.cached_attention_cpu(q, keys, values, positions, window)
-
-
-def _register_fake() -> None:
-    """The operator's shape for torch.compile, once it is loaded (its schema is the library's)."""
-    torch.library.register_fake("attnlab::cached_attention_cpu")(
-        lambda q, keys, values, positions, window: out_layout(q))
 
 
 def out_layout(q: Tensor) -> Tensor:
