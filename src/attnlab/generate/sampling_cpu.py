@@ -37,9 +37,10 @@ def available() -> bool:
 
 
 def serves(probs: Tensor, uniform: Tensor) -> bool:
-    """Whether the operator takes these: float32 probabilities and uniforms on the CPU."""
+    """Whether the operator takes these: float32 probabilities [..., V] and uniforms [...] on the CPU
+    (other shapes broadcast in torch's path)."""
     return (probs.device.type == "cpu" and probs.dtype == torch.float32 and uniform.dtype == torch.float32
-            and available())
+            and uniform.shape == probs.shape[:-1] and available())
 
 
 def token_at(probs: Tensor, uniform: Tensor) -> Tensor:
