@@ -21,10 +21,9 @@ import time
 from pathlib import Path
 
 import torch
-from torch.utils.cpp_extension import include_paths
 
 from attnlab.attention.kernels import decode_cpu
-from attnlab.attention.kernels.cpu import compile_library
+from attnlab.attention.kernels.cpu import OperatorLibrary
 
 KERNELS = Path(decode_cpu.__file__).parent
 SHAPES = [(batch, queries) for batch in (1, 4) for queries in (1, 7)]  # (B, T)
@@ -41,11 +40,8 @@ def load_revision(revision: str) -> object:
             text = text.replace("TORCH_LIBRARY_FRAGMENT(attnlab,", "TORCH_LIBRARY_FRAGMENT(attnlab_against,")
             text = text.replace("TORCH_LIBRARY_IMPL(attnlab,", "TORCH_LIBRARY_IMPL(attnlab_against,")
         (folder / name).write_text(text)
-    torch_lib = Path(torch.__file__).parent / "lib"
-    flags = ["-std=c++20", *(f"-I{path}" for path in include_paths()),
-             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
-    link = (f"-L{torch_lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}")
-    torch.ops.load_library(str(compile_library("attnlab_decode_against", (folder / "decode_cpu.cpp",), flags, link)))
+    if not OperatorLibrary("attnlab_decode_against", folder / "decode_cpu.cpp", lambda: None, "").loaded():
+        raise SystemExit(f"the decode operator of {revision} does not build here (the warning above says why)")
     return torch.ops.attnlab_against.cached_attention_cpu
 
 
