@@ -17,7 +17,8 @@ Loops: the target's own decoding (`generate`, ms per token) and speculative deco
 sampling, acceptance and rollback between them), both timed end to end less the prompt's prefill
 (timed alone beside them); the projection
 tokens_per_step(alpha) x token / step then counts the loop's own work too. Inside the speculative
-loop, the time in its proposal and verification calls is summed too (each step: in them, and
+loop, the time in its forwards is summed too (Transformer.draw_then_decode: the draft's proposal
+and the verification, one compiled call when both models are compiled; each step: in them, and
 between them). The acceptance comes
 from a trained pair (these weights are untrained): both are projections, not speedups measured on
 a trained pair (bench/speculative_ab.py --compile times one).
@@ -89,7 +90,7 @@ def timed_call(model: Transformer, cache, kind: str, batch: int, gamma: int):
     if kind == "verification":
         tokens, drafted = torch.randint(0, 256, (batch, gamma + 1)), torch.randint(0, 256, (batch, gamma))
         draft_probs, uniforms = torch.softmax(torch.randn(batch, gamma, 256), dim=-1), torch.rand(batch, gamma + 1)
-        return lambda: model.decode_then(verification, tokens, cache, SamplingConfig(), draft_probs, drafted,
+        return lambda: model.decode_then(verification, tokens, cache, draft_probs, drafted, SamplingConfig(),
                                          no_known, uniforms)
     tokens = torch.randint(0, 256, (batch, 1))
     return lambda: model(tokens, cache=cache)
@@ -125,22 +126,22 @@ def time_inside(model: Transformer, method: str, totals: dict[str, float]):
 
 
 def loop_ms(target: Transformer, draft: Transformer, prompt: torch.Tensor, new_tokens: int, gamma: int,
-            seed: int) -> tuple[float, float, float, float]:
+            seed: int) -> tuple[float, float, float]:
     """(ms per token of the target's own decoding, ms per step of speculative decoding, and of that
-    step the ms inside the draft's proposals and inside the verifications), end to end but for the
-    prompt's prefill (timed alone and taken off: it is not what the loops compare)."""
+    step the ms inside its forwards: the draft's proposal and the verification), end to end but for
+    the prompt's prefill (timed alone and taken off: it is not what the loops compare)."""
     started = time.perf_counter()
     generate(target, prompt, new_tokens, SamplingConfig(), generator=torch.Generator().manual_seed(seed))
     token_ms = ((time.perf_counter() - started) * 1e3 - prefill_ms([target], prompt, new_tokens)) / new_tokens
-    inside = {"draw": 0.0, "decode_then": 0.0}
-    with time_inside(draft, "draw", inside), time_inside(target, "decode_then", inside):
+    inside = {"draw_then_decode": 0.0}
+    with time_inside(target, "draw_then_decode", inside):
         started = time.perf_counter()
         result = speculative_generate(target, draft, prompt, new_tokens, gamma, SamplingConfig(),
                                       generator=torch.Generator().manual_seed(seed))
         elapsed = (time.perf_counter() - started) * 1e3
     elapsed -= prefill_ms([target, draft], prompt[:, :-1], new_tokens)
     steps = result.n_steps
-    return token_ms, elapsed / steps, inside["draw"] * 1e3 / steps, inside["decode_then"] * 1e3 / steps
+    return token_ms, elapsed / steps, inside["draw_then_decode"] * 1e3 / steps
 
 
 def projections(token: float, proposal: float, verify: float, gamma: int) -> dict:
@@ -171,7 +172,7 @@ def measure(batch: int, context: int, rounds: int, repeats: int, gamma: int, new
     times = {name: [] for name in forwards}
     loops = {f"{mode} {what}": [] for mode in ("eager", "compiled")
              for what in ("token", *drafts, *(f"{draft} {part}" for draft in drafts
-                                              for part in ("proposal", "verification")))}
+                                              for part in ("forwards",)))}
     with torch.inference_mode():
         for round_ in range(rounds + 1):  # round 0 warms up: the compiled steps are made there
             for name, (role, mode, kind) in forwards.items():
@@ -181,13 +182,12 @@ def measure(batch: int, context: int, rounds: int, repeats: int, gamma: int, new
                     times[name].append(elapsed)
             for mode in ("eager", "compiled"):
                 for draft in drafts:
-                    token_ms, step_ms, proposal_ms, verification_ms = loop_ms(
+                    token_ms, step_ms, forwards_ms = loop_ms(
                         models["target", mode], models[draft, mode], prompt, new_tokens, gamma, round_)
                     if round_:
                         loops[f"{mode} token"].append(token_ms)
                         loops[f"{mode} {draft}"].append(step_ms)
-                        loops[f"{mode} {draft} proposal"].append(proposal_ms)
-                        loops[f"{mode} {draft} verification"].append(verification_ms)
+                        loops[f"{mode} {draft} forwards"].append(forwards_ms)
     medians = {name: statistics.median(values) for name, values in times.items()}
     loop_medians = {name: statistics.median(values) for name, values in loops.items()}
     report = {"batch_size": batch, "context": context, "gamma": gamma, "rounds": rounds, "repeats": repeats,
@@ -202,11 +202,9 @@ def measure(batch: int, context: int, rounds: int, repeats: int, gamma: int, new
                 "verification_in_target_tokens": verify / token,
                 "projected_speedup": projections(token, proposal, verify, gamma),
                 "step_in_loop_tokens": step / loop_token,
-                # a step's ms inside the proposal and the verification calls, and between them
-                "in_loop_ms": {"proposal": loop_medians[f"{mode} {draft} proposal"],
-                               "verification": loop_medians[f"{mode} {draft} verification"],
-                               "between": step - loop_medians[f"{mode} {draft} proposal"]
-                               - loop_medians[f"{mode} {draft} verification"]},
+                # a step's ms inside its forwards (the proposal and the verification), and between them
+                "in_loop_ms": {"forwards": loop_medians[f"{mode} {draft} forwards"],
+                               "between": step - loop_medians[f"{mode} {draft} forwards"]},
                 "projected_speedup_with_loop": {str(alpha): tokens_per_step(alpha, gamma) * loop_token / step
                                                 for alpha in ALPHAS}}
     return report
@@ -247,8 +245,8 @@ def main() -> None:
                       f"{loop[f'{mode} {draft}']:.2f} ms/step ({part['step_in_loop_tokens']:.2f} tokens); "
                       f"projected {with_loop}")
                 inside = part["in_loop_ms"]
-                print(f"    {mode} step inside the loop: proposal {inside['proposal']:.2f}, verification "
-                      f"{inside['verification']:.2f}, between them {inside['between']:.2f} ms")
+                print(f"    {mode} step inside the loop: forwards (proposal and verification) "
+                      f"{inside['forwards']:.2f}, between them {inside['between']:.2f} ms")
 
 
 if __name__ == "__main__":

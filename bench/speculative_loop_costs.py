@@ -1,7 +1,8 @@
 """Where a compiled speculative run of a trained pair spends its time outside the compiled calls: per
 run, the time before the decoding loop (both prompts' eager prefill, the caches), and per step the
-time inside the draft's proposal, inside the verification, and between them (the loop's own
-bookkeeping: uniforms, gathers and scatters of the sequence, counters, rollbacks); beside it the
+time inside its forwards (the draft's proposal and the verification: one compiled call,
+Transformer.draw_then_decode) and around them (the loop's own bookkeeping: uniforms, gathers and
+scatters of the sequence, counters, rollbacks); beside it the
 target's own prefill of the prompt, which the base decoding pays too. Temperature 1, gamma 6,
 int8 draft, 256 new tokens after a 128-byte validation prime, as bench/speculative_ab.py.
 
@@ -26,11 +27,11 @@ from attnlab.generate.sampling import SamplingConfig
 from attnlab.model.quantize import quantize_weights
 from attnlab.train.checkpoint import load_model
 
-TIMED = {"_draw": "proposal", "_verify": "verification", "_decode_per_row": "loop", "_decode_shared_window": "loop"}
+TIMED = {"_propose_and_verify": "forwards", "_decode_per_row": "loop", "_decode_shared_window": "loop"}
 
 
 def time_inside(totals: dict[str, float]) -> None:
-    """Wrap speculative.py's proposal, verification and loop functions so that their seconds add up in totals."""
+    """Wrap speculative.py's forwards and loop functions so that their seconds add up in totals."""
     for function_name, part in TIMED.items():
         original = getattr(speculative, function_name)
 
@@ -60,7 +61,7 @@ def main() -> None:
     target.compile_decoding()
     draft.compile_decoding()
     prompt = eval_windows(load_corpus(target.run_config.data).val, 128, args.batch_size, seed=0)[:, :128].long()
-    totals = dict.fromkeys(("proposal", "verification", "loop"), 0.0)
+    totals = dict.fromkeys(("forwards", "loop"), 0.0)
     time_inside(totals)
     for round_ in range(args.rounds + 1):
         totals.update(dict.fromkeys(totals, 0.0))
@@ -74,11 +75,11 @@ def main() -> None:
             target_prefill = time.perf_counter() - started
         if round_:
             steps = result.n_steps
-            between = totals["loop"] - totals["proposal"] - totals["verification"]
+            between = totals["loop"] - totals["forwards"]
             print(f"batch {args.batch_size} {args.dtype}: {steps} steps, run {total * 1e3:.0f} ms, before the loop "
                   f"{(total - totals['loop']) * 1e3:.1f} ms (the target's prefill alone {target_prefill * 1e3:.1f}); "
-                  f"a step: proposal {totals['proposal'] / steps * 1e3:.2f}, verification "
-                  f"{totals['verification'] / steps * 1e3:.2f}, between them {between / steps * 1e3:.2f} ms",
+                  f"a step: forwards {totals['forwards'] / steps * 1e3:.2f}, around them "
+                  f"{between / steps * 1e3:.2f} ms",
                   flush=True)
 
 

@@ -454,7 +454,8 @@ def test_early_exit_draft_draws_through_the_compiled_graph(monkeypatch):
     """An early-exit draft (the target's first layers) of a compiled target proposes in one call of
     the target's compiled draw (n_layers in its graph): the distributions and tokens of the eager
     early exit, forced slots included, nothing compiled after its first calls; and seeded
-    speculative decoding with it draws the eager pair's tokens, both batch schemes."""
+    speculative decoding with it, a step one call of the target's draw_then_decode, draws the eager
+    pair's tokens, both batch schemes."""
     from attnlab.generate.speculative import EarlyExitDraft
 
     eager, compiled = twins("full", depth=3)
@@ -470,6 +471,7 @@ def test_early_exit_draft_draws_through_the_compiled_graph(monkeypatch):
                                      generator=torch.Generator().manual_seed(9))
                 for model, draft in zip((eager, compiled), drafts)]
         assert torch.equal(runs[0].tokens, runs[1].tokens) and runs[0].n_accepted == runs[1].n_accepted, per_row
+    assert set(calls[8:]) == {"_compiled_draw_then_decode"}  # a step: the draws and the verification in one call
 
 
 @pytest.mark.parametrize("cuda_graph_bookkeeping", [False, True])
@@ -507,7 +509,7 @@ def test_compiled_decode_then_equals_the_forward_then_the_function():
         window = torch.randint(0, 61, (2, 4), generator=generator)
         draft_probs = torch.softmax(torch.randn(2, 3, 61, generator=generator), dim=-1)
         known = torch.zeros(2, 3, dtype=torch.bool)
-        arguments = (SamplingConfig(), draft_probs, window[:, 1:], known, torch.rand(2, 4, generator=generator))
+        arguments = (draft_probs, window[:, 1:], SamplingConfig(), known, torch.rand(2, 4, generator=generator))
         expected = verification(eager(window, cache=caches[0]).logits, *arguments)
         result = compiled.decode_then(verification, window, caches[1], *arguments)
         assert all(torch.equal(got, wanted) for got, wanted in zip(result, expected))
@@ -517,6 +519,106 @@ def test_compiled_decode_then_equals_the_forward_then_the_function():
         if step == 2:
             graphs = counters["stats"]["unique_graphs"]
     assert counters["stats"]["unique_graphs"] == graphs and compiled._compiled_decode_then is not None
+
+
+def test_draw_then_decode_is_one_compiled_call_of_the_draws_and_the_forward(monkeypatch):
+    """Transformer.draw_then_decode with both models compiled (a draft's proposals, the target's
+    forward over them and the verification: speculative decoding's step in one graph) gives the
+    proposals, acceptances and tokens of the draft's eager draws, then the eager forward and the
+    verification; leaves both caches as long as they would; catch-up chunks of 1 and 2 tokens,
+    forced slots; one compiled call a step, and nothing compiled after its first calls."""
+    from attnlab.generate.speculative import verification
+
+    eager_target, target = twins("full", depth=1)
+    eager_draft, draft = twins("local", depth=1)
+    torch.manual_seed(1)
+    for model in (eager_draft, draft):  # a draft unlike the target, so that some proposals are rejected
+        model.head.weight.data.copy_(torch.randn(model.head.weight.shape, generator=torch.Generator().manual_seed(2)))
+    calls = []
+    run_compiled = Transformer._run_compiled
+    monkeypatch.setattr(Transformer, "_run_compiled", lambda self, name, *rest: calls.append(name) or
+                        run_compiled(self, name, *rest))
+    generator = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, 61, (2, 12), generator=generator)
+    sampling = SamplingConfig(temperature=0.9, top_k=20)
+    caches = [(model.new_cache(2, 200), other.new_cache(2, 200))
+              for model, other in ((eager_draft, eager_target), (draft, target))]
+    for (draft_cache, target_cache), (model, other) in zip(caches, ((eager_draft, eager_target), (draft, target))):
+        model(prompt, cache=draft_cache)
+        other(prompt, cache=target_cache)
+    graphs = None
+    for call in range(8):
+        uniforms, verify_uniforms = torch.rand(2, 3, generator=generator), torch.rand(2, 4, generator=generator)
+        forced = torch.rand(2, 3, generator=generator) < 0.3
+        forced_tokens = torch.randint(0, 61, (2, 3), generator=generator)
+        chunk = torch.randint(0, 61, (2, 1 + call % 2), generator=generator)  # catch-up chunks of 1 and 2
+        draft_cache, target_cache = caches[0]
+        probs, expected_drafted = eager_draft.draw(chunk, draft_cache, uniforms, sampling, forced_tokens, forced)
+        window = torch.cat((chunk[:, -1:], expected_drafted), dim=1)
+        expected = verification(eager_target(window, cache=target_cache).logits, probs, expected_drafted, sampling,
+                                forced, verify_uniforms)
+        drafted, *result = target.draw_then_decode(draft, chunk, *caches[1], uniforms, sampling, forced_tokens, forced,
+                                                   verification, sampling, forced, verify_uniforms)
+        assert torch.equal(drafted, expected_drafted)
+        assert all(torch.equal(got, wanted) for got, wanted in zip(result, expected))
+        for eager_cache, compiled_cache in zip(caches[0], caches[1]):
+            assert compiled_cache.length == eager_cache.length
+            assert torch.equal(compiled_cache.lengths, eager_cache.lengths)
+        for cache_pair in caches:  # roll back as speculative decoding does
+            for cache in cache_pair:
+                cache.truncate_rows(cache.lengths - 1 - call % 2)
+        if call == 3:
+            graphs = counters["stats"]["unique_graphs"]
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert calls == ["_compiled_draw_then_decode"] * 8
+
+
+def test_draw_then_decode_compiles_again_when_the_drafts_weights_change(monkeypatch):
+    """The packed graphs of draw_then_decode hold the draft's weights too, with the compiled call
+    stood in for by the eager one (so nothing compiles): calls on unchanged weights compile nothing
+    again; an in-place write to a draft weight, and quantising the draft, each compile it once again."""
+    from attnlab.generate.speculative import verification
+    from attnlab.model.quantize import quantize_weights
+
+    torch.manual_seed(0)
+    target = Transformer(variant_config("full", max_seq_len=64)).eval()
+    draft = Transformer(variant_config("local", max_seq_len=64, depth=1)).eval()
+    compiles = []
+
+    def compile_decoding(**arguments) -> bool:
+        compiles.append(arguments)
+        Transformer.compile_decoding(target, **arguments)  # lazy: makes the wrappers, compiles nothing
+        target._compiled_draw_then_decode = target._draw_then_run
+        return True
+
+    monkeypatch.setattr(target, "compile_decoding", compile_decoding)
+    target.compile_decoding(linear="packed")
+    draft.compile_decoding(linear="packed")
+    tokens = torch.randint(0, 61, (1, 16), generator=torch.Generator().manual_seed(6))
+    no_tokens, no_known = torch.zeros(1, 3, dtype=torch.long), torch.zeros(1, 3, dtype=torch.bool)
+
+    def steps() -> None:
+        draft_cache, cache = draft.new_cache(1, 48), target.new_cache(1, 48)
+        draft(tokens[:, :8], cache=draft_cache)
+        target(tokens[:, :8], cache=cache)
+        for position in range(8, 11):
+            target.draw_then_decode(draft, tokens[:, position : position + 1], draft_cache, cache, torch.rand(1, 3),
+                                    SamplingConfig(), no_tokens, no_known, verification, SamplingConfig(), no_known,
+                                    torch.rand(1, 4))
+            for each in (draft_cache, cache):
+                each.truncate(each.length - 3)
+
+    with torch.no_grad():
+        steps()
+        assert len(compiles) == 1
+        next(draft.parameters()).mul_(2.0)
+        steps()
+        assert len(compiles) == 2
+        steps()
+        assert len(compiles) == 2
+        assert quantize_weights(draft) > 0
+        steps()
+        assert len(compiles) == 3
 
 
 def untraceable_argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -530,7 +632,7 @@ def test_an_untraceable_function_leaves_the_other_compiled_entries(caplog):
     """decode_then with a function dynamo cannot trace gives the eager result after one warning;
     the compiled decode step stays compiled."""
     eager, compiled = twins("full")
-    assert compiled.compiled_entries() == ["step", "draw", "decode_then"]
+    assert compiled.compiled_entries() == ["step", "draw", "decode_then", "draw_then_decode"]
     prompt = torch.randint(0, 61, (1, 8), generator=torch.Generator().manual_seed(6))
     caches = [model.new_cache(1, 100) for model in (eager, compiled)]
     for model, cache in zip((eager, compiled), caches):
@@ -539,7 +641,7 @@ def test_an_untraceable_function_leaves_the_other_compiled_entries(caplog):
     expected = eager(window, cache=caches[0]).logits.argmax(dim=-1)
     with caplog.at_level("WARNING", logger="attnlab.model.transformer"):
         assert torch.equal(compiled.decode_then(untraceable_argmax, window, caches[1]), expected)
-    assert "decode_then" in caplog.text and compiled.compiled_entries() == ["step", "draw"]
+    assert "decode_then" in caplog.text and compiled.compiled_entries() == ["step", "draw", "draw_then_decode"]
     torch.testing.assert_close(compiled(window[:, :1], cache=caches[1]).logits,
                                eager(window[:, :1], cache=caches[0]).logits, atol=1e-5, rtol=1e-5)
 

@@ -25,8 +25,8 @@ numbers of tokens. Two schemes keep every row exact; speculative_generate picks 
 for batches > 1 (every cache counts its tokens per row), the shared window on request.
 
 Per-row rollback (ModelCache.truncate_rows): after each step, row b's
-target cache is cut to its committed length L_b minus one and its draft cache to L_b minus one or
-two, so every row drafts gamma tokens from its own length at the next step. The next forwards
+target cache is cut to its committed length L_b minus one and its draft cache to L_b minus two
+(DRAFT_LAG), so every row drafts gamma tokens from its own length at the next step. The next forwards
 write each row's tokens at that row's own positions (per-row rotary offsets), and a per-row mask
 hides whatever lies past a row's length (its rejected draft tokens, until overwritten). Each row
 is then exactly the single-sequence algorithm. A row that has stopped stays frozen: it still
@@ -67,12 +67,19 @@ from attnlab.model.modes import eval_mode
 from attnlab.model.transformer import ModelCache, ModelOutput, Transformer, new_model_cache
 
 log = logging.getLogger(__name__)
+# The draft's cache is kept DRAFT_LAG tokens behind each row's committed length, so a step's draft
+# feeds the same number of tokens every time: the last committed one and the one before it (which a
+# step that accepted every proposal drafted but never fed). One shape makes one compiled graph: two
+# would each hold a copy of the packed weights, and alternating between the copies cost a step more
+# than the extra token does (a batch-1 step 1.07x the time against 0.84x with one shape).
+DRAFT_LAG = 2
 
 
 class CachedLanguageModel(Protocol):
     """What speculative decoding needs of a draft or a target (Transformer, EarlyExitDraft). A
-    draft may also have `draw` (Transformer.draw: its proposals in one compiled call); without
-    one, it is called once per token."""
+    draft may also have `draw` (Transformer.draw: its proposals in one compiled call; without
+    one, it is called once per token) and `drafting_blocks` (the Transformer blocks it draws
+    through, which a target's draw_then_decode runs in the same graph as its verification)."""
 
     def __call__(self, tokens: Tensor, cache: ModelCache | None = None) -> ModelOutput: ...
 
@@ -121,20 +128,12 @@ def accept_reject(
     return n_accepted, token_at(residual, uniforms[:, -1])
 
 
-def verification(logits: Tensor, sampling: SamplingConfig, draft_probs: Tensor, draft_tokens: Tensor, known: Tensor,
+def verification(logits: Tensor, draft_probs: Tensor, draft_tokens: Tensor, sampling: SamplingConfig, known: Tensor,
                  uniforms: Tensor) -> tuple[Tensor, Tensor]:
     """The target's logits over a window [B, W, V] -> accept_reject's (n_accepted [B], next_token
     [B]) under `sampling`: what follows the target's forward in one step (Transformer.decode_then
-    compiles them together)."""
+    and draw_then_decode compile them together)."""
     return accept_reject(probabilities(logits, sampling), draft_probs, draft_tokens, known, uniforms)
-
-
-def _verify(target: CachedLanguageModel, inputs: Tensor, cache: ModelCache, *arguments) -> tuple[Tensor, Tensor]:
-    """The target's forward of a window and the verification of it: one compiled call where the
-    target has decode_then (a Transformer after compile_decoding)."""
-    if hasattr(target, "decode_then"):
-        return target.decode_then(verification, inputs, cache, *arguments)
-    return verification(target(inputs, cache=cache).logits, *arguments)
 
 
 # --------------------------------------------------------------------------------------------
@@ -169,6 +168,10 @@ class EarlyExitDraft(nn.Module):
         """The draft's proposals (Transformer.draw through its first n_layers blocks): one compiled
         call of the target's after its compile_decoding()."""
         return self.target.draw(tokens, cache, uniforms, sampling, forced_tokens, forced, self.n_layers)
+
+    def drafting_blocks(self) -> tuple[Transformer, int]:
+        """The target's first n_layers blocks (Transformer.drafting_blocks)."""
+        return self.target, self.n_layers
 
     def compiled_entries(self) -> list[str]:
         """The target's (Transformer.compiled_entries): the draft decodes through its graphs."""
@@ -205,13 +208,29 @@ class SpeculativeResult:
         return self.n_accepted / max(self.n_row_steps, 1)
 
 
-def _draw(model: CachedLanguageModel, tokens: Tensor, cache: ModelCache, uniforms: Tensor, sampling: SamplingConfig,
-          forced_tokens: Tensor, forced: Tensor) -> tuple[Tensor, Tensor]:
-    """The draft's proposals (draw_chain): through the model's own `draw` where it has one (a
-    Transformer: one compiled call after compile_decoding), else a forward per token."""
-    if hasattr(model, "draw"):
-        return model.draw(tokens, cache, uniforms, sampling, forced_tokens, forced)
-    return draw_chain(lambda chunk: model(chunk, cache=cache).logits, tokens, uniforms, sampling, forced_tokens, forced)
+def _propose_and_verify(state: _Decoding, tokens: Tensor, draft_uniforms: Tensor, forced_tokens: Tensor, forced: Tensor,
+                        known: Tensor, uniforms: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """One step's forwards: the draft feeds tokens [B, c] (each row's last committed one last) and
+    draws W - 1 tokens at draft_uniforms [B, W-1] (draw_chain; forced slots keep forced_tokens'),
+    the target scores the last committed token and the drafted ones, and verification accepts or
+    rejects them at uniforms [B, W] (known slots always accepted). Returns (drafted [B, W-1],
+    n_accepted [B], next_token [B]). One compiled call where the target has draw_then_decode and
+    both models decode compiled (Transformer.draw_then_decode); else the draft's own draw where it
+    has one, or a forward per token, then the target's decode_then or forward."""
+    target, draft, sampling = state.target, state.draft, state.sampling
+    if hasattr(target, "draw_then_decode"):
+        return target.draw_then_decode(draft, tokens, state.draft_cache, state.target_cache, draft_uniforms, sampling,
+                                       forced_tokens, forced, verification, sampling, known, uniforms)
+    if hasattr(draft, "draw"):
+        draft_probs, drafted = draft.draw(tokens, state.draft_cache, draft_uniforms, sampling, forced_tokens, forced)
+    else:
+        draft_probs, drafted = draw_chain(lambda chunk: draft(chunk, cache=state.draft_cache).logits, tokens,
+                                          draft_uniforms, sampling, forced_tokens, forced)
+    window = torch.cat((tokens[:, -1:], drafted), dim=1)  # [B, W]
+    arguments = (draft_probs, drafted, sampling, known, uniforms)
+    if hasattr(target, "decode_then"):
+        return drafted, *target.decode_then(verification, window, state.target_cache, *arguments)
+    return drafted, *verification(target(window, cache=state.target_cache).logits, *arguments)
 
 
 @dataclass
@@ -251,8 +270,8 @@ def _decode_shared_window(state: _Decoding) -> None:
     """Decode until every row stops, both caches cut to the shortest committed prefix after each
     step (the module docstring, "Shared window"). Stopped rows keep decoding; their output
     is cut afterwards."""
-    target, draft, target_cache, draft_cache = state.target, state.draft, state.target_cache, state.draft_cache
-    gamma, sampling, generator = state.gamma, state.sampling, state.generator
+    target_cache, draft_cache = state.target_cache, state.draft_cache
+    gamma, generator = state.gamma, state.generator
     sequence = state.sequence
     batch, width = sequence.shape[0], gamma + 1
     device = sequence.device
@@ -267,17 +286,15 @@ def _decode_shared_window(state: _Decoding) -> None:
         # (nothing there is committed), so the window is a view: no copies, no concatenation.
         window = sequence[:, start : start + width - 1]  # [B, W-1] view
 
-        # 1. draft: catch up to start - 1 in one chunk, then one token per slot (known or drafted)
-        uniforms = torch.rand(batch, width - 1, generator=generator, device=device)  # [B, W-1]
-        catch_up = sequence[:, draft_cache.length : start]  # [B, c]
-        draft_probs, drafted = _draw(draft, catch_up, draft_cache, uniforms, sampling, window, known)  # [B, W-1, V]
-        window.copy_(drafted)
-
+        # 1. draft: catch up to start - 1 in one chunk, then one token per slot (known or drafted);
         # 2. target: score the last common token and the W-1 slots in one forward, and
-        # 3. accept/reject per row; the accepted slots are already in place, commit the next token
-        inputs = sequence[:, start - 1 : start + width - 1]  # [B, W] view
+        # 3. accept/reject per row; the accepted slots are then in place, commit the next token
+        draft_uniforms = torch.rand(batch, width - 1, generator=generator, device=device)  # [B, W-1]
         uniforms = torch.rand(batch, width, generator=generator, device=device)  # [B, W]
-        accepted, next_token = _verify(target, inputs, target_cache, sampling, draft_probs, window, known, uniforms)
+        catch_up = sequence[:, draft_cache.length : start]  # [B, c] (c = DRAFT_LAG but at first), last: start - 1
+        drafted, accepted, next_token = _propose_and_verify(state, catch_up, draft_uniforms, window, known, known,
+                                                            uniforms)
+        window.copy_(drafted)
         sequence.scatter_(1, (start + accepted)[:, None], next_token[:, None])
         n_known = known.sum() if n_ahead else 0  # known slots are neither drafted nor counted
         state.n_drafted += batch * (width - 1) - n_known
@@ -286,22 +303,23 @@ def _decode_shared_window(state: _Decoding) -> None:
         state.n_steps += 1
         state.n_row_steps += batch
 
-        # roll both caches back to the shortest committed prefix minus its last token (what the
-        # host needs of this step comes back in one read)
+        # roll the target's cache back to the shortest committed prefix minus its last token, the
+        # draft's to DRAFT_LAG tokens short of that prefix (what the host needs of this step comes
+        # back in one read)
         shortest, longest, finished = torch.stack((state.lengths.min(), state.lengths.max(),
                                                    state.done().all())).tolist()
         start, n_ahead = shortest, longest - shortest
         common = start - 1
         target_cache.truncate(common)
-        draft_cache.truncate(min(common, draft_cache.length))
+        draft_cache.truncate(start - DRAFT_LAG)
 
 
 def _decode_per_row(state: _Decoding) -> None:
     """Decode until every row stops, each row's caches rolled back to its own committed length
     (the module docstring, "Per-row rollback"). A stopped row is
     frozen: it still takes part in the forwards, but commits nothing more."""
-    target, draft, target_cache, draft_cache = state.target, state.draft, state.target_cache, state.draft_cache
-    gamma, sampling, generator = state.gamma, state.sampling, state.generator
+    target_cache, draft_cache = state.target_cache, state.draft_cache
+    gamma, generator = state.gamma, state.generator
     sequence = state.sequence
     batch, width = sequence.shape[0], gamma + 1
     device = sequence.device
@@ -309,26 +327,22 @@ def _decode_per_row(state: _Decoding) -> None:
     no_known = torch.zeros(batch, width - 1, dtype=torch.bool, device=device)
     no_tokens = torch.zeros(batch, width - 1, dtype=torch.long, device=device)
     # the draft cache holds each row's committed tokens but the last n_catch_up ones
-    n_catch_up = 1
+    n_catch_up = min(DRAFT_LAG, state.prompt_length)
     done = state.done()
     finished = bool(done.all())
     while not finished:
         lengths = state.lengths  # [B] committed tokens of each row (L)
-        # 1. draft: feed each row's last n_catch_up committed tokens, then one token per slot
-        catch_up = lengths[:, None] - n_catch_up + window_slots[:n_catch_up]  # [B, c] positions
-        uniforms = torch.rand(batch, width - 1, generator=generator, device=device)  # [B, W-1]
-        draft_probs, drafted = _draw(draft, sequence.gather(1, catch_up), draft_cache, uniforms, sampling,
-                                     no_tokens, no_known)  # [B, W-1, V], [B, W-1]
-        # past each row's committed length: nothing there is committed
-        sequence.scatter_(1, lengths[:, None] + window_slots[: width - 1], drafted)
-
+        # 1. draft: feed each row's last n_catch_up committed tokens, then one token per slot;
         # 2. target: each row's last committed token and its W-1 drafted ones, at its own positions,
         # 3. and accept/reject per row. A stopped row keeps its length (its step is discarded); its
-        # next token is written past that length all the same, where its drafts lie: never output
-        inputs = sequence.gather(1, lengths[:, None] - 1 + window_slots)  # [B, W]
+        # drafts and next token are written past that length all the same: never output
+        catch_up = lengths[:, None] - n_catch_up + window_slots[:n_catch_up]  # [B, c] positions
+        draft_uniforms = torch.rand(batch, width - 1, generator=generator, device=device)  # [B, W-1]
         uniforms = torch.rand(batch, width, generator=generator, device=device)  # [B, W]
-        accepted, next_token = _verify(target, inputs, target_cache, sampling, draft_probs, drafted, no_known,
-                                       uniforms)
+        drafted, accepted, next_token = _propose_and_verify(state, sequence.gather(1, catch_up), draft_uniforms,
+                                                            no_tokens, no_known, no_known, uniforms)
+        # past each row's committed length: nothing there is committed
+        sequence.scatter_(1, lengths[:, None] + window_slots[: width - 1], drafted)
         sequence.scatter_(1, (lengths + accepted)[:, None], next_token[:, None])
         running = ~done
         n_running = running.sum()
@@ -340,13 +354,14 @@ def _decode_per_row(state: _Decoding) -> None:
         state.n_steps += 1
 
         # 4. roll back: the target keeps each row's committed tokens but the last (the next
-        # window's first input). The draft has fed L - 1 + gamma - 1 tokens of a row: all of
-        # them committed up to L + accepted - 1; a row that accepted all gamma lacks the last
-        # drafted one, so then every row rolls back one more and re-feeds it (one chunk shape).
+        # window's first input), the draft all but the last DRAFT_LAG (it has fed a row's first
+        # L + gamma - 1 tokens, of them the first L + accepted committed: more than the new length
+        # less DRAFT_LAG, L + accepted - 1)
         done = state.done()
-        n_catch_up, finished = torch.stack((1 + (accepted == width - 1).any(), done.all())).tolist()  # one read
+        finished = bool(done.all())
+        n_catch_up = DRAFT_LAG
         target_cache.truncate_rows(new_lengths - 1)
-        draft_cache.truncate_rows(new_lengths - n_catch_up)
+        draft_cache.truncate_rows(new_lengths - DRAFT_LAG)
 
 
 @torch.inference_mode()
@@ -393,10 +408,12 @@ def speculative_generate(
     )
     per_row = batch > 1 if per_row is None else per_row
     with eval_mode(target, draft):  # each module's own mode restored afterwards (model/modes.py)
-        # the prompt minus its last token; the last one opens the first window
+        # the target takes the prompt minus its last token (the last one opens the first window),
+        # the draft minus its last DRAFT_LAG (its first step feeds them)
         if prompt_length > 1:
             target(prompt[:, :-1], cache=target_cache)
-            draft(prompt[:, :-1], cache=draft_cache)
+        if prompt_length > DRAFT_LAG:
+            draft(prompt[:, :-DRAFT_LAG], cache=draft_cache)
         decode = _decode_per_row if per_row else _decode_shared_window
         decode(state)
 

@@ -261,6 +261,28 @@ def call_key(value) -> tuple | object:
     return value
 
 
+class FrozenDraft:
+    """A draft's weights as a model's packed draw_then_decode graphs hold them (constants, frozen
+    when the first graph with that draft compiled): the draft's parameters and buffers, and their
+    versions' sum then."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model  # kept alive: its id names this record
+        self.tensors = [*model.parameters(), *model.buffers()]
+        self.state = sum(map(TENSOR_VERSION, self.tensors))
+        self.structure = STRUCTURE_CHANGES[0]
+
+    def changed(self) -> bool:
+        """Whether a weight was written in place since (its version rose), or, after any module's
+        structure changed, the draft holds other tensors (it was quantised)."""
+        if self.structure != STRUCTURE_CHANGES[0]:
+            tensors = [*self.model.parameters(), *self.model.buffers()]
+            if list(map(id, tensors)) != list(map(id, self.tensors)):
+                return True
+            self.structure = STRUCTURE_CHANGES[0]
+        return sum(map(TENSOR_VERSION, self.tensors)) != self.state
+
+
 def token_positions(cache: ModelCache | None, n_tokens: int, device: torch.device) -> Tensor:
     """Positions of the next n_tokens: [T] from 0 without a cache, [B, T] each row's own through one
     (learned position embeddings look them up)."""
@@ -336,12 +358,14 @@ class Transformer(nn.Module):
         self._compiled_step = None  # compile_decoding()
         self._compiled_draw = None  # compile_decoding(): draw()'s graph
         self._compiled_decode_then = None  # compile_decoding(): decode_then()'s graphs
+        self._compiled_draw_then_decode = None  # compile_decoding(): draw_then_decode()'s graphs
         self._cuda_graphs = False  # the compiled step replays CUDA graphs (compile_decoding on CUDA)
         self._decode_calls: dict[tuple, int] = {}  # times the compiled step served a call (_decode_call)
         self._decode_structure = -1  # STRUCTURE_CHANGES when _decode_calls was last cleared
         self._compile_arguments: dict = {}  # what compile_decoding() was last asked, to compile again
         self._frozen_tensors: list[Tensor] | None = None  # parameters and buffers a packed step holds as constants
         self._frozen_state = 0  # their versions' sum when it was made (_weights_state)
+        self._frozen_drafts: dict[int, FrozenDraft] = {}  # drafts' weights draw_then_decode's packed graphs hold
         self.initialise()
 
     def initialise(self) -> None:
@@ -509,6 +533,72 @@ class Transformer(nn.Module):
         """decode_then()'s work after cache.begin: traceable whole."""
         return function(self.run(tokens, None, cache, None).logits, *arguments)
 
+    def drafting_blocks(self) -> tuple[Transformer, int | None]:
+        """The model whose blocks draw this model's proposals and how many of them (None: all): this
+        model's own (an early-exit draft names its target's first layers)."""
+        return self, None
+
+    @torch.no_grad()
+    def draw_then_decode(self, draft, tokens: Tensor, draft_cache: ModelCache, cache: ModelCache, uniforms: Tensor,
+                         sampling: SamplingConfig, forced_tokens: Tensor | None, forced: Tensor | None, function,
+                         *arguments) -> tuple:
+        """A draft's proposals, then this model's forward over them and function of its logits:
+        speculative decoding's step. The draft draws n = uniforms.shape[1] tokens after tokens [B, T]
+        through draft_cache (draft.draw); this model feeds the last of tokens and the n proposals
+        through `cache`; returns (proposals [B, n], *function(logits [B, n + 1, V], probs [B, n, V] the
+        proposals were drawn from, proposals, *arguments)). Where both models decode compiled alike
+        (compile_decoding with the same settings; a draft is a Transformer or an early exit of this
+        one), a call after earlier tokens is one compiled graph: a step returns to Python once rather
+        than twice, each return costing a small model's step a share of its time on a CPU."""
+        drafting_blocks = getattr(draft, "drafting_blocks", None)
+        model, n_layers = drafting_blocks() if drafting_blocks is not None else (None, None)
+        if not self._draws_then_decodes_compiled(model, draft_cache, cache):
+            probs, proposals = draft.draw(tokens, draft_cache, uniforms, sampling, forced_tokens, forced)
+            window = torch.cat((tokens[:, -1:], proposals), dim=1)  # [B, n + 1]
+            return proposals, *self.decode_then(function, window, cache, probs, proposals, *arguments)
+        if model is not self and self._frozen_tensors is not None and self._frozen_draft(model).changed():
+            log.info("the draft's weights changed since the packed decode step froze them: compiling it again")
+            self.compile_decoding(**self._compile_arguments)
+        n_drafted, n_verified = tokens.shape[1] + uniforms.shape[1] - 1, uniforms.shape[1] + 1
+        model._check_positions(draft_cache, n_drafted)
+        self._check_positions(cache, n_verified)
+        draft_cache.begin(n_drafted)
+        cache.begin(n_verified)
+        call = (self._decode_call(tokens, None, cache, None), id(model), n_layers, draft_cache.max_len,
+                len(draft_cache.layers), draft_cache.dtype, function,
+                *map(call_key, (uniforms, sampling, forced_tokens, forced, *arguments)))
+        if self._cuda_graphs:
+            pin_cache_storage(draft_cache)  # the target's own is pinned by _run_compiled
+        output = self._run_compiled("_compiled_draw_then_decode", call, cache, self._draw_then_run, model, n_layers,
+                                    tokens, draft_cache, cache, uniforms, sampling, forced_tokens, forced, function,
+                                    *arguments)
+        draft_cache.end(n_drafted)
+        cache.end(n_verified)
+        return self._own_outputs(output)
+
+    def _draws_then_decodes_compiled(self, model: Transformer | None, draft_cache: ModelCache, cache: ModelCache
+                                     ) -> bool:
+        """Whether draw_then_decode with a draft drawing through `model`'s blocks is one compiled call:
+        both models compiled alike, and neither cache empty (a prefill stays eager)."""
+        return (model is not None and self._compiled_draw_then_decode is not None
+                and model._compiled_draw is not None and model._compile_arguments == self._compile_arguments
+                and cache.length > 0 and draft_cache.length > 0)
+
+    def _frozen_draft(self, model: Transformer) -> FrozenDraft:
+        """The record of a draft's weights as this model's packed draw_then_decode graphs froze them
+        (made at its first call: the graph that call compiles freezes them)."""
+        frozen = self._frozen_drafts.get(id(model))
+        if frozen is None:
+            frozen = self._frozen_drafts[id(model)] = FrozenDraft(model)
+        return frozen
+
+    def _draw_then_run(self, model, n_layers, tokens, draft_cache, cache, uniforms, sampling, forced_tokens, forced,
+                       function, *arguments) -> tuple:
+        """draw_then_decode()'s work after both caches' begin: traceable whole."""
+        probs, proposals = model._draw(tokens, draft_cache, uniforms, sampling, forced_tokens, forced, n_layers)
+        window = torch.cat((tokens[:, -1:], proposals), dim=1)  # [B, n + 1]
+        return proposals, *function(self.run(window, None, cache, None).logits, probs, proposals, *arguments)
+
     def _draw(self, tokens, cache, uniforms, sampling, forced_tokens, forced, n_layers) -> tuple[Tensor, Tensor]:
         """draw()'s work after cache.begin: tensors in, tensors out, traceable whole."""
         return draw_chain(lambda chunk: self.run(chunk, None, cache, None, n_layers).logits, tokens, uniforms,
@@ -577,22 +667,25 @@ class Transformer(nn.Module):
         self._frozen_tensors = self._weight_tensors() if frozen else None
         self._frozen_state = self._weights_state() if frozen else 0
         try:
-            self._compiled_step, self._compiled_draw, self._compiled_decode_then = (
+            self._compiled_step, self._compiled_draw, self._compiled_decode_then, self._compiled_draw_then_decode = (
                 torch.compile(types.MethodType(own_code(function), self), fullgraph=True, dynamic=False, mode=mode,
                               backend=backend, options=options)
-                for function in (Transformer.run, Transformer._draw, Transformer._run_then))
+                for function in (Transformer.run, Transformer._draw, Transformer._run_then, Transformer._draw_then_run))
             self._cuda_graphs = device.type == "cuda" and mode in ("reduce-overhead", "max-autotune")
             self._decode_calls.clear()
+            self._frozen_drafts.clear()
         except Exception as error:  # noqa: BLE001 - any failure: decode eagerly, and say so once
             log.warning("compiled decoding unavailable on %s, decoding eagerly: %s", device.type, error)
             self._compiled_step = self._compiled_draw = self._compiled_decode_then = None
+            self._compiled_draw_then_decode = None
         return self._compiled_step is not None
 
     def compiled_entries(self) -> list[str]:
-        """The compiled decode entries this model still runs: "step", "draw" and "decode_then" after
-        compile_decoding(), less any that failed and decodes eagerly since (its warning said why);
-        [] for an eager model. A benchmark reports it beside its figures."""
-        entries = {"step": self._compiled_step, "draw": self._compiled_draw, "decode_then": self._compiled_decode_then}
+        """The compiled decode entries this model still runs: "step", "draw", "decode_then" and
+        "draw_then_decode" after compile_decoding(), less any that failed and decodes eagerly since
+        (its warning said why); [] for an eager model. A benchmark reports it beside its figures."""
+        entries = {"step": self._compiled_step, "draw": self._compiled_draw, "decode_then": self._compiled_decode_then,
+                   "draw_then_decode": self._compiled_draw_then_decode}
         return [name for name, compiled in entries.items() if compiled is not None]
 
     def _linear_for_weights(self, linear: str | None) -> str | None:
