@@ -18,6 +18,7 @@ from attnlab.generate.distribution import probabilities, token_at
 from attnlab.generate.sampling import SamplingConfig, generate, sample_from, stream
 from attnlab.generate.speculative import speculative_generate
 from attnlab.model import Transformer
+from attnlab.model.transformer import FrozenWeights
 from variants import variant_config
 
 pytestmark = pytest.mark.slow
@@ -192,7 +193,7 @@ def test_packed_linear_kernels_follow_the_weights():
     chunk; after the weights change in place, it compiles again and follows them. That the weights
     are constants of the step: with the check skipped, it keeps the old ones."""
     eager, compiled = twins("full", backend="inductor", depth=1)
-    assert compiled._frozen_tensors is not None
+    assert compiled._frozen_weights is not None
     counters.clear()
     tokens = torch.randint(0, 61, (1, 24), generator=torch.Generator().manual_seed(5))
 
@@ -214,7 +215,7 @@ def test_packed_linear_kernels_follow_the_weights():
         change_weights()
         torch.testing.assert_close(steps(compiled), steps(eager), atol=1e-5, rtol=1e-5)
         change_weights()
-        compiled._frozen_state = compiled._weights_state()  # skip the check: the step keeps what it froze
+        compiled._frozen_weights = FrozenWeights(compiled)  # skip the check: the step keeps what it froze
         assert not torch.allclose(steps(compiled)[:, 10:], steps(eager)[:, 10:], atol=1e-3)
     assert compiled._compiled_step is not None
 
@@ -678,6 +679,6 @@ def test_weights_made_under_inference_mode_compile_with_library_products(caplog)
     with caplog.at_level("WARNING", logger="attnlab.model.transformer"):
         assert model.compile_decoding()
     assert "made under torch.inference_mode" in caplog.text
-    assert model._frozen_tensors is None
+    assert model._frozen_weights is None
     greedy = SamplingConfig(temperature=0)
     assert torch.equal(generate(model, prompt, 8, greedy), generate(reference, prompt, 8, greedy))

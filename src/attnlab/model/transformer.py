@@ -261,26 +261,29 @@ def call_key(value) -> tuple | object:
     return value
 
 
-class FrozenDraft:
-    """A draft's weights as a model's packed draw_then_decode graphs hold them (constants, frozen
-    when the first graph with that draft compiled): the draft's parameters and buffers, and their
-    versions' sum then."""
+class FrozenWeights:
+    """A module's weights as packed decode graphs hold them (constants, frozen when the graphs
+    compiled): its parameters and buffers, and their versions' sum then. An in-place write (an
+    optimiser step, load_state_dict) raises a tensor's version, and versions never fall."""
 
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model  # kept alive: its id names this record
-        self.tensors = [*model.parameters(), *model.buffers()]
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module  # kept alive: a draft's id names its record (Transformer._frozen_draft)
+        self.tensors = weight_tensors(module)
         self.state = sum(map(TENSOR_VERSION, self.tensors))
         self.structure = STRUCTURE_CHANGES[0]
 
     def changed(self) -> bool:
-        """Whether a weight was written in place since (its version rose), or, after any module's
-        structure changed, the draft holds other tensors (it was quantised)."""
+        """Whether a weight was written in place since, or, after any module's structure changed,
+        the module holds other tensors (it was quantised)."""
         if self.structure != STRUCTURE_CHANGES[0]:
-            tensors = [*self.model.parameters(), *self.model.buffers()]
-            if list(map(id, tensors)) != list(map(id, self.tensors)):
+            if list(map(id, weight_tensors(self.module))) != list(map(id, self.tensors)):
                 return True
             self.structure = STRUCTURE_CHANGES[0]
         return sum(map(TENSOR_VERSION, self.tensors)) != self.state
+
+
+def weight_tensors(module: nn.Module) -> list[Tensor]:
+    return [*module.parameters(), *module.buffers()]
 
 
 def token_positions(cache: ModelCache | None, n_tokens: int, device: torch.device) -> Tensor:
@@ -363,9 +366,8 @@ class Transformer(nn.Module):
         self._decode_calls: dict[tuple, int] = {}  # times the compiled step served a call (_decode_call)
         self._decode_structure = -1  # STRUCTURE_CHANGES when _decode_calls was last cleared
         self._compile_arguments: dict = {}  # what compile_decoding() was last asked, to compile again
-        self._frozen_tensors: list[Tensor] | None = None  # parameters and buffers a packed step holds as constants
-        self._frozen_state = 0  # their versions' sum when it was made (_weights_state)
-        self._frozen_drafts: dict[int, FrozenDraft] = {}  # drafts' weights draw_then_decode's packed graphs hold
+        self._frozen_weights: FrozenWeights | None = None  # the weights a packed step holds as constants
+        self._frozen_drafts: dict[int, FrozenWeights] = {}  # drafts' weights draw_then_decode's packed graphs hold
         self.initialise()
 
     def initialise(self) -> None:
@@ -443,10 +445,7 @@ class Transformer(nn.Module):
         if self._decode_structure != STRUCTURE_CHANGES[0]:  # modules changed: every call is new again
             self._decode_calls.clear()
             self._decode_structure = STRUCTURE_CHANGES[0]
-            frozen = self._frozen_tensors
-            if frozen is not None and list(map(id, self._weight_tensors())) != list(map(id, frozen)):
-                self._frozen_state = -1  # other tensors than the step froze (a quantised model): compile again
-        if self._frozen_tensors is not None and self._weights_state() != self._frozen_state:
+        if self._frozen_weights is not None and self._frozen_weights.changed():
             log.info("the weights changed since the packed decode step froze them: compiling it again")
             self.compile_decoding(**self._compile_arguments)
         key = (name, call)
@@ -556,7 +555,7 @@ class Transformer(nn.Module):
             probs, proposals = draft.draw(tokens, draft_cache, uniforms, sampling, forced_tokens, forced)
             window = torch.cat((tokens[:, -1:], proposals), dim=1)  # [B, n + 1]
             return proposals, *self.decode_then(function, window, cache, probs, proposals, *arguments)
-        if model is not self and self._frozen_tensors is not None and self._frozen_draft(model).changed():
+        if model is not self and self._frozen_weights is not None and self._frozen_draft(model).changed():
             log.info("the draft's weights changed since the packed decode step froze them: compiling it again")
             self.compile_decoding(**self._compile_arguments)
         n_drafted, n_verified = tokens.shape[1] + uniforms.shape[1] - 1, uniforms.shape[1] + 1
@@ -584,12 +583,12 @@ class Transformer(nn.Module):
                 and model._compiled_draw is not None and model._compile_arguments == self._compile_arguments
                 and cache.length > 0 and draft_cache.length > 0)
 
-    def _frozen_draft(self, model: Transformer) -> FrozenDraft:
+    def _frozen_draft(self, model: Transformer) -> FrozenWeights:
         """The record of a draft's weights as this model's packed draw_then_decode graphs froze them
         (made at its first call: the graph that call compiles freezes them)."""
         frozen = self._frozen_drafts.get(id(model))
         if frozen is None:
-            frozen = self._frozen_drafts[id(model)] = FrozenDraft(model)
+            frozen = self._frozen_drafts[id(model)] = FrozenWeights(model)
         return frozen
 
     def _draw_then_run(self, model, n_layers, tokens, draft_cache, cache, uniforms, sampling, forced_tokens, forced,
@@ -606,7 +605,7 @@ class Transformer(nn.Module):
 
     def _tracing_settings(self) -> contextlib.AbstractContextManager:
         """Around a call that may compile: a packed step's settings (packed_step_compiling)."""
-        return contextlib.nullcontext() if self._frozen_tensors is None else packed_step_compiling()
+        return contextlib.nullcontext() if self._frozen_weights is None else packed_step_compiling()
 
     def _own_outputs(self, output: ModelOutput | tuple[Tensor, ...]) -> ModelOutput | tuple[Tensor, ...]:
         """Under CUDA graphs a step's outputs live in the graph's memory, which its next replay
@@ -664,8 +663,7 @@ class Transformer(nn.Module):
         options = decode_compile_options(device, mode, backend, cpp_wrapper, linear)
         self._compile_arguments = {"mode": mode, "backend": backend, "cpp_wrapper": cpp_wrapper, "linear": linear}
         frozen = bool(options and options.get("freezing"))
-        self._frozen_tensors = self._weight_tensors() if frozen else None
-        self._frozen_state = self._weights_state() if frozen else 0
+        self._frozen_weights = FrozenWeights(self) if frozen else None
         try:
             self._compiled_step, self._compiled_draw, self._compiled_decode_then, self._compiled_draw_then_decode = (
                 torch.compile(types.MethodType(own_code(function), self), fullgraph=True, dynamic=False, mode=mode,
@@ -692,7 +690,7 @@ class Transformer(nn.Module):
         """`linear` as asked, but the library's products for weights made under torch.inference_mode:
         an inference tensor counts no versions, so a packed step could not see that its weights
         changed (one warning; asking for "packed" then is a one-line error)."""
-        if not any(tensor.is_inference() for tensor in self._weight_tensors()):
+        if not any(tensor.is_inference() for tensor in weight_tensors(self)):
             return linear
         if linear == "packed":
             raise ValueError("packed linear kernels need weights made outside torch.inference_mode (their changes "
@@ -702,14 +700,6 @@ class Transformer(nn.Module):
                         "when they change: its products read them at every step (linear='library'); make the model "
                         "outside inference mode for the packed kernels")
         return "library"
-
-    def _weight_tensors(self) -> list[Tensor]:
-        return [*self.parameters(), *self.buffers()]
-
-    def _weights_state(self) -> int:
-        """The sum of the frozen tensors' versions: an in-place write (an optimiser step,
-        load_state_dict) raises a tensor's version, and versions never fall."""
-        return sum(map(TENSOR_VERSION, self._frozen_tensors))
 
     def run(self, tokens: Tensor, targets: Tensor | None, cache: ModelCache | None, loss_mask: Tensor | None,
             n_layers: int | None = None) -> ModelOutput:
