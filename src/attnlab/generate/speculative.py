@@ -291,7 +291,7 @@ def _decode_shared_window(state: _Decoding) -> None:
         # 3. accept/reject per row; the accepted slots are then in place, commit the next token
         draft_uniforms = torch.rand(batch, width - 1, generator=generator, device=device)  # [B, W-1]
         uniforms = torch.rand(batch, width, generator=generator, device=device)  # [B, W]
-        catch_up = sequence[:, draft_cache.length : start]  # [B, c] (c = DRAFT_LAG but at first), last: start - 1
+        catch_up = sequence[:, draft_cache.length : start]  # [B, c] (c = DRAFT_LAG, fewer for a shorter prompt)
         drafted, accepted, next_token = _propose_and_verify(state, catch_up, draft_uniforms, window, known, known,
                                                             uniforms)
         window.copy_(drafted)
