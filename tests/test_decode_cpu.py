@@ -31,10 +31,11 @@ def visible_keys(positions: torch.Tensor, length: int, window: int) -> torch.Ten
     return seen[:, None]
 
 
-def case(batch, heads, groups, queries, length, width, dtype, seed=0):
+def case(batch, heads, groups, queries, length, width, dtype, seed=0, storage_dtype=None):
     generator = torch.Generator().manual_seed(seed)
     q = torch.randn(batch, heads, queries, width, generator=generator).to(dtype)
-    keys, values = (torch.randn(batch, groups, length, width, generator=generator).to(dtype) for _ in range(2))
+    keys, values = (torch.randn(batch, groups, length, width, generator=generator).to(storage_dtype or dtype)
+                    for _ in range(2))
     # each row's own positions, consecutive (a verification window), one row at the storage's end
     starts = torch.randint(0, length - queries + 1, (batch, 1), generator=generator)
     starts[-1] = length - queries
@@ -50,12 +51,18 @@ def case(batch, heads, groups, queries, length, width, dtype, seed=0):
     (1, 2, 2, 64, 80, 32, 0),    # the most queries a call takes
     (2, 4, 2, 4, 300, 80, 100),  # a window longer than a key block
 ])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_equals_the_oracle(batch, heads, groups, queries, length, width, window, dtype):
-    q, keys, values, positions = case(batch, heads, groups, queries, length, width, dtype)
+@pytest.mark.parametrize("dtype, storage_dtype", [
+    (torch.float32, torch.float32),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float32, torch.bfloat16),  # a bfloat16 cache beside float32 weights: its rows converted as loaded
+])
+def test_equals_the_oracle(batch, heads, groups, queries, length, width, window, dtype, storage_dtype):
+    q, keys, values, positions = case(batch, heads, groups, queries, length, width, dtype,
+                                      storage_dtype=storage_dtype)
     expected = naive_attention(q.float(), keys.float(), values.float(), visible_keys(positions, length, window))
     out = decode_cpu.cached_attention(q, keys, values, positions, window)
     assert out.dtype == dtype and out.shape == q.shape
+    # float32 arithmetic throughout; only a bfloat16 output is rounded
     tolerance = dict(atol=2e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(out.float(), expected, **tolerance)
 

@@ -8,8 +8,9 @@
 // ladder of shuffles; then each block of 16 value rows, read once, is weighed into the output rows
 // of up to 8 queries at a time, held in registers. Only the keys some query sees are read, not the
 // whole storage (torch's fused attention reads every position of it, masked); float32 storage is
-// read in place, bfloat16 converted a block of 16 rows at a time. float32 or bfloat16 queries and storage, the
-// arithmetic in float32; head widths 16 to 128 in steps of 16.
+// read in place, bfloat16 converted in registers as it is loaded (a bfloat16 cache beside float32
+// weights reads half the bytes). float32 or bfloat16 queries and storage, the arithmetic in
+// float32; head widths 16 to 128 in steps of 16.
 //
 // Registered as the torch operator attnlab::cached_attention_cpu, so a compiled decode step calls
 // it from inductor's C++ wrapper without a return to Python.
@@ -66,15 +67,22 @@ inline void rows_to_float(const void* base, int64_t offset, int64_t n, int64_t w
   for (int64_t i = 0; i < n * width; i += LANES) store(out + i, load_bf16(p + i));
 }
 
-// rows j0..j0+n-1 (n <= 16) of a [L, D] storage as float32: the storage itself when it is float32
-// (read in place), else converted into block; with `padded`, 16 rows, those past n zero (a copy
-// for a float32 tail, whose storage may end before 16 rows)
-inline const float* float_rows(const void* storage, bool bf16, int64_t j0, int64_t n, int64_t width, bool padded,
-                               float* block) {
-  if (!bf16 && (n == LANES || !padded)) return static_cast<const float*>(storage) + j0 * width;
-  rows_to_float(storage, j0 * width, n, width, bf16, block);
-  if (padded && n < LANES) std::memset(block + n * width, 0, (LANES - n) * width * sizeof(float));
-  return block;
+// Rows of a [L, D] storage read as float32 vectors: float32 in place, bfloat16 converted in
+// registers as it is loaded (no copy); `at` takes an element offset from the first row
+struct Float32Rows {
+  const float* base;
+  vf at(int64_t element) const { return load(base + element); }
+};
+struct BFloat16Rows {
+  const uint16_t* base;
+  vf at(int64_t element) const { return load_bf16(base + element); }
+};
+
+// f(rows) with the rows of `storage` from element `offset` on, as the storage's dtype reads them
+template <class F>
+inline void with_rows(const void* storage, bool bf16, int64_t offset, F f) {
+  if (bf16) return f(BFloat16Rows{static_cast<const uint16_t*>(storage) + offset});
+  f(Float32Rows{static_cast<const float*>(storage) + offset});
 }
 
 // The lane sums of 16 vectors p[0..15] as one vector (lane k: the sum of p[k]'s lanes): four rounds
@@ -104,31 +112,47 @@ struct Task {
   int64_t n_queries;
   int64_t first, end;       // keys first..end-1: those some query sees
   float* scores;            // scratch [T, end - first rounded up to 16]
-  float* block;             // scratch [16, D]: a block of rows as float32 (bfloat16 storage, a float32 tail)
+  float* block;             // scratch [16, D]: the last key block, shorter than 16, as float32
   float* out;               // [T, D] float32
 };
 
-// scores[t, j] = q_t . k_j for the keys query t sees, -inf for the others
+// scores[t, j0 + k] = q_t . k_(j0 + k) for the 16 keys of one block (keys: its rows), -inf for
+// the keys query t does not see
+template <int DV, class Rows>
+void score_block(const Task& task, int64_t stride, int64_t j0, Rows keys) {
+  constexpr int64_t D = DV * LANES;
+  const vf lane_index = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const vf key_index = lane_index + static_cast<float>(j0);  // exact: positions are far below 2^24
+  for (int64_t t = 0; t < task.n_queries; ++t) {
+    vf q[DV], partial[LANES];
+    for (int d = 0; d < DV; ++d) q[d] = load(task.queries + t * D + d * LANES);
+    for (int k = 0; k < LANES; ++k) {
+      vf sum = q[0] * keys.at(k * D);
+      for (int d = 1; d < DV; ++d) sum += q[d] * keys.at(k * D + d * LANES);
+      partial[k] = sum;
+    }
+    const vf s = sums_of_16(partial);
+    const vi visible = (key_index >= static_cast<float>(task.lo[t])) & (key_index <= static_cast<float>(task.hi[t]));
+    store(task.scores + t * stride + (j0 - task.first), visible ? s : vf{} + NEGATIVE_INFINITY);
+  }
+}
+
+// every query's scores over the keys first..end-1: whole blocks of 16 read from the storage, a last
+// shorter block copied as float32 and padded with zero rows (the storage may end before 16 rows)
 template <int DV>
 void score(const Task& task, int64_t stride) {
   constexpr int64_t D = DV * LANES;
-  const vf lane_index = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   for (int64_t j0 = task.first; j0 < task.end; j0 += LANES) {
     const int64_t n = std::min<int64_t>(LANES, task.end - j0);
-    const float* keys = float_rows(task.keys, task.bf16_storage, j0, n, D, true, task.block);  // [16, D]
-    const vf key_index = lane_index + static_cast<float>(j0);  // exact: positions are far below 2^24
-    for (int64_t t = 0; t < task.n_queries; ++t) {
-      vf q[DV], partial[LANES];
-      for (int d = 0; d < DV; ++d) q[d] = load(task.queries + t * D + d * LANES);
-      for (int k = 0; k < LANES; ++k) {
-        vf sum = q[0] * load(keys + k * D);
-        for (int d = 1; d < DV; ++d) sum += q[d] * load(keys + k * D + d * LANES);
-        partial[k] = sum;
-      }
-      const vf s = sums_of_16(partial);
-      const vi visible = (key_index >= static_cast<float>(task.lo[t])) & (key_index <= static_cast<float>(task.hi[t]));
-      store(task.scores + t * stride + (j0 - task.first), visible ? s : vf{} + NEGATIVE_INFINITY);
+    if (n == LANES) {
+      with_rows(task.keys, task.bf16_storage, j0 * D, [&](auto keys) { score_block<DV>(task, stride, j0, keys); });
+      continue;
     }
+    with_rows(task.keys, task.bf16_storage, j0 * D, [&](auto keys) {
+      for (int64_t i = 0; i < n * D; i += LANES) store(task.block + i, keys.at(i));
+    });
+    std::memset(task.block + n * D, 0, (LANES - n) * D * sizeof(float));
+    score_block<DV>(task, stride, j0, Float32Rows{task.block});
   }
 }
 
@@ -150,45 +174,46 @@ void softmax_rows(const Task& task, int64_t stride, float* total) {
   }
 }
 
-// out[t0 .. t0 + NB - 1] += sum_k weight[t, j0 + k] v_(j0 + k) over the n rows of one value block:
-// the NB queries' rows in registers (NB, DV compile-time: no array indexed at run time)
-template <int DV, int NB>
-void weigh_block(const Task& task, int64_t stride, int64_t t0, int64_t j0, int64_t n, const float* values) {
+// out[t0 .. t0 + NB - 1] += sum_k weight[t, j0 + k] v_(j0 + k) over the n rows of one value block
+// (values: its rows): the NB queries' rows in registers (NB, DV compile-time: no array indexed at
+// run time)
+template <int DV, int NB, class Rows>
+void weigh_block(const Task& task, int64_t stride, int64_t t0, int64_t j0, int64_t n, Rows values) {
   constexpr int64_t D = DV * LANES;
   vf acc[NB][DV];
   for (int t = 0; t < NB; ++t)
     for (int d = 0; d < DV; ++d) acc[t][d] = load(task.out + (t0 + t) * D + d * LANES);
   const float* weights = task.scores + t0 * stride + (j0 - task.first);
   for (int64_t k = 0; k < n; ++k) {
-    for (int t = 0; t < NB; ++t) {
+    for (int t = 0; t < NB; ++t) {  // a row's loads (and conversions) are the same for every t: taken once
       const vf weight = vf{} + weights[t * stride + k];
-      for (int d = 0; d < DV; ++d) acc[t][d] += weight * load(values + k * D + d * LANES);
+      for (int d = 0; d < DV; ++d) acc[t][d] += weight * values.at(k * D + d * LANES);
     }
   }
   for (int t = 0; t < NB; ++t)
     for (int d = 0; d < DV; ++d) store(task.out + (t0 + t) * D + d * LANES, acc[t][d]);
 }
 
-template <int DV, int NB = query_block(DV)>
-void weigh_any(const Task& task, int64_t stride, int64_t t0, int64_t n_block, int64_t j0, int64_t n,
-               const float* values) {
+template <int DV, int NB = query_block(DV), class Rows>
+void weigh_any(const Task& task, int64_t stride, int64_t t0, int64_t n_block, int64_t j0, int64_t n, Rows values) {
   if constexpr (NB > 1) {
     if (n_block < NB) return weigh_any<DV, NB - 1>(task, stride, t0, n_block, j0, n, values);
   }
   weigh_block<DV, NB>(task, stride, t0, j0, n, values);
 }
 
-// out[t] = sum_j weight[t, j] v_j / total[t]: each value block read (converted) once, weighed into
-// query_block(DV) queries' rows at a time
+// out[t] = sum_j weight[t, j] v_j / total[t]: each value block read once (bfloat16 converted as it
+// is loaded), weighed into query_block(DV) queries' rows at a time
 template <int DV>
 void weigh_values(const Task& task, int64_t stride, const float* total) {
   constexpr int64_t D = DV * LANES, BLOCK = query_block(DV);
   std::fill(task.out, task.out + task.n_queries * D, 0.0f);
   for (int64_t j0 = task.first; j0 < task.end; j0 += LANES) {
     const int64_t n = std::min<int64_t>(LANES, task.end - j0);
-    const float* values = float_rows(task.values, task.bf16_storage, j0, n, D, false, task.block);  // [n, D]
-    for (int64_t t0 = 0; t0 < task.n_queries; t0 += BLOCK)
-      weigh_any<DV>(task, stride, t0, std::min<int64_t>(BLOCK, task.n_queries - t0), j0, n, values);
+    with_rows(task.values, task.bf16_storage, j0 * D, [&](auto values) {
+      for (int64_t t0 = 0; t0 < task.n_queries; t0 += BLOCK)
+        weigh_any<DV>(task, stride, t0, std::min<int64_t>(BLOCK, task.n_queries - t0), j0, n, values);
+    });
   }
   for (int64_t t = 0; t < task.n_queries; ++t) {
     const vf inverse = vf{} + 1.0f / total[t];
