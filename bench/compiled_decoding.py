@@ -9,7 +9,10 @@ products with the weights through ATen's library calls instead of the packed ker
 compile_decoding(linear="library")), `python-wrapper` (the step called from inductor's Python
 wrapper instead of its C++ one, compile_decoding(cpp_wrapper=False)), `torch-attention` (full and
 local attention's cached calls by torch's attention instead of the cpu back-end's operator,
-attention.<kind>.backend=torch; the same step as the default for the other kinds). --dtype: every
+attention.<kind>.backend=torch; the same step as the default for the other kinds),
+`bfloat16-cache` (the default step over a cache that stores its keys and values in bfloat16,
+new_cache(dtype=torch.bfloat16), beside the weights' dtype), `bfloat16` (the default step of the
+model cast to bfloat16, weights and cache: `attnlab sample --dtype bfloat16`). --dtype: every
 model's weights and caches (float32 unless told).
 
     OMP_NUM_THREADS=2 python bench/compiled_decoding.py --context 256 4096 --new-tokens 128 --rounds 3 --also library
@@ -35,9 +38,11 @@ WINDOW = dict(local={"window_size": 64}, routing={"window_size": 64}, sinkhorn={
                    "selection_block_size": 16, "num_selected": 4})
 KV_HEADS = {"nsa": 2}  # NSA shares its selection over a key/value group
 SAMPLING = SamplingConfig(top_k=26)
-# compile_decoding's arguments of the other compiled steps --also can add, or their attention's settings
+# compile_decoding's arguments of the other compiled steps --also can add, their attention's settings,
+# their cache's dtype or their model's
 OTHER_STEPS = {"library": {"linear": "library"}, "python-wrapper": {"cpp_wrapper": False},
-               "torch-attention": {"backend": "torch"}}
+               "torch-attention": {"backend": "torch"}, "bfloat16-cache": {"cache_dtype": torch.bfloat16},
+               "bfloat16": {"model_dtype": torch.bfloat16}}
 BACKEND_KINDS = ("full", "local")  # the kinds whose cached calls have a cpu back-end
 
 
@@ -46,6 +51,8 @@ def build(kind: str, max_len: int, variant: str, dtype: torch.dtype = torch.floa
     step = dict(OTHER_STEPS.get(variant, {}))
     attention = {"kind": kind, **WINDOW}
     backend = step.pop("backend", None)
+    step.pop("cache_dtype", None)  # ms_per_token's
+    dtype = step.pop("model_dtype", dtype)
     if backend is not None and kind in BACKEND_KINDS:
         attention[kind] = {**attention.get(kind, {}), "backend": backend}
     values = {**MODEL, "kv_heads": KV_HEADS.get(kind), "max_seq_len": max_len, "attention": attention}
@@ -57,10 +64,11 @@ def build(kind: str, max_len: int, variant: str, dtype: torch.dtype = torch.floa
 
 
 @torch.inference_mode()
-def ms_per_token(model: Transformer, prompt: torch.Tensor, new_tokens: int, seed: int) -> float:
+def ms_per_token(model: Transformer, prompt: torch.Tensor, new_tokens: int, seed: int,
+                 cache_dtype: torch.dtype | None = None) -> float:
     """Median ms of one sampled token (forward and draw) after the prompt."""
     generator = torch.Generator().manual_seed(seed)
-    cache = model.new_cache(prompt.shape[0], prompt.shape[1] + new_tokens)
+    cache = model.new_cache(prompt.shape[0], prompt.shape[1] + new_tokens, dtype=cache_dtype)
     logits = model(prompt, cache=cache).logits[:, -1]
     times = []
     for _ in range(new_tokens):
@@ -80,7 +88,8 @@ def measure(kinds: list[str], contexts: list[int], new_tokens: int, rounds: int,
     times = {key: [] for key in models}
     for round_ in range(rounds + 1):  # round 0 warms up (and compiles)
         for (kind, context, variant), model in models.items():
-            elapsed = ms_per_token(model, prompts[context], new_tokens, seed=round_)
+            cache_dtype = OTHER_STEPS.get(variant, {}).get("cache_dtype")
+            elapsed = ms_per_token(model, prompts[context], new_tokens, seed=round_, cache_dtype=cache_dtype)
             if round_:
                 times[kind, context, variant].append(elapsed)
     return {f"{kind} {context} {variant}": statistics.median(values)

@@ -203,6 +203,35 @@ def test_cast_to_bfloat16_decodes_like_its_parallel_forward(name):
     torch.testing.assert_close(rolled_back.float(), parallel[1, 27:28].float(), atol=0.05, rtol=0.02)
 
 
+def test_a_bfloat16_cache_beside_float32_weights(name):
+    """new_cache(dtype=torch.bfloat16) of a float32 model (`attnlab sample --cache-dtype bfloat16`):
+    the keys and values it stores are bfloat16, the logits stay float32, and cached steps, a chunk
+    and a per-row rollback give the float32 cache's logits to bfloat16's rounding of what attention
+    reads. What feeds a choice is not rounded (sinkhorn's bucket summaries: a near tie would choose
+    another bucket), so the two caches choose alike and the logits differ by rounding alone."""
+    model = make_model(name)
+    x = tokens(2, 60)
+
+    def decode(dtype: torch.dtype) -> tuple[torch.Tensor, set[torch.dtype]]:
+        cache = model.new_cache(2, 64, dtype=dtype)
+        logits = [model(x[:, :30], cache=cache).logits]
+        logits += [model(x[:, t : t + 1], cache=cache).logits for t in range(30, 40)]
+        logits.append(model(x[:, 40:46], cache=cache).logits)
+        # row 1 then opens sinkhorn's bucket 7 again: with these tokens a near tie, which summaries
+        # rounded to bfloat16 break the other way
+        cache.truncate_rows(torch.tensor([44, 41]))
+        logits += [model(x[:, t : t + 1], cache=cache).logits for t in range(46, 50)]
+        stored = {value.dtype for layer in cache.layers for value in vars(layer).values()
+                  if isinstance(value, torch.Tensor) and value.is_floating_point()}
+        return torch.cat(logits, dim=1), stored
+
+    with torch.no_grad():
+        exact, _ = decode(torch.float32)
+        rounded, stored = decode(torch.bfloat16)
+    assert rounded.dtype == torch.float32 and torch.bfloat16 in stored
+    torch.testing.assert_close(rounded, exact, atol=5e-3, rtol=0)
+
+
 # ----------------------------------------------------------------------------------------------
 # Memory: the largest tensor a layer's forward + backward creates, counted exactly by a dispatch
 # mode (deterministic, unlike timing or allocator statistics on a shared machine).

@@ -69,6 +69,33 @@ def test_sample_decodes_in_the_dtype_asked_for(run_dir, capsys, monkeypatch):
     assert capsys.readouterr().out == bytes(expected[0].tolist()).decode("utf-8", "replace") + "\n"
 
 
+def test_sample_keeps_its_cache_in_the_dtype_asked_for(run_dir, capsys, monkeypatch):
+    """--cache-dtype bfloat16: float32 weights over a cache of bfloat16 keys and values, and the text
+    is that model's greedy decoding over such a cache (generate(cache_dtype=...))."""
+    import torch
+
+    from attnlab.generate.sampling import SamplingConfig, generate
+    from attnlab.model import Transformer
+    from attnlab.train import checkpoint
+
+    loaded, caches = [], []
+    load_model = checkpoint.load_model
+    monkeypatch.setattr(checkpoint, "load_model", lambda *args, **kwargs: loaded.append(load_model(*args, **kwargs))
+                        or loaded[-1])
+    new_cache = Transformer.new_cache
+    monkeypatch.setattr(Transformer, "new_cache", lambda *args, **kwargs: caches.append(new_cache(*args, **kwargs))
+                        or caches[-1])
+    capsys.readouterr()
+    assert main(["sample", str(run_dir), "--prompt", "def ", "--max-new-tokens", "20", "--temperature", "0",
+                 "--cache-dtype", "bf16"]) == 0
+    [model], [cache] = loaded, caches
+    assert {parameter.dtype for parameter in model.parameters()} == {torch.float32}
+    assert cache.dtype == torch.bfloat16 and cache.layers[0].keys.dtype == torch.bfloat16
+    expected = generate(model, torch.tensor([list(b"def ")]), 20, SamplingConfig(temperature=0),
+                        cache_dtype=torch.bfloat16)
+    assert capsys.readouterr().out == bytes(expected[0].tolist()).decode("utf-8", "replace") + "\n"
+
+
 def test_sample_compiles_the_step_inductor_caches(run_dir, capsys, monkeypatch):
     """--compile on a CPU asks for the step with ATen's products (the one inductor's cache keeps for
     the next process; aot_eager here, for speed), and its greedy text is the eager command's."""

@@ -65,6 +65,21 @@ def test_greedy_speculative_equals_greedy_target(pair, batch):
         assert result.lengths.tolist() == [32] * batch
 
 
+def test_both_caches_store_keys_and_values_in_the_dtype_asked_for(monkeypatch):
+    """cache_dtype: the target's and the draft's caches hold bfloat16 keys and values beside float32
+    weights, and speculative decoding over them runs each row to its full length."""
+    target, draft = model(logit_scale=8), model("local", seed=1, logit_scale=8)
+    caches = []
+    for module in (target, draft):
+        make = module.new_cache
+        monkeypatch.setattr(module, "new_cache", lambda *args, make=make, **kwargs: caches.append(
+            make(*args, **kwargs)) or caches[-1])
+    prompt = torch.randint(0, 61, (2, 9), generator=torch.Generator().manual_seed(2))
+    result = speculative_generate(target, draft, prompt, 24, gamma=4, sampling=GREEDY, cache_dtype=torch.bfloat16)
+    assert [cache.layers[0].keys.dtype for cache in caches] == [torch.bfloat16, torch.bfloat16]
+    assert result.lengths.tolist() == [24, 24] and torch.equal(result.tokens[:, :9], prompt)
+
+
 @pytest.mark.parametrize("batch", [1, 4])
 def test_self_speculative_greedy_equals_target(batch):
     target = model(depth=3, logit_scale=8)

@@ -81,6 +81,13 @@ def new_lengths(batch: int, device=None) -> Tensor:
     return torch.zeros(batch, dtype=torch.long, device=device)
 
 
+def computation_dtype(module: nn.Module) -> torch.dtype:
+    """The floating dtype a module computes in: that of its first floating-point parameter or buffer
+    (an int8 projection's scale, where its weight is int8); float32 if it has none."""
+    tensors = (*module.parameters(), *module.buffers())
+    return next((tensor.dtype for tensor in tensors if tensor.is_floating_point()), torch.float32)
+
+
 def branch_free(tensor: Tensor) -> bool:
     """Whether a compiled decode step on tensor's device computes both sides of a data-dependent
     choice and keeps one (torch.where) rather than branching (torch.cond): on CUDA, where the step

@@ -246,7 +246,8 @@ def selected_attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, valid: 
 def _selected_chunk(q, k_blocked, v_blocked, indices, valid, gates, positions, block: int) -> Tensor:
     """One chunk of the selected branch: q [B, G, C, R, D] -> [B, G, C, R, D] (never an empty row:
     the own block is always selected)."""
-    keys, values = _gather_blocks(k_blocked, indices), _gather_blocks(v_blocked, indices)  # [B, G, C, n l', D]
+    # [B, G, C, n l', D], in q's dtype (a cache may store them in another: only the gathered blocks are cast)
+    keys, values = (_gather_blocks(blocked, indices).to(q.dtype) for blocked in (k_blocked, v_blocked))
     key_position = (indices[..., None] * block + torch.arange(block, device=q.device)).flatten(-2)
     allowed = valid.repeat_interleave(block, dim=-1) & (key_position <= per_group(positions[..., None]))
     scores = torch.matmul(q, keys.transpose(-1, -2)) / math.sqrt(q.shape[-1])  # [B, G, C, R, n l']
@@ -361,11 +362,12 @@ class NSACache(KVCache):
             write_rows(self.tensors[name], value, positions)
 
     def compress(self, keys: Tensor, values: Tensor, positions: Tensor, key_network: nn.Module,
-                 value_network: nn.Module) -> None:
+                 value_network: nn.Module, dtype: torch.dtype) -> None:
         """Compress each block that a token at positions [B, T] completes (its last token), from the
         stored keys and values [B, G, L, D] (eq. 7). Most tokens complete none (one in every stride
         does): the networks run only when some token does (a torch.cond in a compiled step; on CUDA
-        every step, as a CUDA graph holds no branch: `branch_free`)."""
+        every step, as a CUDA graph holds no branch: `branch_free`). dtype: the networks' (the stored
+        rows are cast to it; the cache may hold them in another)."""
         block, stride = self.config.compress_block_size, self.config.compress_stride
         start = positions - (block - 1)  # [B, T] the first token of the block each token would end
         completes = (start >= 0) & (start % stride == 0)
@@ -374,10 +376,10 @@ class NSACache(KVCache):
         rows = rows.clamp(max=keys.shape[2] - 1)[:, None].expand(-1, keys.shape[1], -1, -1)  # [B, G, T, l]
 
         def compressed(rows: Tensor) -> tuple[Tensor, Tensor]:  # [B, G, T, D] each
-            return key_network(select_rows(keys, rows)), value_network(select_rows(values, rows))
+            return key_network(select_rows(keys, rows).to(dtype)), value_network(select_rows(values, rows).to(dtype))
 
         def nothing(rows: Tensor) -> tuple[Tensor, Tensor]:
-            empty = keys.new_zeros(*rows.shape[:3], keys.shape[-1])
+            empty = keys.new_zeros(*rows.shape[:3], keys.shape[-1], dtype=dtype)
             return empty, empty.clone()
 
         if torch.compiler.is_compiling() and branch_free(keys):  # tokens completing none write the spare slot
@@ -509,7 +511,7 @@ class NativeSparseAttention(Attention):
         cache.append(tensors, positions)
         stored = cache.tensors
         k_cmp, v_cmp = self._branch(stored, "cmp")
-        cache.compress(k_cmp, v_cmp, positions, self.compress_keys, self.compress_values)
+        cache.compress(k_cmp, v_cmp, positions, self.compress_keys, self.compress_values, q.dtype)
         n_blocks = cache.n_blocks  # the slot after them only takes writes
         all_k, all_v = self._with_memory(cache.compressed_keys[:, :, :n_blocks].to(q.dtype),
                                          cache.compressed_values[:, :, :n_blocks])

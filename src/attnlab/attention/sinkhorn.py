@@ -54,6 +54,7 @@ from attnlab.attention.base import (
     KVCache,
     branch_free,
     compiled_branch,
+    computation_dtype,
     expand_kv,
     new_lengths,
     select_rows,
@@ -172,23 +173,26 @@ def cached_bucket_attention(q: Tensor, keys: Tensor, values: Tensor, chosen: Ten
 
 
 class SinkhornCache(KVCache):
-    """Per position: rotated keys and values, and the unrotated queries and keys that bucket
-    summaries are made of, [B, H, L, D] (L: max_len in whole buckets); and the summary of every
+    """Per position: rotated keys and values (in the cache's dtype), and the unrotated queries and
+    keys that bucket summaries are made of (in the wider of it and the model's), [B, H, L, D] (L:
+    max_len in whole buckets); and the summary of every
     bucket, [B, H, N, D]. A forward summarises again each bucket its new tokens fall in (from the
     storage, after writing them), so a finished bucket's summary is always of its row's own tokens;
     an unfinished bucket's is never read (bucket n sorts on buckets before n only). And every
     bucket's choice, [B, H, N, S] indices and log weights, made when a token opens a bucket (sort)."""
 
     def __init__(self, lengths: Tensor, max_len: int, n_heads: int, dim_head: int, bucket_size: int, n_sortcut: int,
-                 dtype) -> None:
+                 dtype, summary_dtype) -> None:
         super().__init__(lengths, max_len)
         n_buckets = math.ceil(max_len / bucket_size)
         shape = (lengths.shape[0], n_heads, n_buckets * bucket_size, dim_head)
         self.keys = torch.zeros(shape, device=lengths.device, dtype=dtype)  # rotated, for attention
         self.values = torch.zeros_like(self.keys)
-        self.raw_queries = torch.zeros_like(self.keys)  # before rotary, for bucket summaries
-        self.raw_keys = torch.zeros_like(self.keys)
-        self.query_means = torch.zeros(*shape[:2], n_buckets, shape[-1], device=lengths.device, dtype=dtype)
+        # before rotary, for bucket summaries: in summary_dtype, as they feed the buckets' choice (a
+        # bfloat16 cache beside float32 weights would round them, and a near tie could choose otherwise)
+        self.raw_queries = torch.zeros(shape, device=lengths.device, dtype=summary_dtype)
+        self.raw_keys = torch.zeros_like(self.raw_queries)
+        self.query_means = torch.zeros(*shape[:2], n_buckets, shape[-1], device=lengths.device, dtype=summary_dtype)
         self.key_means = torch.zeros_like(self.query_means)
         # every bucket's choice (sort_buckets' output) for all heads (local heads leave theirs unused)
         self.chosen = torch.zeros(*shape[:2], n_buckets, n_sortcut, device=lengths.device, dtype=torch.int64)
@@ -315,5 +319,7 @@ class SinkhornAttention(Attention):
                   lengths: Tensor | None = None) -> SinkhornCache:
         lengths = new_lengths(batch, device) if lengths is None else lengths
         self.heads.reserve(max_len, lengths.device)
+        model_dtype = computation_dtype(self)
+        summary_dtype = model_dtype if dtype is None else torch.promote_types(dtype, model_dtype)
         return SinkhornCache(lengths, max_len, self.spec.n_heads, self.spec.dim_head, self.config.bucket_size,
-                             self.config.n_sortcut, dtype)
+                             self.config.n_sortcut, dtype, summary_dtype)

@@ -1,5 +1,5 @@
 """`attnlab sample RUN --prompt TEXT --max-new-tokens N [--temperature T --top-k K --top-p P --min-p M]
-[--dtype bfloat16] [--compile]`"""
+[--dtype bfloat16] [--cache-dtype bfloat16] [--compile]`"""
 
 from __future__ import annotations
 
@@ -21,6 +21,9 @@ def register(subparsers) -> None:
     parser.add_argument("--weights", choices=["auto", "model", "ema"], default="auto")
     parser.add_argument("--device", type=arguments.device, default="cpu")
     arguments.add_decoding_dtype(parser)
+    parser.add_argument("--cache-dtype", type=arguments.dtype, default=None,
+                        help="the cache's keys and values in this dtype (default: --dtype's): bfloat16 beside float32 "
+                        "weights halves the bytes a long context's step reads")
     parser.add_argument("--compile", action="store_true",
                         help="decode with a compiled step (torch.compile; CUDA graphs on a GPU; on a CPU the step "
                         "inductor stores in its cache, so later runs compile in seconds)")
@@ -47,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
         # compiles again in every process: docs/benchmarks.md "Compile time"); the GPU's own default.
         model.compile_decoding(linear="library" if torch.device(device).type == "cpu" else None)
     pieces = stream_text(model, prompt, args.max_new_tokens, sampling, not args.no_cache, generator, tokenizer,
-                         args.compile)
+                         args.compile, args.cache_dtype and getattr(torch, args.cache_dtype))
     # a prompt from the command line may hold bytes that are not UTF-8 (as surrogates): shown replaced
     sys.stdout.write(args.prompt.encode("utf-8", "surrogateescape").decode("utf-8", "replace"))
     for piece in pieces:

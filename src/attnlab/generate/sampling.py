@@ -74,6 +74,7 @@ def stream(
     use_cache: bool = True,
     generator: torch.Generator | None = None,
     compile: bool = False,
+    cache_dtype: torch.dtype | None = None,
 ) -> Iterator[tuple[Tensor, Tensor]]:
     """Yield (next tokens [B], the logits they were drawn from [B, V]) one step at a time.
 
@@ -84,6 +85,9 @@ def stream(
     compile: decode with the model's compiled step (Transformer.compile_decoding; made once), which
     also draws the token (draw_last inside the step's graph, at a uniform drawn before it: the
     tokens sample_from would draw).
+    cache_dtype: the dtype the cache stores keys and values in (default: the weights'); bfloat16
+    beside float32 weights halves the bytes a long context's step reads, at bfloat16's rounding of
+    what attention reads (the arithmetic stays in the weights' dtype).
     """
     sampling = sampling or SamplingConfig()
     check_length(model, prompt.shape[1] + max_new_tokens)
@@ -93,7 +97,8 @@ def stream(
     with eval_mode(model):
         sequence = prompt
         with torch.inference_mode():  # the cache's tensors count no versions (a compiled step runs leaner)
-            cache = model.new_cache(prompt.shape[0], prompt.shape[1] + max_new_tokens) if use_cache else None
+            cache = (model.new_cache(prompt.shape[0], prompt.shape[1] + max_new_tokens, dtype=cache_dtype)
+                     if use_cache else None)
         next_input = prompt
         for _ in range(max_new_tokens):
             with torch.inference_mode():  # never around a yield: the caller's code runs outside it
@@ -120,9 +125,11 @@ def generate(
     use_cache: bool = True,
     generator: torch.Generator | None = None,
     compile: bool = False,
+    cache_dtype: torch.dtype | None = None,
 ) -> Tensor:
-    """prompt [B, T] -> [B, T + max_new_tokens]; compile: as in `stream`."""
-    new = [token for token, _ in stream(model, prompt, max_new_tokens, sampling, use_cache, generator, compile)]
+    """prompt [B, T] -> [B, T + max_new_tokens]; compile, cache_dtype: as in `stream`."""
+    new = [token for token, _ in stream(model, prompt, max_new_tokens, sampling, use_cache, generator, compile,
+                                        cache_dtype)]
     if not new:
         return prompt
     return torch.cat((prompt, torch.stack(new, dim=1)), dim=1)
@@ -137,13 +144,14 @@ def stream_text(
     generator: torch.Generator | None = None,
     tokenizer: Tokenizer | None = None,
     compile: bool = False,
+    cache_dtype: torch.dtype | None = None,
 ) -> Iterator[str]:
     """The text of row 0's new tokens, piece by piece as they are drawn (prompt [1, T]): each token's
     bytes (its own for a byte-level model, the tokenizer's otherwise) decoded as UTF-8 incrementally,
     so a character split over tokens comes out whole. A tokenized model stops at its end token (it
     is trained with one); the last piece flushes what is left (possibly "")."""
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    pieces = stream(model, prompt, max_new_tokens, sampling, use_cache, generator, compile)
+    pieces = stream(model, prompt, max_new_tokens, sampling, use_cache, generator, compile, cache_dtype)
     for step, (token, logits) in enumerate(pieces):
         check_finite(logits[0], step)  # before the token drawn from them is used (it may lie past the vocabulary)
         token_id = int(token[0])

@@ -375,6 +375,7 @@ def speculative_generate(
     end_token: int | None = None,
     generator: torch.Generator | None = None,
     per_row: bool | None = None,
+    cache_dtype: torch.dtype | None = None,
 ) -> SpeculativeResult:
     """prompt [B, T] -> T + max_new_tokens tokens per row, distributed as sampling from `target`.
 
@@ -382,7 +383,8 @@ def speculative_generate(
     row has stopped (the output is cut after a row's end token and padded with it).
     per_row: roll each row's caches back to its own length (when both models' caches can: every
     built-in attention type), else the shared-window scheme; None picks per-row for batches > 1
-    where possible.
+    where possible. cache_dtype: both models' caches' (default: each one's weights'; as in
+    generate.sampling.stream).
     """
     if gamma < 1:
         raise ValueError("gamma must be >= 1")
@@ -398,8 +400,8 @@ def speculative_generate(
     capacity = goal + 2 * width
     sequence = torch.zeros(batch, capacity, dtype=torch.long, device=device)  # [B, T + N + 2W]
     sequence[:, :prompt_length] = prompt
-    target_cache = target.new_cache(batch, capacity)
-    draft_cache = draft.new_cache(batch, capacity)
+    target_cache = target.new_cache(batch, capacity, dtype=cache_dtype)
+    draft_cache = draft.new_cache(batch, capacity, dtype=cache_dtype)
     state = _Decoding(
         target=target, draft=draft, target_cache=target_cache, draft_cache=draft_cache, gamma=gamma,
         sampling=sampling, generator=generator, sequence=sequence,
