@@ -99,6 +99,8 @@ ARGUMENTS = [
     ["speculative", "--target", "RUN", "--draft", "RUN", "--top-p", "2"],
     ["speculative", "--target", "RUN", "--draft", "RUN", "--device", "tpu"],
     ["speculative", "--target", "RUN", "--draft", "RUN", "--dtype", "int8"],
+    ["speculative", "--target", "RUN", "--draft", "RUN", "--cache-dtype", "float8"],
+    ["sample", "RUN", "--cache-dtype", "int8"],
     ["speculative", "--target", "RUN", "--draft", "RUN", "--draft-quantize", "int4"],
     ["speculative", "train", "--target-preset", "demo", "--draft-preset", "demo", "--distill", "1.5"],
     ["speculative", "train", "--target", "RUN", "--draft-preset", "demo", "--draft-steps", "0"],

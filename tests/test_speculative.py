@@ -678,6 +678,10 @@ def test_speculative_command_with_an_int8_draft(trained_pair, capsys):
     assert main([*arguments, "--draft", str(root / "draft"), "--dtype", "bfloat16", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)  # both models in bfloat16, the base decoding too
     assert report["dtype"] == "bfloat16" and report["products"] == {"target": "F.linear", "draft": "int8"}
+    assert report["cache_dtype"] == "bfloat16"
+    assert main([*arguments, "--draft", str(root / "draft"), "--cache-dtype", "bf16", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)  # float32 weights over bfloat16 caches, the base's too
+    assert report["dtype"] == "float32" and report["cache_dtype"] == "bfloat16"
 
 
 def test_decoding_past_the_training_length_warns(trained_pair, caplog):

@@ -54,6 +54,7 @@ class SpeculativeBench:
     weights: str = "auto"  # auto, model or ema
     device: str = "cpu"
     dtype: str = "float32"  # both models' weights and caches (torch's name): the base decodes in it too
+    cache_dtype: str | None = None  # both models' and the base's caches' keys and values, if not dtype
     compile: bool = False  # both models decode with compiled steps (Transformer.compile_decoding)
 
     def __post_init__(self) -> None:  # worded for `attnlab speculative`, whose flags these fields are
@@ -157,16 +158,19 @@ def time_decoders(bench: SpeculativeBench, target: Transformer, draft: CachedLan
     """A warm-up of both paths (allocator, first-call costs), then base and speculative runs alternating,
     each pair with the same seed."""
 
+    cache_dtype = None if bench.cache_dtype is None else getattr(torch, bench.cache_dtype)
+
     def base(seed: int) -> torch.Tensor:
         generator = torch.Generator(device=device).manual_seed(seed)
         with torch.inference_mode():  # the same mode speculative_generate runs in
-            return generate(target, prompt, bench.max_new_tokens, bench.sampling, generator=generator)
+            return generate(target, prompt, bench.max_new_tokens, bench.sampling, generator=generator,
+                            cache_dtype=cache_dtype)
 
     def speculative(seed: int) -> SpeculativeResult:
         generator = torch.Generator(device=device).manual_seed(seed)
         return speculative_generate(
             target, draft, prompt, bench.max_new_tokens, bench.gamma, bench.sampling, generator=generator,
-            per_row=per_row,
+            per_row=per_row, cache_dtype=cache_dtype,
         )
 
     base(bench.seed)
@@ -214,6 +218,7 @@ def run_speculative_bench(bench: SpeculativeBench) -> dict[str, Any]:
         "device": str(device),
         # what the models decode in, read off them (both cast alike: the base decodes in it too)
         "dtype": str(next(target.parameters()).dtype).removeprefix("torch."),
+        "cache_dtype": bench.cache_dtype or str(next(target.parameters()).dtype).removeprefix("torch."),
         "gamma": bench.gamma,
         "batch_size": bench.batch_size,
         "max_new_tokens": bench.max_new_tokens,

@@ -107,6 +107,13 @@ def add_decoding_dtype(parser) -> None:
                         "it has them")
 
 
+def add_cache_dtype(parser) -> None:
+    """--cache-dtype of the decoding commands: the dtype caches store keys and values in."""
+    parser.add_argument("--cache-dtype", type=dtype, default=None,
+                        help="the caches' keys and values in this dtype (default: --dtype's): bfloat16 beside float32 "
+                        "weights halves the bytes a long context's step reads")
+
+
 def add_sampling(parser) -> None:
     """The sampling options of every decoding command (generate/sampling.py's SamplingConfig)."""
     parser.add_argument("--temperature", type=temperature, default=1.0, help="0 = greedy")

@@ -21,9 +21,7 @@ def register(subparsers) -> None:
     parser.add_argument("--weights", choices=["auto", "model", "ema"], default="auto")
     parser.add_argument("--device", type=arguments.device, default="cpu")
     arguments.add_decoding_dtype(parser)
-    parser.add_argument("--cache-dtype", type=arguments.dtype, default=None,
-                        help="the cache's keys and values in this dtype (default: --dtype's): bfloat16 beside float32 "
-                        "weights halves the bytes a long context's step reads")
+    arguments.add_cache_dtype(parser)
     parser.add_argument("--compile", action="store_true",
                         help="decode with a compiled step (torch.compile; CUDA graphs on a GPU; on a CPU the step "
                         "inductor stores in its cache, so later runs compile in seconds)")

@@ -4,7 +4,7 @@ training a draft with its target.
     attnlab speculative --target RUN (--draft RUN | --early-exit K) [--gamma 5]
         (--prompt TEXT | --prime-from-val) [--batch-size B] [--max-new-tokens N] [--repeats R]
         [--temperature T --top-k K --top-p P --min-p M] [--draft-quantize int8] [--dtype bfloat16]
-        [--compile] [--json]
+        [--cache-dtype bfloat16] [--compile] [--json]
     attnlab speculative train (--target-preset P | --target RUN [--draft-steps N]) --draft-preset Q [--distill W]
         [key.path=value (both) | target.key.path=value | draft.key.path=value ...] [--resume]
 
@@ -67,6 +67,7 @@ def register(subparsers) -> None:
     parser.add_argument("--weights", choices=["auto", "model", "ema"], default="auto")
     parser.add_argument("--device", type=arguments.device, default="cpu")
     arguments.add_decoding_dtype(parser)
+    arguments.add_cache_dtype(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(func=run)
 
@@ -111,7 +112,8 @@ def run(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
         sampling=SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p),
         seed=args.seed, batch_scheme=args.batch_scheme, repeats=args.repeats, weights=args.weights,
-        device=arguments.usable_device(args.device), dtype=args.dtype, compile=args.compile,
+        device=arguments.usable_device(args.device), dtype=args.dtype, cache_dtype=args.cache_dtype,
+        compile=args.compile,
     )
     report = run_speculative_bench(bench)
     if args.json:
