@@ -4,7 +4,10 @@ compiled step's speed-up, and how much a token's cost grows from the short promp
 
 Each model decodes --new-tokens tokens with top-k sampling after a random prompt, eager and compiled
 in turn, round by round (the compiled step's compilation happens in an untimed warm-up round);
-medians of the per-round medians. --also adds other compiled steps, side by side: `library` (the
+medians of the per-round medians. A token is what generate() spends on it: a uniform drawn, then
+one decode_then call, the forward and the draw (in the compiled step's graph when compiled; until
+revision 4b717ae the script timed the forward and a sample_from after it, outside the graph).
+--also adds other compiled steps, side by side: `library` (the
 products with the weights through ATen's library calls instead of the packed kernels,
 compile_decoding(linear="library")), `python-wrapper` (the step called from inductor's Python
 wrapper instead of its C++ one, compile_decoding(cpp_wrapper=False)), `torch-attention` (full and
@@ -29,7 +32,7 @@ import torch
 
 from attnlab.bench.measure import model_config
 from attnlab.cli import arguments  # the decoding commands' --dtype names (bf16 too)
-from attnlab.generate.sampling import SamplingConfig, probabilities, sample_from
+from attnlab.generate.sampling import SamplingConfig, draw_last
 from attnlab.model import Transformer
 
 MODEL = dict(dim=256, depth=4, heads=4, dim_head=64)
@@ -66,15 +69,17 @@ def build(kind: str, max_len: int, variant: str, dtype: torch.dtype = torch.floa
 @torch.inference_mode()
 def ms_per_token(model: Transformer, prompt: torch.Tensor, new_tokens: int, seed: int,
                  cache_dtype: torch.dtype | None = None) -> float:
-    """Median ms of one sampled token (forward and draw) after the prompt."""
+    """Median ms of one sampled token after the prompt: its uniform and one decode_then call, the
+    forward of the last token and the draw of the next (generate.sampling.stream's step)."""
     generator = torch.Generator().manual_seed(seed)
     cache = model.new_cache(prompt.shape[0], prompt.shape[1] + new_tokens, dtype=cache_dtype)
-    logits = model(prompt, cache=cache).logits[:, -1]
+    uniform = torch.rand(prompt.shape[0], generator=generator)
+    token, _ = model.decode_then(draw_last, prompt, cache, SAMPLING, uniform)  # the prefill, eager
     times = []
     for _ in range(new_tokens):
         started = time.perf_counter()
-        token = sample_from(probabilities(logits, SAMPLING), generator)
-        logits = model(token[:, None], cache=cache).logits[:, -1]
+        uniform = torch.rand(prompt.shape[0], generator=generator)  # [B]
+        token, _ = model.decode_then(draw_last, token[:, None], cache, SAMPLING, uniform)  # [B]
         times.append(time.perf_counter() - started)
     return statistics.median(times) * 1e3
 
