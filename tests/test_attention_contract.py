@@ -230,6 +230,8 @@ def test_a_bfloat16_cache_beside_float32_weights(name):
         rounded, stored = decode(torch.bfloat16)
     assert rounded.dtype == torch.float32 and torch.bfloat16 in stored
     torch.testing.assert_close(rounded, exact, atol=5e-3, rtol=0)
+    with pytest.raises(ValueError, match="^a cache stores keys and values in a floating-point dtype.* torch.int8$"):
+        model.new_cache(2, 64, dtype=torch.int8)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -122,8 +122,11 @@ def new_model_cache(model: nn.Module, attention_layers: list[nn.Module], batch_s
     """A ModelCache over these attention layers of `model`, their counts in one shared tensor; device and
     dtype by default those of the model's first parameter (an embedding: float also when quantized)."""
     parameter = next(model.parameters())
-    lengths = new_lengths(batch_size, device or parameter.device)
     dtype = dtype or parameter.dtype
+    if not dtype.is_floating_point:
+        raise ValueError(f"a cache stores keys and values in a floating-point dtype (bfloat16, float32, ...); "
+                         f"got {dtype}")
+    lengths = new_lengths(batch_size, device or parameter.device)
     layers = [layer.new_cache(batch_size, max_len, lengths.device, dtype, lengths=lengths)
               for layer in attention_layers]
     return ModelCache(layers, lengths, max_len, dtype)
