@@ -590,6 +590,22 @@ def test_draw_then_decode_is_one_compiled_call_of_the_draws_and_the_forward(monk
     assert calls == ["_compiled_draw_then_decode"] * 8
 
 
+def test_models_compiled_alike_once_their_settings_resolve_fuse_their_step():
+    """A draft compiled with linear="packed" beside a target left at the CPU's default (packed too)
+    makes speculative decoding's step one call; a draft with the library's products, two. Nothing
+    compiles: the check reads the settings each compile_decoding resolved."""
+    target, draft = (Transformer(variant_config("full", depth=1)).eval() for _ in range(2))
+    tokens = torch.randint(0, 61, (1, 8))
+    caches = [model.new_cache(1, 32) for model in (draft, target)]
+    with torch.no_grad():
+        for model, cache in zip((draft, target), caches):
+            model(tokens, cache=cache)  # a prefill, eager
+    assert target.compile_decoding() and draft.compile_decoding(linear="packed")
+    assert target._draws_then_decodes_compiled(draft, *caches)
+    assert draft.compile_decoding(linear="library")
+    assert not target._draws_then_decodes_compiled(draft, *caches)
+
+
 def test_draw_then_decode_compiles_again_when_the_drafts_weights_change(monkeypatch):
     """The packed graphs of draw_then_decode hold the draft's weights too, with the compiled call
     stood in for by the eager one (so nothing compiles): calls on unchanged weights compile nothing

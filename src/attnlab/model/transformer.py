@@ -369,6 +369,7 @@ class Transformer(nn.Module):
         self._decode_calls: dict[tuple, int] = {}  # times the compiled step served a call (_decode_call)
         self._decode_structure = -1  # STRUCTURE_CHANGES when _decode_calls was last cleared
         self._compile_arguments: dict = {}  # what compile_decoding() was last asked, to compile again
+        self._compile_settings: tuple | None = None  # what it resolved them to: graphs made alike compare equal
         self._frozen_weights: FrozenWeights | None = None  # the weights a packed step holds as constants
         self._frozen_drafts: dict[int, FrozenWeights] = {}  # drafts' weights draw_then_decode's packed graphs hold
         self.initialise()
@@ -581,9 +582,10 @@ class Transformer(nn.Module):
     def _draws_then_decodes_compiled(self, model: Transformer | None, draft_cache: ModelCache, cache: ModelCache
                                      ) -> bool:
         """Whether draw_then_decode with a draft drawing through `model`'s blocks is one compiled call:
-        both models compiled alike, and neither cache empty (a prefill stays eager)."""
+        both models compiled alike (the same settings once resolved: "packed" asked of one, left to
+        the CPU's default of the other, is alike), and neither cache empty (a prefill stays eager)."""
         return (model is not None and self._compiled_draw_then_decode is not None
-                and model._compiled_draw is not None and model._compile_arguments == self._compile_arguments
+                and model._compiled_draw is not None and model._compile_settings == self._compile_settings
                 and cache.length > 0 and draft_cache.length > 0)
 
     def _frozen_draft(self, model: Transformer) -> FrozenWeights:
@@ -665,6 +667,7 @@ class Transformer(nn.Module):
         linear = self._linear_for_weights(linear)
         options = decode_compile_options(device, mode, backend, cpp_wrapper, linear)
         self._compile_arguments = {"mode": mode, "backend": backend, "cpp_wrapper": cpp_wrapper, "linear": linear}
+        self._compile_settings = (device, mode, backend, sorted((options or {}).items()))
         frozen = bool(options and options.get("freezing"))
         self._frozen_weights = FrozenWeights(self) if frozen else None
         try:
