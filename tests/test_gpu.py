@@ -197,12 +197,17 @@ def test_variant_trains_and_caches_on_gpu(name):
     assert relative_error(got, want) < 1e-4
 
 
-@pytest.mark.parametrize("name", ["full", "local", "routing", "sinkhorn", "nsa"])
-def test_compiled_decoding_replays_cuda_graphs(name):
+# every type over caches in the weights' dtype, and two over caches of bfloat16 keys and values
+CUDA_GRAPH_CASES = [*((name, None) for name in ("full", "local", "routing", "sinkhorn", "nsa")),
+                    ("full", torch.bfloat16), ("nsa", torch.bfloat16)]
+
+
+@pytest.mark.parametrize("name, cache_dtype", CUDA_GRAPH_CASES)
+def test_compiled_decoding_replays_cuda_graphs(name, cache_dtype):
     """compile_decoding() on the GPU (inductor, CUDA graphs): the eager logits over a prefill,
     one-token steps, a chunk, a level and a per-row rollback, with every logit kept across steps;
     no step skips CUDA graphs (the caches' tensors are static inputs); a second cache, at other
-    addresses, too."""
+    addresses, too. Also over caches of bfloat16 keys and values beside float32 weights."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -215,7 +220,7 @@ def test_compiled_decoding_replays_cuda_graphs(name):
     tokens = torch.randint(0, 61, (2, 80), device=DEVICE)
 
     def decode(model: Transformer) -> torch.Tensor:
-        cache = model.new_cache(2, 128)
+        cache = model.new_cache(2, 128, dtype=cache_dtype)
         logits = [model(tokens[:, :20], cache=cache).logits]
         logits += [model(tokens[:, p : p + 1], cache=cache).logits for p in range(20, 40)]
         logits.append(model(tokens[:, 40:46], cache=cache).logits)
