@@ -26,6 +26,26 @@ def test_bench_decode_and_train_tables(tmp_path, capsys):
     assert "| local | 32 | 1 |" in capsys.readouterr().out
 
 
+def test_bench_decode_keeps_its_cache_in_the_dtype_asked_for(monkeypatch):
+    """`attnlab bench decode --cache-dtype bf16`: the timed cache holds bfloat16 keys and values beside
+    float32 weights, and the record says so (in-process: the measurement the worker runs)."""
+    import torch
+
+    from attnlab.bench.measure import measure_decode
+    from attnlab.bench.runner import decode_jobs, model_values
+    from attnlab.model import Transformer
+
+    caches = []
+    new_cache = Transformer.new_cache
+    monkeypatch.setattr(Transformer, "new_cache", lambda *args, **kwargs: caches.append(new_cache(*args, **kwargs))
+                        or caches[-1])
+    values = model_values(32, 1, 2, "local", [])
+    [(task, arguments)] = decode_jobs(values, [8], 3, False, "cpu", "fp32", cache_dtype="bf16")
+    result = measure_decode(**arguments)
+    assert task == "decode" and result["cache_dtype"] == "bf16" and result["dtype"] == "fp32"
+    assert [cache.layers[0].keys.dtype for cache in caches] == [torch.bfloat16]
+
+
 def test_cpu_training_times_with_the_default_allocator(monkeypatch):
     """Peak memory comes from a run whose allocator follows live memory; the timing from a run with
     the allocator users have (the memory setting slows some variants more than others)."""

@@ -81,9 +81,10 @@ def environment(device: torch.device, dtype: str) -> dict[str, Any]:
 
 def measure_train(
     model_values: dict[str, Any], seq_len: int, batch_size: int, steps: int, warmup: int,
-    device: str = "cpu", dtype: str = "fp32", compile: bool = False,
+    device: str = "cpu", dtype: str = "fp32", compile: bool = False, cache_dtype: str | None = None,
 ) -> dict[str, Any]:
-    """compile: decode with the model's compiled step (its compilation is the first, untimed token)."""
+    """compile: decode with the model's compiled step (its compilation is the first, untimed token).
+    cache_dtype: the cache's keys and values (a short name, bf16; None: the weights' dtype)."""
     from attnlab.model import Transformer
 
     torch_device = torch.device(device)
@@ -130,9 +131,10 @@ def measure_train(
 @torch.no_grad()
 def measure_decode(
     model_values: dict[str, Any], context: int, new_tokens: int, use_cache: bool,
-    device: str = "cpu", dtype: str = "fp32", compile: bool = False,
+    device: str = "cpu", dtype: str = "fp32", compile: bool = False, cache_dtype: str | None = None,
 ) -> dict[str, Any]:
-    """compile: decode with the model's compiled step (its compilation is the first, untimed token)."""
+    """compile: decode with the model's compiled step (its compilation is the first, untimed token).
+    cache_dtype: the cache's keys and values (a short name, bf16; None: the weights' dtype)."""
     from attnlab.model import Transformer
 
     torch_device = torch.device(device)
@@ -151,7 +153,7 @@ def measure_decode(
     # compiled step packs its weights)
     with torch.inference_mode():
         if use_cache:
-            cache = model.new_cache(1, length)
+            cache = model.new_cache(1, length, dtype=cache_dtype and DTYPES[cache_dtype])
             model(sequence[:, :context], cache=cache)
             for position in range(context, length):
                 _synchronize(torch_device)
@@ -173,6 +175,7 @@ def measure_decode(
     return {
         "kind": "decode", "attention": config.attention.kind, "context": context, "cache": use_cache,
         "ms_per_token": median * 1e3, "tokens_per_s": 1 / median, "new_tokens": new_tokens, "compiled": compile,
+        "cache_dtype": (cache_dtype or dtype) if use_cache else None,
         "kv_tokens_loaded": statistics.mean(loaded) if loaded else None,  # paper NSA's Table 4 quantity
         **environment(torch_device, dtype),
     }

@@ -83,11 +83,11 @@ def train_jobs(values: dict[str, Any], seq_lens: list[int], batch_size: int, ste
 
 
 def decode_jobs(values: dict[str, Any], contexts: list[int], new_tokens: int, uncached: bool, device: str,
-                dtype: str, compile: bool = False) -> list[Job]:
+                dtype: str, compile: bool = False, cache_dtype: str | None = None) -> list[Job]:
     """`attnlab bench decode`: per context, decoding with the cache and (if `uncached`) without it;
-    compile: the cached decoding with the compiled step."""
+    compile: the cached decoding with the compiled step; cache_dtype: its cache's keys and values."""
     return [("decode", dict(model_values=values, context=c, new_tokens=new_tokens, use_cache=cache, device=device,
-                            dtype=dtype, compile=compile and cache))
+                            dtype=dtype, compile=compile and cache, cache_dtype=cache_dtype))
             for c in contexts for cache in ([True, False] if uncached else [True])]
 
 

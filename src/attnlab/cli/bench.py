@@ -37,6 +37,8 @@ def register(subparsers) -> None:
                              help="tokens timed per context (median)")
             sub.add_argument("--no-uncached", action="store_true", help="skip the no-cache baseline")
             sub.add_argument("--compile", action="store_true", help="cached decoding with the compiled step")
+            sub.add_argument("--cache-dtype", type=short_dtype, default=None,
+                             help="the cache's keys and values in this dtype (default: --dtype's), e.g. bf16")
         sub.set_defaults(func=run)
 
     suite = kinds.add_parser("suite", help="every registered attention over a range of lengths: report and plots")
@@ -68,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
             jobs = train_jobs(values, args.seq_len, args.batch_size, args.steps, args.warmup, args.device, args.dtype)
         else:
             jobs = decode_jobs(values, args.context, args.new_tokens, not args.no_uncached, args.device, args.dtype,
-                               args.compile)
+                               args.compile, args.cache_dtype)
         for result in run_jobs(jobs, args.threads):
             results.append(result)
             print(json.dumps(result), flush=True)
