@@ -48,30 +48,12 @@ def test_sample_cache_matches_no_cache(run_dir, capsys):
     assert capsys.readouterr().out == cached and cached.startswith("def ")
 
 
-def test_sample_decodes_in_the_dtype_asked_for(run_dir, capsys, monkeypatch):
-    """--dtype bfloat16: the command decodes the model cast to bfloat16, and its text is that
-    model's own greedy decoding."""
-    import torch
-
-    from attnlab.generate.sampling import SamplingConfig, generate
-    from attnlab.train import checkpoint
-
-    loaded = []
-    load_model = checkpoint.load_model
-    monkeypatch.setattr(checkpoint, "load_model", lambda *args, **kwargs: loaded.append(load_model(*args, **kwargs))
-                        or loaded[-1])
-    capsys.readouterr()
-    assert main(["sample", str(run_dir), "--prompt", "def ", "--max-new-tokens", "20", "--temperature", "0",
-                 "--dtype", "bf16"]) == 0
-    [model] = loaded
-    assert {parameter.dtype for parameter in model.parameters()} == {torch.bfloat16}
-    expected = generate(model, torch.tensor([list(b"def ")]), 20, SamplingConfig(temperature=0))
-    assert capsys.readouterr().out == bytes(expected[0].tolist()).decode("utf-8", "replace") + "\n"
-
-
-def test_sample_keeps_its_cache_in_the_dtype_asked_for(run_dir, capsys, monkeypatch):
-    """--cache-dtype bfloat16: float32 weights over a cache of bfloat16 keys and values, and the text
-    is that model's greedy decoding over such a cache (generate(cache_dtype=...))."""
+@pytest.mark.parametrize("option, weights, cache_dtype", [("--dtype", "bfloat16", None),
+                                                        ("--cache-dtype", "float32", "bfloat16")])
+def test_sample_decodes_in_the_dtype_asked_for(run_dir, capsys, monkeypatch, option, weights, cache_dtype):
+    """--dtype bfloat16: the command decodes the model cast to bfloat16, weights and cache;
+    --cache-dtype bfloat16: float32 weights over a cache of bfloat16 keys and values. Either way its
+    text is that model's own greedy decoding (generate(cache_dtype=...))."""
     import torch
 
     from attnlab.generate.sampling import SamplingConfig, generate
@@ -79,20 +61,19 @@ def test_sample_keeps_its_cache_in_the_dtype_asked_for(run_dir, capsys, monkeypa
     from attnlab.train import checkpoint
 
     loaded, caches = [], []
-    load_model = checkpoint.load_model
+    load_model, new_cache = checkpoint.load_model, Transformer.new_cache
     monkeypatch.setattr(checkpoint, "load_model", lambda *args, **kwargs: loaded.append(load_model(*args, **kwargs))
                         or loaded[-1])
-    new_cache = Transformer.new_cache
     monkeypatch.setattr(Transformer, "new_cache", lambda *args, **kwargs: caches.append(new_cache(*args, **kwargs))
                         or caches[-1])
     capsys.readouterr()
     assert main(["sample", str(run_dir), "--prompt", "def ", "--max-new-tokens", "20", "--temperature", "0",
-                 "--cache-dtype", "bf16"]) == 0
+                 option, "bf16"]) == 0
     [model], [cache] = loaded, caches
-    assert {parameter.dtype for parameter in model.parameters()} == {torch.float32}
-    assert cache.dtype == torch.bfloat16 and cache.layers[0].keys.dtype == torch.bfloat16
+    assert {parameter.dtype for parameter in model.parameters()} == {getattr(torch, weights)}
+    assert cache.layers[0].keys.dtype == torch.bfloat16
     expected = generate(model, torch.tensor([list(b"def ")]), 20, SamplingConfig(temperature=0),
-                        cache_dtype=torch.bfloat16)
+                        cache_dtype=cache_dtype and getattr(torch, cache_dtype))
     assert capsys.readouterr().out == bytes(expected[0].tolist()).decode("utf-8", "replace") + "\n"
 
 
