@@ -81,10 +81,10 @@ def environment(device: torch.device, dtype: str) -> dict[str, Any]:
 
 def measure_train(
     model_values: dict[str, Any], seq_len: int, batch_size: int, steps: int, warmup: int,
-    device: str = "cpu", dtype: str = "fp32", compile: bool = False, cache_dtype: str | None = None,
+    device: str = "cpu", dtype: str = "fp32",
 ) -> dict[str, Any]:
-    """compile: decode with the model's compiled step (its compilation is the first, untimed token).
-    cache_dtype: the cache's keys and values (a short name, bf16; None: the weights' dtype)."""
+    """Training steps of the configured model: tokens/s and MFU (the median step of `steps` after
+    `warmup`) and peak memory; bfloat16 or float16 under autocast."""
     from attnlab.model import Transformer
 
     torch_device = torch.device(device)
