@@ -15,7 +15,9 @@ local attention's cached calls by torch's attention instead of the cpu back-end'
 attention.<kind>.backend=torch; the same step as the default for the other kinds),
 `bfloat16-cache` (the default step over a cache that stores its keys and values in bfloat16,
 new_cache(dtype=torch.bfloat16), beside the weights' dtype), `bfloat16` (the default step of the
-model cast to bfloat16, weights and cache: `attnlab sample --dtype bfloat16`). --dtype: every
+model cast to bfloat16, weights and cache: `attnlab sample --dtype bfloat16`), `dynamo-calls` (every
+step through dynamo's frame evaluation, most guards skipped, instead of the code dynamo made for it
+called directly, compile_decoding(direct_calls=False)). --dtype: every
 model's weights and caches (float32 unless told).
 
     OMP_NUM_THREADS=2 python bench/compiled_decoding.py --context 256 4096 --new-tokens 128 --rounds 3 --also library
@@ -45,7 +47,7 @@ SAMPLING = SamplingConfig(top_k=26)
 # their cache's dtype or their model's
 OTHER_STEPS = {"library": {"linear": "library"}, "python-wrapper": {"cpp_wrapper": False},
                "torch-attention": {"backend": "torch"}, "bfloat16-cache": {"cache_dtype": torch.bfloat16},
-               "bfloat16": {"model_dtype": torch.bfloat16}}
+               "bfloat16": {"model_dtype": torch.bfloat16}, "dynamo-calls": {"direct_calls": False}}
 BACKEND_KINDS = ("full", "local")  # the kinds whose cached calls have a cpu back-end
 
 

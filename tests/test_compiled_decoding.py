@@ -278,7 +278,7 @@ def test_six_row_block_skipped_where_inductor_keeps_its_kernels_otherwise(monkey
 
 
 def test_a_changed_model_is_checked_in_full():
-    """After two alike calls the compiled step skips most of dynamo's guards; quantising the model
+    """After two alike calls the compiled step's code runs without dynamo's guards; quantising the model
     in place, or a cache longer than the rotary tables (which regrows them), changes what the step
     depends on, and the steps after it still give the eager logits."""
     from attnlab.model.quantize import quantize_weights
@@ -294,10 +294,43 @@ def test_a_changed_model_is_checked_in_full():
 
     with torch.no_grad():
         torch.testing.assert_close(steps(compiled, 32), steps(eager, 32), atol=1e-5, rtol=1e-5)
-        assert max(compiled._decode_calls.values()) >= 2  # the later steps skipped the guards
+        assert max(compiled._decode_calls.values()) >= 2 and compiled._direct_calls  # the later steps: direct
         assert quantize_weights(compiled) == quantize_weights(eager) > 0
         torch.testing.assert_close(steps(compiled, 32), steps(eager, 32), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(steps(compiled, 200), steps(eager, 200), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("direct_calls", [True, False])
+def test_direct_calls_run_the_code_dynamo_made_for_each_chunk_length(direct_calls):
+    """Steps of one token and chunks of three, in turn: after two calls of each (counted again after
+    a compile: making a graph registers modules, STRUCTURE_CHANGES), each length runs
+    the code dynamo made for it directly (its own graph: the entry whose guards pass, among the
+    two under the step's code object), without the compiled function's frame evaluation (here it
+    raises if called), and every step gives the eager logits. direct_calls=False: every call goes
+    through dynamo."""
+    eager, compiled = twins("nsa")
+    compiled.compile_decoding(backend="aot_eager", direct_calls=direct_calls)
+    tokens = torch.randint(0, 61, (2, 80), generator=torch.Generator().manual_seed(5))
+
+    def steps(model: Transformer, cache, start: int, rounds: int) -> list[torch.Tensor]:
+        logits = []
+        for position in range(start, start + 4 * rounds, 4):
+            logits.append(model(tokens[:, position : position + 1], cache=cache).logits)
+            logits.append(model(tokens[:, position + 1 : position + 4], cache=cache).logits)
+        return logits
+
+    def refuse(*arguments):
+        raise AssertionError("dynamo's frame evaluation ran")
+
+    with torch.no_grad():
+        caches = compiled.new_cache(2, 80), eager.new_cache(2, 80)
+        expected = [eager(tokens[:, :10], cache=caches[1]).logits, *steps(eager, caches[1], 10, 12)]
+        got = [compiled(tokens[:, :10], cache=caches[0]).logits, *steps(compiled, caches[0], 10, 3)]
+        assert len(compiled._direct_calls) == (2 if direct_calls else 0)
+        if direct_calls:
+            compiled._compiled_step = refuse
+        got += steps(compiled, caches[0], 22, 9)
+    torch.testing.assert_close(torch.cat(got, dim=1), torch.cat(expected, dim=1), atol=1e-5, rtol=1e-5)
 
 
 def test_int8_decoding_compiled_by_inductor_gives_the_eager_logits():

@@ -13,11 +13,12 @@ Legend: B batch, T tokens, V vocabulary, dim model width.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import math
 import operator
 import types
-from dataclasses import astuple, dataclass, field, is_dataclass
+from dataclasses import dataclass, field, is_dataclass
 
 import torch
 import torch.nn.functional as F
@@ -158,6 +159,36 @@ def own_code(function: types.FunctionType) -> types.FunctionType:
                               function.__defaults__, function.__closure__)
 
 
+def dynamo_code_function(compiled, arguments: tuple):
+    """The code dynamo made of a compiled method for a call with these arguments, as a method to
+    call directly, without dynamo's frame evaluation (its guards, its stance, its frame callback):
+    that code gathers the graph's inputs from the arguments and the model and calls the compiled
+    graph, as dynamo runs it. The one entry of dynamo's cache for the method whose guards all pass
+    for these arguments (checked here, once); None where not exactly one passes, or where this
+    torch keeps its compiled code otherwise."""
+    original = getattr(compiled, "_torchdynamo_orig_callable", None)
+    function = getattr(original, "__func__", None)
+    if not isinstance(function, types.FunctionType):
+        return None
+    try:
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+        bound = inspect.signature(function).bind(original.__self__, *arguments)
+        bound.apply_defaults()  # the frame's locals: its defaults too
+        frame_locals = bound.arguments
+        passing = [entry.code for entry in _debug_get_cache_entry_list(function.__code__)
+                   if entry.guard_manager.check(frame_locals)]
+    except (ImportError, AttributeError, TypeError, RuntimeError) as error:
+        log.debug("dynamo's compiled code cannot be called directly on this torch: %s", error)
+        return None
+    if len(passing) != 1:
+        return None
+    # the globals as they are now: dynamo installed the compiled graph and what its code imports there
+    code_function = types.FunctionType(passing[0], dict(function.__globals__), function.__name__,
+                                       function.__defaults__, function.__closure__)
+    return types.MethodType(code_function, original.__self__)
+
+
 # the "packed" linear kernels: the weights frozen into the step as constants (so inductor can pack
 # them once), every product with a frozen weight made by inductor's C++ GEMM template (micro-kernels
 # over the packed weight: one pass over it for all of a step's rows), the other products by ATen's
@@ -259,8 +290,8 @@ def call_key(value) -> tuple | object:
     (settings such as a SamplingConfig), else the value itself."""
     if isinstance(value, Tensor):
         return (value.shape, value.stride(), value.dtype, value.device, value.is_inference())
-    if is_dataclass(value):
-        return (type(value), astuple(value))
+    if is_dataclass(value):  # its fields, as they are now (vars: astuple's deep copy costs a step ~2%)
+        return (type(value), tuple(vars(value).values()))
     return value
 
 
@@ -367,6 +398,7 @@ class Transformer(nn.Module):
         self._compiled_draw_then_decode = None  # compile_decoding(): draw_then_decode()'s graphs
         self._cuda_graphs = False  # the compiled step replays CUDA graphs (compile_decoding on CUDA)
         self._decode_calls: dict[tuple, int] = {}  # times the compiled step served a call (_decode_call)
+        self._direct_calls: dict[tuple, types.MethodType] = {}  # dynamo's code for a call, called directly
         self._decode_structure = -1  # STRUCTURE_CHANGES when _decode_calls was last cleared
         self._compile_arguments: dict = {}  # what compile_decoding() was last asked, to compile again
         self._compile_settings: tuple | None = None  # what it resolved them to: graphs made alike compare equal
@@ -438,16 +470,17 @@ class Transformer(nn.Module):
         or, where torch.compile fails on this machine before running anything (or cannot trace a
         function given to decode_then), `eager` from then on for this entry, after one warning.
 
-        A call like one the function has served twice skips most of dynamo's guards
-        (skip_guard_eval_unsafe: only those telling its graphs apart are checked). Checking them all
-        costs a small model a large share of its step on a CPU, and what they check cannot
-        have changed: `call` holds what a graph depends on that a caller could change between
-        calls (shapes, dtypes, modes, the modules, the sampling settings; the cache's tensors are
-        always made alike by new_cache). Should a guard fail all the same, dynamo refuses to compile
-        under that stance before running anything, and the call is made again with every guard
-        checked."""
+        A call like one the function has served twice runs the code dynamo made for it directly
+        (direct_calls, compile_decoding's default: dynamo_code_function), or else skips most of
+        dynamo's guards (skip_guard_eval_unsafe: only those telling its graphs apart are checked).
+        Checking them all, and dynamo's frame evaluation itself, cost a small model a large share of
+        its step on a CPU, and what the guards check cannot have changed: `call` holds what a graph
+        depends on that a caller could change between calls (shapes, dtypes, modes, the modules,
+        the sampling settings; the cache's tensors are always made alike by new_cache). Under the
+        stance, should a guard fail all the same, dynamo refuses to compile before running
+        anything, and the call is made again with every guard checked."""
         if self._decode_structure != STRUCTURE_CHANGES[0]:  # modules changed: every call is new again
-            self._decode_calls.clear()
+            self._forget_calls()
             self._decode_structure = STRUCTURE_CHANGES[0]
         if self._frozen_weights is not None and self._frozen_weights.changed():
             log.info("the weights changed since the packed decode step froze them: compiling it again")
@@ -458,6 +491,9 @@ class Transformer(nn.Module):
         if self._cuda_graphs:
             pin_cache_storage(cache)
             torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are no longer read
+        direct = self._direct_calls.get(key)
+        if direct is not None:
+            return direct(*arguments)
         try:
             if served >= 2:
                 try:
@@ -471,6 +507,10 @@ class Transformer(nn.Module):
             with self._tracing_settings():
                 output = compiled(*arguments)
             self._decode_calls[key] = served + 1
+            if served == 1 and self._compile_arguments.get("direct_calls"):
+                direct = dynamo_code_function(compiled, arguments)
+                if direct is not None:
+                    self._direct_calls[key] = direct
             return output
         except torch._dynamo.exc.TorchDynamoException as error:  # this entry decodes eagerly from now on
             log.warning("compiled decoding (%s) failed, decoding eagerly: %s", name.removeprefix("_compiled_"),
@@ -636,7 +676,7 @@ class Transformer(nn.Module):
                 torch.is_inference_mode_enabled(), self.training, parameter.dtype, parameter.device)
 
     def compile_decoding(self, mode: str | None = None, backend: str = "inductor", cpp_wrapper: bool | None = None,
-                         linear: str | None = None) -> bool:
+                         linear: str | None = None, direct_calls: bool = True) -> bool:
         """Compile the cached forward of a chunk after earlier tokens (a decode step, a speculative
         verification): one graph per chunk length, fullgraph (the static caches give it the same
         shapes at every position, so it never recompiles per token); on CUDA with CUDA graphs
@@ -656,7 +696,13 @@ class Transformer(nn.Module):
         micro-kernels read a packed weight once for all of a step's rows (a speculative
         verification's too). docs/benchmarks.md "Compiled decoding" has the effect. The frozen
         weights are checked at every step: a step after they changed (training, loading a state
-        dict, quantising) compiles again."""
+        dict, quantising) compiles again.
+
+        direct_calls: a call like one a graph has served twice (through dynamo, every guard
+        checked) runs the code dynamo made for it directly, without dynamo's frame evaluation
+        (dynamo_code_function); False: through dynamo at every call, most guards skipped. The
+        frame evaluation costs a small model's CPU step about a quarter of its time (docs/benchmarks.md
+        "Compiled decoding" has the effect)."""
         device = next(self.parameters()).device
         # each model's step has a code object of its own (own_code), under which dynamo keeps its graphs
         # (one per chunk length and cache layout): room for many before it gives up
@@ -666,7 +712,8 @@ class Transformer(nn.Module):
         mode = mode or ("reduce-overhead" if device.type == "cuda" and backend == "inductor" else None)
         linear = self._linear_for_weights(linear)
         options = decode_compile_options(device, mode, backend, cpp_wrapper, linear)
-        self._compile_arguments = {"mode": mode, "backend": backend, "cpp_wrapper": cpp_wrapper, "linear": linear}
+        self._compile_arguments = {"mode": mode, "backend": backend, "cpp_wrapper": cpp_wrapper, "linear": linear,
+                                   "direct_calls": direct_calls}
         self._compile_settings = (device, mode, backend, sorted((options or {}).items()))
         frozen = bool(options and options.get("freezing"))
         self._frozen_weights = FrozenWeights(self) if frozen else None
@@ -676,13 +723,18 @@ class Transformer(nn.Module):
                               backend=backend, options=options)
                 for function in (Transformer.run, Transformer._draw, Transformer._run_then, Transformer._draw_then_run))
             self._cuda_graphs = device.type == "cuda" and mode in ("reduce-overhead", "max-autotune")
-            self._decode_calls.clear()
+            self._forget_calls()
             self._frozen_drafts.clear()
         except Exception as error:  # noqa: BLE001 - any failure: decode eagerly, and say so once
             log.warning("compiled decoding unavailable on %s, decoding eagerly: %s", device.type, error)
             self._compiled_step = self._compiled_draw = self._compiled_decode_then = None
             self._compiled_draw_then_decode = None
         return self._compiled_step is not None
+
+    def _forget_calls(self) -> None:
+        """Every decode call counts as new again (the graphs or the modules changed)."""
+        self._decode_calls.clear()
+        self._direct_calls.clear()
 
     def compiled_entries(self) -> list[str]:
         """The compiled decode entries this model still runs: "step", "draw", "decode_then" and
