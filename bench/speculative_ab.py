@@ -63,6 +63,9 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="compiled decoding for every model, the base's too")
     parser.add_argument("--dtype", type=arguments.dtype, default="float32",
                         help="every model's weights and caches, the base's too")
+    parser.add_argument("--dynamo-calls", action="store_true",
+                        help="with --compile: every compiled call through dynamo's frame evaluation "
+                             "(compile_decoding(direct_calls=False)), as before revision 265678e")
     args = parser.parse_args()
 
     dtype = getattr(torch, args.dtype)
@@ -73,7 +76,7 @@ def main() -> None:
         quantize_weights(drafts[name], quantization)
     if args.compile:
         for model in (target, *drafts.values()):
-            if not model.compile_decoding():
+            if not model.compile_decoding(direct_calls=not args.dynamo_calls):
                 raise SystemExit("compiled decoding is unavailable here (the warning above says why)")
     corpus = load_corpus(target.run_config.data)
     # the primes `attnlab speculative --prime-from-val` uses
@@ -112,7 +115,7 @@ def main() -> None:
     settings = {"batch_size": args.batch_size, "batch_scheme": args.batch_scheme, "temperature": args.temperature,
                 "top_k": args.top_k, "max_new_tokens": args.max_new_tokens,
                 "rounds": args.rounds, "threads": torch.get_num_threads(), "compiled": args.compile,
-                "dtype": args.dtype}
+                "dtype": args.dtype, "direct_calls": args.compile and not args.dynamo_calls}
     for variant, collected in rows.items():
         name, gamma = variants[variant]
         medians = {key: round(statistics.median(row[key] for row in collected), 3)
