@@ -300,16 +300,18 @@ def test_a_changed_model_is_checked_in_full():
         torch.testing.assert_close(steps(compiled, 200), steps(eager, 200), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("direct_calls", [True, False])
-def test_direct_calls_run_the_code_dynamo_made_for_each_chunk_length(direct_calls):
+@pytest.mark.parametrize("direct_calls", [True, False, "unavailable"])
+def test_direct_calls_run_the_code_dynamo_made_for_each_chunk_length(direct_calls, monkeypatch):
     """Steps of one token and chunks of three, in turn: after two calls of each (counted again after
     a compile: making a graph registers modules, STRUCTURE_CHANGES), each length runs
     the code dynamo made for it directly (its own graph: the entry whose guards pass, among the
     two under the step's code object), without the compiled function's frame evaluation (here it
-    raises if called), and every step gives the eager logits. direct_calls=False: every call goes
-    through dynamo."""
+    raises if called), and every step gives the eager logits. direct_calls=False, or a torch that
+    keeps its compiled code where attnlab does not look for it: every call goes through dynamo."""
     eager, compiled = twins("nsa")
-    compiled.compile_decoding(backend="aot_eager", direct_calls=direct_calls)
+    if direct_calls == "unavailable":
+        monkeypatch.delattr(torch._dynamo.eval_frame, "_debug_get_cache_entry_list")
+    compiled.compile_decoding(backend="aot_eager", direct_calls=bool(direct_calls))
     tokens = torch.randint(0, 61, (2, 80), generator=torch.Generator().manual_seed(5))
 
     def steps(model: Transformer, cache, start: int, rounds: int) -> list[torch.Tensor]:
@@ -326,8 +328,8 @@ def test_direct_calls_run_the_code_dynamo_made_for_each_chunk_length(direct_call
         caches = compiled.new_cache(2, 80), eager.new_cache(2, 80)
         expected = [eager(tokens[:, :10], cache=caches[1]).logits, *steps(eager, caches[1], 10, 12)]
         got = [compiled(tokens[:, :10], cache=caches[0]).logits, *steps(compiled, caches[0], 10, 3)]
-        assert len(compiled._direct_calls) == (2 if direct_calls else 0)
-        if direct_calls:
+        assert len(compiled._direct_calls) == (2 if direct_calls is True else 0)
+        if direct_calls is True:
             compiled._compiled_step = refuse
         got += steps(compiled, caches[0], 22, 9)
     torch.testing.assert_close(torch.cat(got, dim=1), torch.cat(expected, dim=1), atol=1e-5, rtol=1e-5)
