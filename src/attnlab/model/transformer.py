@@ -700,9 +700,9 @@ class Transformer(nn.Module):
 
         direct_calls: a call like one a graph has served twice (through dynamo, every guard
         checked) runs the code dynamo made for it directly, without dynamo's frame evaluation
-        (dynamo_code_function); False: through dynamo at every call, most guards skipped. The
-        frame evaluation costs a small model's CPU step about a quarter of its time (docs/benchmarks.md
-        "Compiled decoding" has the effect)."""
+        (dynamo_code_function); False: through dynamo at every call, most guards skipped, which
+        took a small model's CPU step 1.13-1.24x the time (docs/benchmarks.md "Compiled decoding
+        on an Intel Xeon")."""
         device = next(self.parameters()).device
         # each model's step has a code object of its own (own_code), under which dynamo keeps its graphs
         # (one per chunk length and cache layout): room for many before it gives up
