@@ -56,15 +56,27 @@ def case(batch, heads, groups, queries, length, width, dtype, seed=0, storage_dt
     (torch.bfloat16, torch.bfloat16),
     (torch.float32, torch.bfloat16),  # a bfloat16 cache beside float32 weights: its rows converted as loaded
 ])
-def test_equals_the_oracle(batch, heads, groups, queries, length, width, window, dtype, storage_dtype):
+@pytest.mark.parametrize("lanes", [8, 16])  # keys scored together: either width on any CPU
+def test_equals_the_oracle(batch, heads, groups, queries, length, width, window, dtype, storage_dtype, lanes):
     q, keys, values, positions = case(batch, heads, groups, queries, length, width, dtype,
                                       storage_dtype=storage_dtype)
     expected = naive_attention(q.float(), keys.float(), values.float(), visible_keys(positions, length, window))
-    out = decode_cpu.cached_attention(q, keys, values, positions, window)
+    out = decode_cpu.cached_attention(q, keys, values, positions, window, lanes)
     assert out.dtype == dtype and out.shape == q.shape
     # float32 arithmetic throughout; only a bfloat16 output is rounded
     tolerance = dict(atol=2e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(out.float(), expected, **tolerance)
+
+
+def test_the_cpus_own_width_is_one_of_the_two():
+    """lanes 0 (the default) scores keys by the CPU's vector width: 16 or 8, bit for bit; any other
+    width is a one-line error."""
+    q, keys, values, positions = case(2, 4, 2, 5, 90, 64, torch.float32)
+    native = decode_cpu.cached_attention(q, keys, values, positions)
+    assert any(torch.equal(native, decode_cpu.cached_attention(q, keys, values, positions, 0, lanes))
+               for lanes in (8, 16))
+    with pytest.raises(RuntimeError, match="lanes must be 0, 8 or 16, got 4"):
+        decode_cpu.cached_attention(q, keys, values, positions, 0, 4)
 
 
 def test_reads_only_the_keys_its_queries_see():

@@ -20,9 +20,10 @@ inline vf load(const float* p) {
   return v;
 }
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
-inline float sum_lanes(vf v) {  // a fixed order
+template <class V>
+inline float sum_lanes(V v) {  // a fixed order; V: a vector of floats of any width (vf, or narrower)
   float total = 0.0f;
-  for (int l = 0; l < LANES; ++l) total += v[l];
+  for (int l = 0; l < static_cast<int>(sizeof(V) / sizeof(float)); ++l) total += v[l];
   return total;
 }
 
@@ -36,26 +37,28 @@ inline float dot(const float* a, const float* b, int64_t dim) {
   return total;
 }
 
-// exp for x <= 0 (softmax arguments), 16 at a time: 2^n * p(r), |error| about 1 ulp; exactly 0
-// below -87 (where expf is 0 or subnormal).
-inline vf exp_nonpositive(vf x) {
-  const vf low = vf{} - 87.0f;
-  const vf clamped = x < low ? low : x;
+// exp for x <= 0 (softmax arguments), a vector at a time (vf, or a narrower vector of floats):
+// 2^n * p(r), |error| about 1 ulp; exactly 0 below -87 (where expf is 0 or subnormal).
+template <class V>
+inline V exp_nonpositive(V x) {
+  using Integers = decltype(x < x);  // the int32 vector of V's width
+  const V low = V{} - 87.0f;
+  const V clamped = x < low ? low : x;
   const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  const vf n = (clamped * 1.44269504088896341f + shifter) - shifter;
-  vf r = clamped - n * 0.693359375f;
+  const V n = (clamped * 1.44269504088896341f + shifter) - shifter;
+  V r = clamped - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
-  vf p = vf{} + 1.9875691500e-4f;
+  V p = V{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
-  vf scale;
+  const Integers bits = (__builtin_convertvector(n, Integers) + 127) << 23;
+  V scale;
   std::memcpy(&scale, &bits, sizeof(scale));  // the bits of 2^n
-  return x < low ? vf{} : p * scale;
+  return x < low ? V{} : p * scale;
 }
 
 }  // namespace attnlab_cpu

@@ -3,10 +3,11 @@
 //
 // Query t of row b sees the keys at positions lo..positions[b, t] of the cache's storage
 // [B, G, L, D] (lo = position - window + 1 with a window, else 0). Each task, one (row, query head),
-// reads those keys and values once for all of its T queries, scoring 16 keys at a time: a key
-// block is multiplied by each query in vector lanes and the 16 lane sums are taken together by a
-// ladder of shuffles; then each block of 16 value rows, read once, is weighed into the output rows
-// of up to 8 queries at a time, held in registers. Only the keys some query sees are read, not the
+// reads those keys and values once for all of its T queries, scoring W keys at a time (W: the
+// CPU's vector width in floats, 16 with AVX-512, else 8): a key block is multiplied by each query
+// in vector lanes and the W lane sums are taken together by a ladder of shuffles; then each block
+// of W value rows, read once, is weighed into the output rows of up to 8 queries at a time, held
+// in registers. Only the keys some query sees are read, not the
 // whole storage (torch's fused attention reads every position of it, masked); float32 storage is
 // read in place, bfloat16 converted in registers as it is loaded (a bfloat16 cache beside float32
 // weights reads half the bytes). float32 or bfloat16 queries and storage, the arithmetic in
@@ -29,22 +30,59 @@
 
 namespace {
 
-using namespace attnlab_cpu;
-typedef uint16_t vh __attribute__((vector_size(LANES * sizeof(uint16_t))));
-typedef uint32_t vu __attribute__((vector_size(LANES * sizeof(uint32_t))));
+using attnlab_cpu::exp_nonpositive;
+using attnlab_cpu::sum_lanes;
+
+// W keys are scored together, W floats to a vector: by default the CPU's vector width, 16 with
+// AVX-512 (one zmm register) and 8 otherwise (one ymm register with AVX2). A 16-float vector
+// without AVX-512 is two registers, and a block of 16 such partial sums no longer fits in them: on
+// a 2-core AMD EPYC (AVX2) the 16-key kernel took 2.6x torch's fused attention's time at 4096 keys
+// (bench/decode_operator_ab.py). The `lanes` argument picks either width on any CPU (the tests run both).
+#if defined(__AVX512F__)
+constexpr int NATIVE_LANES = 16;
+constexpr int VECTOR_REGISTERS = 32;
+#else
+constexpr int NATIVE_LANES = 8;
+constexpr int VECTOR_REGISTERS = 16;
+#endif
+
+template <int W>
+struct Lanes {  // GCC/Clang vector extensions of W lanes
+  typedef float floats __attribute__((vector_size(W * sizeof(float))));
+  typedef uint16_t halves __attribute__((vector_size(W * sizeof(uint16_t))));
+  typedef uint32_t words __attribute__((vector_size(W * sizeof(uint32_t))));
+};
+template <int W>
+using floats = typename Lanes<W>::floats;
 
 constexpr float NEGATIVE_INFINITY = -std::numeric_limits<float>::infinity();
 constexpr int64_t MAX_QUERIES = 64;
+constexpr int64_t MAX_LANES = 16;
 
-// queries whose output rows stay in registers together while the values are weighed: at most 28
-// of the 32 vector registers for the rows (AVX-512; with AVX2 the compiler spills some)
-constexpr int64_t query_block(int head_vectors) { return std::max(1, std::min(8, 28 / head_vectors)); }
+// queries whose output rows stay in registers together while the values are weighed: the vector
+// registers but 4 (a W-float vector may take several), at most 8 queries
+template <int W>
+constexpr int query_block(int head_vectors) {
+  const int registers_per_vector = std::max(1, W / NATIVE_LANES);
+  return std::max(1, std::min(8, (VECTOR_REGISTERS - 4) / registers_per_vector / head_vectors));
+}
 
-inline vf load_bf16(const uint16_t* p) {  // 16 bfloat16 -> float32: the bits shifted up
-  vh half;
+template <int W>
+inline floats<W> load(const float* p) {
+  floats<W> v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+template <class V>
+inline void store(float* p, V v) { std::memcpy(p, &v, sizeof(v)); }
+
+template <int W>
+inline floats<W> load_bf16(const uint16_t* p) {  // W bfloat16 -> float32: the bits shifted up
+  typename Lanes<W>::halves half;
   std::memcpy(&half, p, sizeof(half));
-  const vu bits = __builtin_convertvector(half, vu) << 16;
-  vf x;
+  const typename Lanes<W>::words bits = __builtin_convertvector(half, typename Lanes<W>::words) << 16;
+  floats<W> x;
   std::memcpy(&x, &bits, sizeof(x));
   return x;
 }
@@ -64,31 +102,33 @@ inline void rows_to_float(const void* base, int64_t offset, int64_t n, int64_t w
     return;
   }
   const uint16_t* p = static_cast<const uint16_t*>(base) + offset;
-  for (int64_t i = 0; i < n * width; i += LANES) store(out + i, load_bf16(p + i));
+  for (int64_t i = 0; i < n * width; i += MAX_LANES) store(out + i, load_bf16<MAX_LANES>(p + i));
 }
 
-// Rows of a [L, D] storage read as float32 vectors: float32 in place, bfloat16 converted in
+// Rows of a [L, D] storage read as W-float vectors: float32 in place, bfloat16 converted in
 // registers as it is loaded (no copy); `at` takes an element offset from the first row
+template <int W>
 struct Float32Rows {
   const float* base;
-  vf at(int64_t element) const { return load(base + element); }
+  floats<W> at(int64_t element) const { return load<W>(base + element); }
 };
+template <int W>
 struct BFloat16Rows {
   const uint16_t* base;
-  vf at(int64_t element) const { return load_bf16(base + element); }
+  floats<W> at(int64_t element) const { return load_bf16<W>(base + element); }
 };
 
 // f(rows) with the rows of `storage` from element `offset` on, as the storage's dtype reads them
-template <class F>
+template <int W, class F>
 inline void with_rows(const void* storage, bool bf16, int64_t offset, F f) {
-  if (bf16) return f(BFloat16Rows{static_cast<const uint16_t*>(storage) + offset});
-  f(Float32Rows{static_cast<const float*>(storage) + offset});
+  if (bf16) return f(BFloat16Rows<W>{static_cast<const uint16_t*>(storage) + offset});
+  f(Float32Rows<W>{static_cast<const float*>(storage) + offset});
 }
 
-// The lane sums of 16 vectors p[0..15] as one vector (lane k: the sum of p[k]'s lanes): four rounds
-// of half-width shuffles and adds, a fixed order
-inline vf sums_of_16(const vf* p) {
-  vf a[8], b[4], c[2];
+// The lane sums of W vectors p[0..W-1] as one vector (lane k: the sum of p[k]'s lanes): log2(W)
+// rounds of half-width shuffles and adds, a fixed order
+inline floats<16> lane_sums(const floats<16>* p) {
+  floats<16> a[8], b[4], c[2];
   for (int i = 0; i < 8; ++i)
     a[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
            __builtin_shufflevector(p[2 * i], p[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
@@ -102,6 +142,18 @@ inline vf sums_of_16(const vf* p) {
          __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
+inline floats<8> lane_sums(const floats<8>* p) {
+  floats<8> a[4], b[2];
+  for (int i = 0; i < 4; ++i)
+    a[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(p[2 * i], p[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int i = 0; i < 2; ++i)
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+  return __builtin_shufflevector(b[0], b[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+         __builtin_shufflevector(b[0], b[1], 1, 3, 5, 7, 9, 11, 13, 15);
+}
+
 struct Task {
   const float* queries;     // [T, D] float32, already scaled by 1/sqrt(D)
   const void* keys;         // the storage, at this row's key/value head: [L, D]
@@ -112,61 +164,64 @@ struct Task {
   int64_t n_queries;
   int64_t first, end;       // keys first..end-1: those some query sees
   float* scores;            // scratch [T, end - first rounded up to 16]
-  float* block;             // scratch [16, D]: the last key block, shorter than 16, as float32
+  float* block;             // scratch [16, D]: the last key block, shorter than W, as float32
   float* out;               // [T, D] float32
 };
 
-// scores[t, j0 + k] = q_t . k_(j0 + k) for the 16 keys of one block (keys: its rows), -inf for
+// scores[t, j0 + k] = q_t . k_(j0 + k) for the W keys of one block (keys: its rows), -inf for
 // the keys query t does not see
-template <int DV, class Rows>
+template <int W, int DV, class Rows>
 void score_block(const Task& task, int64_t stride, int64_t j0, Rows keys) {
-  constexpr int64_t D = DV * LANES;
-  const vf lane_index = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  const vf key_index = lane_index + static_cast<float>(j0);  // exact: positions are far below 2^24
+  using vf = floats<W>;
+  constexpr int64_t D = DV * W;
+  vf key_index;  // exact: positions are far below 2^24
+  for (int l = 0; l < W; ++l) key_index[l] = static_cast<float>(j0 + l);
   for (int64_t t = 0; t < task.n_queries; ++t) {
-    vf q[DV], partial[LANES];
-    for (int d = 0; d < DV; ++d) q[d] = load(task.queries + t * D + d * LANES);
-    for (int k = 0; k < LANES; ++k) {
+    vf q[DV], partial[W];
+    for (int d = 0; d < DV; ++d) q[d] = load<W>(task.queries + t * D + d * W);
+    for (int k = 0; k < W; ++k) {
       vf sum = q[0] * keys.at(k * D);
-      for (int d = 1; d < DV; ++d) sum += q[d] * keys.at(k * D + d * LANES);
+      for (int d = 1; d < DV; ++d) sum += q[d] * keys.at(k * D + d * W);
       partial[k] = sum;
     }
-    const vf s = sums_of_16(partial);
-    const vi visible = (key_index >= static_cast<float>(task.lo[t])) & (key_index <= static_cast<float>(task.hi[t]));
+    const vf s = lane_sums(partial);
+    const auto visible = (key_index >= static_cast<float>(task.lo[t])) & (key_index <= static_cast<float>(task.hi[t]));
     store(task.scores + t * stride + (j0 - task.first), visible ? s : vf{} + NEGATIVE_INFINITY);
   }
 }
 
-// every query's scores over the keys first..end-1: whole blocks of 16 read from the storage, a last
-// shorter block copied as float32 and padded with zero rows (the storage may end before 16 rows)
-template <int DV>
+// every query's scores over the keys first..end-1: whole blocks of W read from the storage, a last
+// shorter block copied as float32 and padded with zero rows (the storage may end before W rows)
+template <int W, int DV>
 void score(const Task& task, int64_t stride) {
-  constexpr int64_t D = DV * LANES;
-  for (int64_t j0 = task.first; j0 < task.end; j0 += LANES) {
-    const int64_t n = std::min<int64_t>(LANES, task.end - j0);
-    if (n == LANES) {
-      with_rows(task.keys, task.bf16_storage, j0 * D, [&](auto keys) { score_block<DV>(task, stride, j0, keys); });
+  constexpr int64_t D = DV * W;
+  for (int64_t j0 = task.first; j0 < task.end; j0 += W) {
+    const int64_t n = std::min<int64_t>(W, task.end - j0);
+    if (n == W) {
+      with_rows<W>(task.keys, task.bf16_storage, j0 * D, [&](auto keys) { score_block<W, DV>(task, stride, j0, keys); });
       continue;
     }
-    with_rows(task.keys, task.bf16_storage, j0 * D, [&](auto keys) {
-      for (int64_t i = 0; i < n * D; i += LANES) store(task.block + i, keys.at(i));
+    with_rows<W>(task.keys, task.bf16_storage, j0 * D, [&](auto keys) {
+      for (int64_t i = 0; i < n * D; i += W) store(task.block + i, keys.at(i));
     });
-    std::memset(task.block + n * D, 0, (LANES - n) * D * sizeof(float));
-    score_block<DV>(task, stride, j0, Float32Rows{task.block});
+    std::memset(task.block + n * D, 0, (W - n) * D * sizeof(float));
+    score_block<W, DV>(task, stride, j0, Float32Rows<W>{task.block});
   }
 }
 
-// each query's softmax weights in place of its scores; returns nothing, fills total[t] (their sum)
+// each query's softmax weights in place of its scores; fills total[t] (their sum)
+template <int W>
 void softmax_rows(const Task& task, int64_t stride, float* total) {
+  using vf = floats<W>;
   for (int64_t t = 0; t < task.n_queries; ++t) {
     float* s = task.scores + t * stride;
     vf running = vf{} + NEGATIVE_INFINITY;
-    for (int64_t j = 0; j < stride; j += LANES) running = running > load(s + j) ? running : load(s + j);
+    for (int64_t j = 0; j < stride; j += W) running = running > load<W>(s + j) ? running : load<W>(s + j);
     float top = running[0];
-    for (int l = 1; l < LANES; ++l) top = std::max(top, running[l]);
+    for (int l = 1; l < W; ++l) top = std::max(top, running[l]);
     vf sum = {};
-    for (int64_t j = 0; j < stride; j += LANES) {
-      const vf e = exp_nonpositive(load(s + j) - top);  // -inf -> 0
+    for (int64_t j = 0; j < stride; j += W) {
+      const vf e = exp_nonpositive(load<W>(s + j) - top);  // -inf -> 0
       store(s + j, e);
       sum += e;
     }
@@ -177,85 +232,84 @@ void softmax_rows(const Task& task, int64_t stride, float* total) {
 // out[t0 .. t0 + NB - 1] += sum_k weight[t, j0 + k] v_(j0 + k) over the n rows of one value block
 // (values: its rows): the NB queries' rows in registers (NB, DV compile-time: no array indexed at
 // run time)
-template <int DV, int NB, class Rows>
+template <int W, int DV, int NB, class Rows>
 void weigh_block(const Task& task, int64_t stride, int64_t t0, int64_t j0, int64_t n, Rows values) {
-  constexpr int64_t D = DV * LANES;
+  using vf = floats<W>;
+  constexpr int64_t D = DV * W;
   vf acc[NB][DV];
   for (int t = 0; t < NB; ++t)
-    for (int d = 0; d < DV; ++d) acc[t][d] = load(task.out + (t0 + t) * D + d * LANES);
+    for (int d = 0; d < DV; ++d) acc[t][d] = load<W>(task.out + (t0 + t) * D + d * W);
   const float* weights = task.scores + t0 * stride + (j0 - task.first);
   for (int64_t k = 0; k < n; ++k) {
     for (int t = 0; t < NB; ++t) {  // a row's loads (and conversions) are the same for every t: taken once
       const vf weight = vf{} + weights[t * stride + k];
-      for (int d = 0; d < DV; ++d) acc[t][d] += weight * values.at(k * D + d * LANES);
+      for (int d = 0; d < DV; ++d) acc[t][d] += weight * values.at(k * D + d * W);
     }
   }
   for (int t = 0; t < NB; ++t)
-    for (int d = 0; d < DV; ++d) store(task.out + (t0 + t) * D + d * LANES, acc[t][d]);
+    for (int d = 0; d < DV; ++d) store(task.out + (t0 + t) * D + d * W, acc[t][d]);
 }
 
-template <int DV, int NB = query_block(DV), class Rows>
+template <int W, int DV, int NB = query_block<W>(DV), class Rows>
 void weigh_any(const Task& task, int64_t stride, int64_t t0, int64_t n_block, int64_t j0, int64_t n, Rows values) {
   if constexpr (NB > 1) {
-    if (n_block < NB) return weigh_any<DV, NB - 1>(task, stride, t0, n_block, j0, n, values);
+    if (n_block < NB) return weigh_any<W, DV, NB - 1>(task, stride, t0, n_block, j0, n, values);
   }
-  weigh_block<DV, NB>(task, stride, t0, j0, n, values);
+  weigh_block<W, DV, NB>(task, stride, t0, j0, n, values);
 }
 
 // out[t] = sum_j weight[t, j] v_j / total[t]: each value block read once (bfloat16 converted as it
 // is loaded), weighed into query_block(DV) queries' rows at a time
-template <int DV>
+template <int W, int DV>
 void weigh_values(const Task& task, int64_t stride, const float* total) {
-  constexpr int64_t D = DV * LANES, BLOCK = query_block(DV);
+  using vf = floats<W>;
+  constexpr int64_t D = DV * W, BLOCK = query_block<W>(DV);
   std::fill(task.out, task.out + task.n_queries * D, 0.0f);
-  for (int64_t j0 = task.first; j0 < task.end; j0 += LANES) {
-    const int64_t n = std::min<int64_t>(LANES, task.end - j0);
-    with_rows(task.values, task.bf16_storage, j0 * D, [&](auto values) {
+  for (int64_t j0 = task.first; j0 < task.end; j0 += W) {
+    const int64_t n = std::min<int64_t>(W, task.end - j0);
+    with_rows<W>(task.values, task.bf16_storage, j0 * D, [&](auto values) {
       for (int64_t t0 = 0; t0 < task.n_queries; t0 += BLOCK)
-        weigh_any<DV>(task, stride, t0, std::min<int64_t>(BLOCK, task.n_queries - t0), j0, n, values);
+        weigh_any<W, DV>(task, stride, t0, std::min<int64_t>(BLOCK, task.n_queries - t0), j0, n, values);
     });
   }
   for (int64_t t = 0; t < task.n_queries; ++t) {
     const vf inverse = vf{} + 1.0f / total[t];
-    for (int d = 0; d < DV; ++d) store(task.out + t * D + d * LANES, load(task.out + t * D + d * LANES) * inverse);
+    for (int d = 0; d < DV; ++d) store(task.out + t * D + d * W, load<W>(task.out + t * D + d * W) * inverse);
   }
 }
 
-template <int DV>
+template <int W, int DV>
 void attend(const Task& task) {
-  const int64_t stride = (task.end - task.first + LANES - 1) / LANES * LANES;
+  const int64_t stride = (task.end - task.first + W - 1) / W * W;
   float total[MAX_QUERIES];
-  score<DV>(task, stride);
-  softmax_rows(task, stride, total);
-  weigh_values<DV>(task, stride, total);
+  score<W, DV>(task, stride);
+  softmax_rows<W>(task, stride, total);
+  weigh_values<W, DV>(task, stride, total);
 }
 
-void attend_any(const Task& task, int64_t head_width) {
-  switch (head_width / LANES) {
-    case 1: return attend<1>(task);
-    case 2: return attend<2>(task);
-    case 3: return attend<3>(task);
-    case 4: return attend<4>(task);
-    case 5: return attend<5>(task);
-    case 6: return attend<6>(task);
-    case 7: return attend<7>(task);
-    default: return attend<8>(task);
+// attend<W, DV> for a head width of head_vectors vectors of W (head widths: multiples of 16)
+template <int W, int DV = 128 / W>
+void attend_any(const Task& task, int64_t head_vectors) {
+  if constexpr (DV > 16 / W) {
+    if (head_vectors < DV) return attend_any<W, DV - 16 / W>(task, head_vectors);
   }
+  attend<W, DV>(task);
 }
 
 bool is_bf16(const at::Tensor& x) { return x.scalar_type() == at::kBFloat16; }
 
 // q [B, H, T, D] (any strides with unit stride along D: a slice of the step's projections is read in
 // place), keys and values [B, G, L, D], positions [B, T] int64, window (0: none) -> [B, H, T, D]
-// laid out as [B, T, H, D] in memory, so that merging the heads back into rows is a view, not a copy
+// laid out as [B, T, H, D] in memory, so that merging the heads back into rows is a view, not a copy;
+// lanes: the keys scored together, 8 or 16 (0: the CPU's vector width)
 at::Tensor cached_attention_cpu(const at::Tensor& q_in, const at::Tensor& keys_in, const at::Tensor& values_in,
-                                const at::Tensor& positions_in, int64_t window) {
+                                const at::Tensor& positions_in, int64_t window, int64_t lanes) {
   const at::Tensor q = q_in.stride(3) == 1 ? q_in : q_in.contiguous();
   const at::Tensor keys = keys_in.contiguous(), values = values_in.contiguous();
   const at::Tensor positions = positions_in.contiguous();
   const int64_t batch = q.size(0), n_heads = q.size(1), n_queries = q.size(2), width = q.size(3);
   const int64_t n_groups = keys.size(1), length = keys.size(2);
-  TORCH_CHECK(width % LANES == 0 && width >= LANES && width <= 8 * LANES,
+  TORCH_CHECK(width % 16 == 0 && width >= 16 && width <= 128,
               "cached_attention_cpu: head width must be 16 to 128 in steps of 16, got ", width);
   TORCH_CHECK(n_queries <= MAX_QUERIES, "cached_attention_cpu: at most ", MAX_QUERIES, " queries, got ", n_queries);
   TORCH_CHECK(n_heads % n_groups == 0 && keys.size(3) == width && values.sizes() == keys.sizes(),
@@ -265,6 +319,8 @@ at::Tensor cached_attention_cpu(const at::Tensor& q_in, const at::Tensor& keys_i
     TORCH_CHECK(x->scalar_type() == at::kFloat || is_bf16(*x), "cached_attention_cpu: float32 or bfloat16 only");
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.sizes() == at::IntArrayRef({batch, n_queries}),
               "cached_attention_cpu: positions must be int64 [B, T]");
+  TORCH_CHECK(lanes == 0 || lanes == 8 || lanes == 16, "cached_attention_cpu: lanes must be 0, 8 or 16, got ", lanes);
+  const int64_t key_lanes = lanes ? lanes : NATIVE_LANES;
   at::Tensor out = at::empty({batch, n_queries, n_heads, width}, q.options());  // [B, T, H, D]
   const bool bf16_queries = is_bf16(q), bf16_storage = is_bf16(keys);
   const int64_t element = bf16_storage ? 2 : 4;
@@ -272,8 +328,8 @@ at::Tensor cached_attention_cpu(const at::Tensor& q_in, const at::Tensor& keys_i
   const int64_t* position = positions.data_ptr<int64_t>();
   const int64_t per_group = n_heads / n_groups;
   at::parallel_for(0, batch * n_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> queries(n_queries * width), rows(n_queries * width), block(LANES * width);
-    std::vector<float> scores(n_queries * ((length + LANES - 1) / LANES * LANES));
+    std::vector<float> queries(n_queries * width), rows(n_queries * width), block(MAX_LANES * width);
+    std::vector<float> scores(n_queries * ((length + MAX_LANES - 1) / MAX_LANES * MAX_LANES));
     std::vector<int64_t> lo(n_queries), hi(n_queries);
     for (int64_t index = begin; index < end; ++index) {
       const int64_t b = index / n_heads, h = index % n_heads, g = h / per_group;
@@ -294,7 +350,10 @@ at::Tensor cached_attention_cpu(const at::Tensor& q_in, const at::Tensor& keys_i
                       static_cast<const char*>(values.data_ptr()) + storage_offset,
                       bf16_storage, lo.data(), hi.data(), n_queries, first, last + 1,
                       scores.data(), block.data(), rows.data()};
-      attend_any(task, width);
+      if (key_lanes == 16)
+        attend_any<16>(task, width / 16);
+      else
+        attend_any<8>(task, width / 8);
       for (int64_t t = 0; t < n_queries; ++t) {  // row t of this head: out[b, t, h]
         const int64_t out_offset = ((b * n_queries + t) * n_heads + h) * width;
         const float* row = rows.data() + t * width;
@@ -313,7 +372,8 @@ at::Tensor cached_attention_cpu(const at::Tensor& q_in, const at::Tensor& keys_i
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(attnlab, m) {
-  m.def("cached_attention_cpu(Tensor q, Tensor keys, Tensor values, Tensor positions, int window) -> Tensor");
+  m.def("cached_attention_cpu(Tensor q, Tensor keys, Tensor values, Tensor positions, int window, int lanes=0) "
+        "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(attnlab, CPU, m) { m.impl("cached_attention_cpu", &cached_attention_cpu); }

@@ -29,7 +29,7 @@ MAX_QUERIES = 64  # queries per call (decode_cpu.cpp's MAX_QUERIES)
 def _register_fake() -> None:
     """The operator's shape for torch.compile, once it is loaded (its schema is the library's)."""
     torch.library.register_fake("attnlab::cached_attention_cpu")(
-        lambda q, keys, values, positions, window: out_layout(q))
+        lambda q, keys, values, positions, window, lanes=0: out_layout(q))
 
 
 _library = OperatorLibrary("attnlab_decode", SOURCE, _register_fake, "using torch's attention")
@@ -48,12 +48,17 @@ def serves(q: Tensor) -> bool:
     return q.shape[-1] in HEAD_WIDTHS and q.shape[-2] <= MAX_QUERIES
 
 
-def cached_attention(q: Tensor, keys: Tensor, values: Tensor, positions: Tensor, window: int = 0) -> Tensor:
+def cached_attention(q: Tensor, keys: Tensor, values: Tensor, positions: Tensor, window: int = 0,
+                     lanes: int = 0) -> Tensor:
     """q [B, H, T, D] at positions [B, T] over a cache's storage keys, values [B, G, L, D]: query t of
     row b sees the keys at lo..positions[b, t] (lo = position - window + 1 with a window, else 0).
     -> [B, H, T, D] in q's dtype, laid out as [B, T, H, D] (out_layout): the heads merge back into
     rows without a copy. q is read through its strides (a slice of the projections, not copied).
-    The caller has checked that it can (kernels.choose_cached)."""
+    lanes: the keys the kernel scores together, 8 or 16 (0: the CPU's vector width, 16 with
+    AVX-512, else 8; the same result up to rounding). The caller has checked that it can
+    (kernels.choose_cached)."""
+    if lanes:
+        return torch.ops.attnlab.cached_attention_cpu(q, keys, values, positions, window, lanes)
     return torch.ops.attnlab.cached_attention_cpu(q, keys, values, positions, window)
 
 
