@@ -9,8 +9,9 @@
 // of W value rows, read once, is weighed into the output rows of up to 8 queries at a time, held
 // in registers. Only the keys some query sees are read, not the
 // whole storage (torch's fused attention reads every position of it, masked); float32 storage is
-// read in place, bfloat16 converted in registers as it is loaded (a bfloat16 cache beside float32
-// weights reads half the bytes). float32 or bfloat16 queries and storage, the arithmetic in
+// read in place, bfloat16 converted in registers as it is loaded, or into a float32 block once
+// where several queries would each convert it (a bfloat16 cache beside float32 weights reads half
+// the bytes). float32 or bfloat16 queries and storage, the arithmetic in
 // float32; head widths 16 to 128 in steps of 16.
 //
 // Registered as the torch operator attnlab::cached_attention_cpu, so a compiled decode step calls
@@ -36,8 +37,8 @@ using attnlab_cpu::sum_lanes;
 // W keys are scored together, W floats to a vector: by default the CPU's vector width, 16 with
 // AVX-512 (one zmm register) and 8 otherwise (one ymm register with AVX2). A 16-float vector
 // without AVX-512 is two registers, and a block of 16 such partial sums no longer fits in them: on
-// a 2-core AMD EPYC (AVX2) the 16-key kernel took 2.6x torch's fused attention's time at 4096 keys
-// (bench/decode_operator_ab.py). The `lanes` argument picks either width on any CPU (the tests run both).
+// a 2-core AMD EPYC (AVX2) the 16-key kernel took 1.8-7x the 8-key one's time (bench/decode_operator_ab.py,
+// docs/bench/decode-operator/). The `lanes` argument picks either width on any CPU (the tests run both).
 #if defined(__AVX512F__)
 constexpr int NATIVE_LANES = 16;
 constexpr int VECTOR_REGISTERS = 32;
