@@ -103,7 +103,7 @@ inline void rows_to_float(const void* base, int64_t offset, int64_t n, int64_t w
     return;
   }
   const uint16_t* p = static_cast<const uint16_t*>(base) + offset;
-  for (int64_t i = 0; i < n * width; i += MAX_LANES) store(out + i, load_bf16<MAX_LANES>(p + i));
+  for (int64_t i = 0; i < n * width; i += NATIVE_LANES) store(out + i, load_bf16<NATIVE_LANES>(p + i));
 }
 
 // Rows of a [L, D] storage read as W-float vectors: float32 in place, bfloat16 converted in
@@ -165,7 +165,8 @@ struct Task {
   int64_t n_queries;
   int64_t first, end;       // keys first..end-1: those some query sees
   float* scores;            // scratch [T, end - first rounded up to 16]
-  float* block;             // scratch [16, D]: a key or value block as float32 (the last, shorter than W; bfloat16 rows several queries read)
+  float* block;             // scratch [16, D]: a key or value block as float32 (the last one,
+                            // shorter than W; bfloat16 rows that several queries read)
   float* out;               // [T, D] float32
 };
 
@@ -191,14 +192,6 @@ void score_block(const Task& task, int64_t stride, int64_t j0, Rows keys) {
   }
 }
 
-// `elements` floats of a storage's rows from element `offset` on, as float32 into block
-template <int W>
-inline void rows_to_block(const void* storage, bool bf16, int64_t offset, int64_t elements, float* block) {
-  with_rows<W>(storage, bf16, offset, [&](auto rows) {
-    for (int64_t i = 0; i < elements; i += W) store(block + i, rows.at(i));
-  });
-}
-
 // every query's scores over the keys first..end-1: whole blocks of W read from the storage, a last
 // shorter block copied as float32 and padded with zero rows (the storage may end before W rows)
 // (CONVERT_ONCE: bfloat16 keys, several queries: each block converted into the float32 block once,
@@ -212,7 +205,7 @@ void score(const Task& task, int64_t stride) {
       with_rows<W>(task.keys, task.bf16_storage, j0 * D, [&](auto keys) { score_block<W, DV>(task, stride, j0, keys); });
       continue;
     }
-    rows_to_block<W>(task.keys, task.bf16_storage, j0 * D, n * D, task.block);
+    rows_to_float(task.keys, j0 * D, n, D, task.bf16_storage, task.block);
     std::memset(task.block + n * D, 0, (W - n) * D * sizeof(float));
     score_block<W, DV>(task, stride, j0, Float32Rows<W>{task.block});
   }
@@ -278,7 +271,7 @@ void weigh_values(const Task& task, int64_t stride, const float* total) {
   for (int64_t j0 = task.first; j0 < task.end; j0 += W) {
     const int64_t n = std::min<int64_t>(W, task.end - j0);
     if (CONVERT_ONCE && task.n_queries > BLOCK) {
-      rows_to_block<W>(task.values, true, j0 * D, n * D, task.block);
+      rows_to_float(task.values, j0 * D, n, D, true, task.block);
       const Float32Rows<W> values{task.block};
       for (int64_t t0 = 0; t0 < task.n_queries; t0 += BLOCK)
         weigh_any<W, DV>(task, stride, t0, std::min<int64_t>(BLOCK, task.n_queries - t0), j0, n, values);
@@ -296,7 +289,7 @@ void weigh_values(const Task& task, int64_t stride, const float* total) {
 }
 
 // flatten: every call inside inlined, one body per instantiation (left to GCC's inliner, the
-// float32 path took up to 1.17x the time once the bfloat16 one was added beside it)
+// float32 path ran slower once the bfloat16 one was instantiated beside it)
 template <int W, int DV, bool CONVERT_ONCE>
 __attribute__((flatten)) void attend(const Task& task) {
   const int64_t stride = (task.end - task.first + W - 1) / W * W;

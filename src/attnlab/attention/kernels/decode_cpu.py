@@ -57,9 +57,7 @@ def cached_attention(q: Tensor, keys: Tensor, values: Tensor, positions: Tensor,
     lanes: the keys the kernel scores together, 8 or 16 (0: the CPU's vector width, 16 with
     AVX-512, else 8; the same result up to rounding). The caller has checked that it can
     (kernels.choose_cached)."""
-    if lanes:
-        return torch.ops.attnlab.cached_attention_cpu(q, keys, values, positions, window, lanes)
-    return torch.ops.attnlab.cached_attention_cpu(q, keys, values, positions, window)
+    return torch.ops.attnlab.cached_attention_cpu(q, keys, values, positions, window, lanes)
 
 
 def out_layout(q: Tensor) -> Tensor:
