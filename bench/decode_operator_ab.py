@@ -1,14 +1,16 @@
 """The cpu back-end's decode operator (kernels/decode_cpu.cpp) of this checkout beside the same
 operator at another git revision, side by side in one process: each call of the few-query shapes a
-decode step and a speculative verification make (batch 1 and 4, 1 and 7 queries, 4 heads of width
+decode step and a speculative verification make (batch 1 and 4, 1 and 7 queries (`--queries`), 4 heads of width
 64 and 128, float32 and bfloat16, 200 keys seen (`--seen`) in a storage 196 longer), the two operators in turn,
 round after round; medians of each round's median call, and of the rounds' time ratios (this
 checkout over the other). The other revision's source is built under the namespace
 attnlab_against (its registration renamed), so both load at once; the outputs are checked to agree.
-Keys and values stay in cache between calls here: a compiled step reads them cold, among the
-weights (bench/step_kernel_profile.py times the operator inside the step).
+Keys and values stay in cache between calls here unless `--copies` gives the calls that many
+storages to take in turn (enough to outgrow the last-level cache: a compiled step reads them cold,
+among the weights; bench/step_kernel_profile.py times the operator inside the step).
 
-    OMP_NUM_THREADS=2 python bench/decode_operator_ab.py --against REVISION [--rounds 9] [--calls 200] [--seen 200]
+    OMP_NUM_THREADS=2 python bench/decode_operator_ab.py --against REVISION [--rounds 9] [--calls 200] \
+        [--seen 200] [--copies 1] [--queries 1 7]
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from attnlab.attention.kernels import decode_cpu
 from attnlab.attention.kernels.cpu import OperatorLibrary
 
 KERNELS = Path(decode_cpu.__file__).parent
-SHAPES = [(batch, queries) for batch in (1, 4) for queries in (1, 7)]  # (B, T)
+BATCHES = (1, 4)
 
 
 def load_revision(revision: str) -> object:
@@ -45,20 +47,26 @@ def load_revision(revision: str) -> object:
     return torch.ops.attnlab_against.cached_attention_cpu
 
 
-def case(batch: int, queries: int, width: int, dtype: torch.dtype, seen: int):
-    """q [B, 4, T, D], keys and values [B, 4, L, D], positions [B, T]: each row's T queries after `seen` keys."""
+def case(batch: int, queries: int, width: int, dtype: torch.dtype, seen: int, copies: int = 1):
+    """`copies` calls' arguments: q [B, 4, T, D], keys and values [B, 4, L, D] (each call its own),
+    positions [B, T]: each row's T queries after `seen` keys."""
     generator = torch.Generator().manual_seed(0)
     storage = seen + 196
     q = torch.randn(batch, 4, queries, width, generator=generator).to(dtype)
-    keys, values = (torch.randn(batch, 4, storage, width, generator=generator).to(dtype) for _ in range(2))
-    return q, keys, values, (torch.arange(queries) + seen).expand(batch, queries).contiguous()
+    positions = (torch.arange(queries) + seen).expand(batch, queries).contiguous()
+    calls = []
+    for _ in range(copies):
+        keys, values = (torch.randn(batch, 4, storage, width, generator=generator).to(dtype) for _ in range(2))
+        calls.append((q, keys, values, positions))
+    return calls
 
 
-def median_call(operator, arguments, calls: int) -> float:
+def median_call(operator, arguments: list, calls: int) -> float:
+    """The median time of `calls` calls, taking the arguments' copies in turn."""
     times = []
-    for _ in range(calls):
+    for index in range(calls):
         started = time.perf_counter()
-        operator(*arguments, 0)
+        operator(*arguments[index % len(arguments)], 0)
         times.append(time.perf_counter() - started)
     return statistics.median(times)
 
@@ -69,19 +77,22 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--calls", type=int, default=200, help="calls timed per operator and round")
     parser.add_argument("--seen", type=int, default=200, help="keys each row's first query sees")
+    parser.add_argument("--copies", type=int, default=1, help="storages the calls take in turn")
+    parser.add_argument("--queries", type=int, nargs="+", default=[1, 7], help="queries a call makes")
     args = parser.parse_args()
     if not decode_cpu.available():
         raise SystemExit("the decode operator cannot be built here (no C++ compiler)")
     operators = {"this": torch.ops.attnlab.cached_attention_cpu, "against": load_revision(args.against)}
-    print(f"threads {torch.get_num_threads()}, against {args.against}, {args.seen} keys seen; microseconds a call")
+    print(f"threads {torch.get_num_threads()}, against {args.against}, {args.seen} keys seen, "
+          f"{args.copies} storage(s) in turn; microseconds a call")
     for width in (64, 128):
         for dtype in (torch.float32, torch.bfloat16):
-            for batch, queries in SHAPES:
-                arguments = case(batch, queries, width, dtype, args.seen)
+            for batch, queries in ((batch, queries) for batch in BATCHES for queries in args.queries):
+                arguments = case(batch, queries, width, dtype, args.seen, args.copies)
                 # the same up to rounding (a bfloat16 output: its last bit)
                 tolerance = 1e-5 if dtype == torch.float32 else 1e-2
-                torch.testing.assert_close(operators["this"](*arguments, 0).float(),
-                                           operators["against"](*arguments, 0).float(), atol=tolerance, rtol=tolerance)
+                torch.testing.assert_close(operators["this"](*arguments[0], 0).float(),
+                                           operators["against"](*arguments[0], 0).float(), atol=tolerance, rtol=tolerance)
                 times = {name: [] for name in operators}
                 for _ in range(args.rounds):
                     for name, operator in operators.items():

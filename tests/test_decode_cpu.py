@@ -50,11 +50,13 @@ def case(batch, heads, groups, queries, length, width, dtype, seed=0, storage_dt
     (2, 4, 4, 7, 70, 128, 0),    # the values weighed for 3 queries at a time, then the 1 left
     (1, 2, 2, 64, 80, 32, 0),    # the most queries a call takes
     (2, 4, 2, 4, 300, 80, 100),  # a window longer than a key block
+    (2, 4, 2, 1, 45, 48, 0),     # one query, three vectors of 16 (six of 8), a short last key block
+    (2, 2, 1, 1, 37, 16, 9),     # one query, a width of one vector of 16 (two of 8), a window
 ])
 @pytest.mark.parametrize("dtype, storage_dtype", [
     (torch.float32, torch.float32),
     (torch.bfloat16, torch.bfloat16),
-    (torch.float32, torch.bfloat16),  # a bfloat16 cache beside float32 weights: its rows converted as loaded
+    (torch.float32, torch.bfloat16),  # a bfloat16 cache beside float32 weights
 ])
 @pytest.mark.parametrize("lanes", [8, 16])  # keys scored together: either width on any CPU
 def test_equals_the_oracle(batch, heads, groups, queries, length, width, window, dtype, storage_dtype, lanes):

@@ -9,9 +9,11 @@
 // of W value rows, read once, is weighed into the output rows of up to 8 queries at a time, held
 // in registers. Only the keys some query sees are read, not the
 // whole storage (torch's fused attention reads every position of it, masked); float32 storage is
-// read in place, bfloat16 converted in registers as it is loaded, or into a float32 block once
-// where several queries would each convert it (a bfloat16 cache beside float32 weights reads half
-// the bytes). float32 or bfloat16 queries and storage, the arithmetic in
+// read in place; bfloat16 storage that one query reads, two vectors to a load in an order of the
+// elements the query is put in too (a shift or a mask a vector: as fast as the memory on an AVX2
+// EPYC, where widening each half took 1.15-1.3x the time; docs/bench/decode-operator/), and into a
+// float32 block once where several queries would each convert it (a bfloat16 cache beside float32
+// weights reads half the bytes). float32 or bfloat16 queries and storage, the arithmetic in
 // float32; head widths 16 to 128 in steps of 16.
 //
 // Registered as the torch operator attnlab::cached_attention_cpu, so a compiled decode step calls
@@ -106,22 +108,66 @@ inline void rows_to_float(const void* base, int64_t offset, int64_t n, int64_t w
   for (int64_t i = 0; i < n * width; i += NATIVE_LANES) store(out + i, load_bf16<NATIVE_LANES>(p + i));
 }
 
-// Rows of a [L, D] storage read as W-float vectors: float32 in place, bfloat16 converted in
-// registers as it is loaded (no copy); `at` takes an element offset from the first row
+// How a task reads its keys and values: float32 in place, or bfloat16 converted in registers as
+// it is loaded (AS_LOADED); bfloat16 in pairs of vectors (PAIRED); bfloat16 converted into a float32
+// block once, where several queries would each convert it (CONVERT_ONCE)
+enum class Reading { AS_LOADED, PAIRED, CONVERT_ONCE };
+
+// Rows of a [L, D] storage read as W-float vectors; at(row, d): vector d of the row whose first
+// element is `row` (d is a compile-time constant once the loops over it are unrolled)
 template <int W>
 struct Float32Rows {
   const float* base;
-  floats<W> at(int64_t element) const { return load<W>(base + element); }
+  floats<W> at(int64_t row, int d) const { return load<W>(base + row + d * W); }
 };
 template <int W>
 struct BFloat16Rows {
   const uint16_t* base;
-  floats<W> at(int64_t element) const { return load_bf16<W>(base + element); }
+  floats<W> at(int64_t row, int d) const { return load_bf16<W>(base + row + d * W); }
 };
 
-// f(rows) with the rows of `storage` from element `offset` on, as the storage's dtype reads them
-template <int W, class F>
+// bfloat16 rows in paired order: the row's elements in chunks of 2W, each read by one load as W
+// 32-bit words (word i: element 2i in its low half, 2i + 1 in its high half); vector d is chunk
+// d / 2's even elements (the words shifted up, d even) or its odd ones (their high halves, d odd).
+// A shift or a mask per W floats where a conversion in order widens each half first: the queries
+// are put in the same order (and the outputs back), as a dot product and a weighted sum of rows
+// do not depend on the order of the elements.
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "paired bfloat16 reading assumes little-endian words");
+template <int W>
+struct BFloat16PairedRows {
+  const uint16_t* base;
+  floats<W> at(int64_t row, int d) const {
+    typename Lanes<W>::words bits;
+    std::memcpy(&bits, base + row + d / 2 * 2 * W, sizeof(bits));
+    bits = d % 2 ? bits & 0xFFFF0000u : bits << 16;
+    floats<W> x;
+    std::memcpy(&x, &bits, sizeof(x));
+    return x;
+  }
+};
+
+// each chunk of 2W elements of `rows` (n_elements of them) in paired order (its even elements,
+// then its odd ones), or back (to_paired false)
+template <int W>
+void reorder_pairs(float* rows, int64_t n_elements, bool to_paired) {
+  float chunk[2 * W];
+  for (int64_t c = 0; c < n_elements; c += 2 * W) {
+    std::memcpy(chunk, rows + c, sizeof(chunk));
+    for (int i = 0; i < 2 * W; ++i) {
+      const int paired = i % 2 * W + i / 2;  // where element i of the chunk goes in paired order
+      if (to_paired)
+        rows[c + paired] = chunk[i];
+      else
+        rows[c + i] = chunk[paired];
+    }
+  }
+}
+
+// f(rows) with the rows of `storage` from element `offset` on, as the storage's dtype and the
+// reading take them
+template <int W, Reading READING, class F>
 inline void with_rows(const void* storage, bool bf16, int64_t offset, F f) {
+  if constexpr (READING == Reading::PAIRED) return f(BFloat16PairedRows<W>{static_cast<const uint16_t*>(storage) + offset});
   if (bf16) return f(BFloat16Rows<W>{static_cast<const uint16_t*>(storage) + offset});
   f(Float32Rows<W>{static_cast<const float*>(storage) + offset});
 }
@@ -156,7 +202,7 @@ inline floats<8> lane_sums(const floats<8>* p) {
 }
 
 struct Task {
-  const float* queries;     // [T, D] float32, already scaled by 1/sqrt(D)
+  float* queries;           // [T, D] float32, already scaled by 1/sqrt(D) (PAIRED: reordered here)
   const void* keys;         // the storage, at this row's key/value head: [L, D]
   const void* values;
   bool bf16_storage;
@@ -165,8 +211,8 @@ struct Task {
   int64_t n_queries;
   int64_t first, end;       // keys first..end-1: those some query sees
   float* scores;            // scratch [T, end - first rounded up to 16]
-  float* block;             // scratch [16, D]: a key or value block as float32 (the last one,
-                            // shorter than W; bfloat16 rows that several queries read)
+  void* block;              // scratch [16, D] floats: a key block (the last one, shorter than W,
+                            // as stored; bfloat16 rows that several queries read, as float32)
   float* out;               // [T, D] float32
 };
 
@@ -182,8 +228,8 @@ void score_block(const Task& task, int64_t stride, int64_t j0, Rows keys) {
     vf q[DV], partial[W];
     for (int d = 0; d < DV; ++d) q[d] = load<W>(task.queries + t * D + d * W);
     for (int k = 0; k < W; ++k) {
-      vf sum = q[0] * keys.at(k * D);
-      for (int d = 1; d < DV; ++d) sum += q[d] * keys.at(k * D + d * W);
+      vf sum = q[0] * keys.at(k * D, 0);
+      for (int d = 1; d < DV; ++d) sum += q[d] * keys.at(k * D, d);
       partial[k] = sum;
     }
     const vf s = lane_sums(partial);
@@ -193,21 +239,28 @@ void score_block(const Task& task, int64_t stride, int64_t j0, Rows keys) {
 }
 
 // every query's scores over the keys first..end-1: whole blocks of W read from the storage, a last
-// shorter block copied as float32 and padded with zero rows (the storage may end before W rows)
-// (CONVERT_ONCE: bfloat16 keys, several queries: each block converted into the float32 block once,
-// not once per query that loads it)
-template <int W, int DV, bool CONVERT_ONCE>
+// shorter block copied as stored and padded with zero rows (the storage may end before W rows)
+// (CONVERT_ONCE: each block converted into the float32 block once, not once per query that loads it)
+template <int W, int DV, Reading READING>
 void score(const Task& task, int64_t stride) {
   constexpr int64_t D = DV * W;
+  const int64_t element = task.bf16_storage ? 2 : 4;
   for (int64_t j0 = task.first; j0 < task.end; j0 += W) {
     const int64_t n = std::min<int64_t>(W, task.end - j0);
-    if (n == W && !CONVERT_ONCE) {
-      with_rows<W>(task.keys, task.bf16_storage, j0 * D, [&](auto keys) { score_block<W, DV>(task, stride, j0, keys); });
-      continue;
+    const auto score_rows = [&](auto keys) { score_block<W, DV>(task, stride, j0, keys); };
+    if constexpr (READING == Reading::CONVERT_ONCE) {
+      float* block = static_cast<float*>(task.block);
+      rows_to_float(task.keys, j0 * D, n, D, true, block);
+      std::memset(block + n * D, 0, (W - n) * D * sizeof(float));
+      score_rows(Float32Rows<W>{block});
+    } else if (n == W) {
+      with_rows<W, READING>(task.keys, task.bf16_storage, j0 * D, score_rows);
+    } else {
+      char* block = static_cast<char*>(task.block);
+      std::memcpy(block, static_cast<const char*>(task.keys) + j0 * D * element, n * D * element);
+      std::memset(block + n * D * element, 0, (W - n) * D * element);
+      with_rows<W, READING>(block, task.bf16_storage, 0, score_rows);
     }
-    rows_to_float(task.keys, j0 * D, n, D, task.bf16_storage, task.block);
-    std::memset(task.block + n * D, 0, (W - n) * D * sizeof(float));
-    score_block<W, DV>(task, stride, j0, Float32Rows<W>{task.block});
   }
 }
 
@@ -245,7 +298,7 @@ void weigh_block(const Task& task, int64_t stride, int64_t t0, int64_t j0, int64
   for (int64_t k = 0; k < n; ++k) {
     for (int t = 0; t < NB; ++t) {  // a row's loads (and conversions) are the same for every t: taken once
       const vf weight = vf{} + weights[t * stride + k];
-      for (int d = 0; d < DV; ++d) acc[t][d] += weight * values.at(k * D + d * W);
+      for (int d = 0; d < DV; ++d) acc[t][d] += weight * values.at(k * D, d);
     }
   }
   for (int t = 0; t < NB; ++t)
@@ -260,24 +313,26 @@ void weigh_any(const Task& task, int64_t stride, int64_t t0, int64_t n_block, in
   weigh_block<W, DV, NB>(task, stride, t0, j0, n, values);
 }
 
-// out[t] = sum_j weight[t, j] v_j / total[t]: each value block read once (bfloat16 converted as it
-// is loaded), weighed into query_block(DV) queries' rows at a time (CONVERT_ONCE: bfloat16 values
-// of more queries than that converted into the float32 block once)
-template <int W, int DV, bool CONVERT_ONCE>
+// out[t] = sum_j weight[t, j] v_j / total[t]: each value block read once, weighed into
+// query_block(DV) queries' rows at a time (CONVERT_ONCE: the values of more queries than that
+// converted into the float32 block once)
+template <int W, int DV, Reading READING>
 void weigh_values(const Task& task, int64_t stride, const float* total) {
   using vf = floats<W>;
   constexpr int64_t D = DV * W, BLOCK = query_block<W>(DV);
   std::fill(task.out, task.out + task.n_queries * D, 0.0f);
   for (int64_t j0 = task.first; j0 < task.end; j0 += W) {
     const int64_t n = std::min<int64_t>(W, task.end - j0);
-    if (CONVERT_ONCE && task.n_queries > BLOCK) {
-      rows_to_float(task.values, j0 * D, n, D, true, task.block);
-      const Float32Rows<W> values{task.block};
+    if (READING == Reading::CONVERT_ONCE && task.n_queries > BLOCK) {
+      float* block = static_cast<float*>(task.block);
+      rows_to_float(task.values, j0 * D, n, D, true, block);
+      const Float32Rows<W> values{block};
       for (int64_t t0 = 0; t0 < task.n_queries; t0 += BLOCK)
         weigh_any<W, DV>(task, stride, t0, std::min<int64_t>(BLOCK, task.n_queries - t0), j0, n, values);
       continue;
     }
-    with_rows<W>(task.values, task.bf16_storage, j0 * D, [&](auto values) {
+    constexpr Reading IN_PLACE = READING == Reading::PAIRED ? Reading::PAIRED : Reading::AS_LOADED;
+    with_rows<W, IN_PLACE>(task.values, task.bf16_storage, j0 * D, [&](auto values) {
       for (int64_t t0 = 0; t0 < task.n_queries; t0 += BLOCK)
         weigh_any<W, DV>(task, stride, t0, std::min<int64_t>(BLOCK, task.n_queries - t0), j0, n, values);
     });
@@ -290,13 +345,15 @@ void weigh_values(const Task& task, int64_t stride, const float* total) {
 
 // flatten: every call inside inlined, one body per instantiation (left to GCC's inliner, the
 // float32 path ran slower once the bfloat16 one was instantiated beside it)
-template <int W, int DV, bool CONVERT_ONCE>
+template <int W, int DV, Reading READING>
 __attribute__((flatten)) void attend(const Task& task) {
   const int64_t stride = (task.end - task.first + W - 1) / W * W;
   float total[MAX_QUERIES];
-  score<W, DV, CONVERT_ONCE>(task, stride);
+  if constexpr (READING == Reading::PAIRED) reorder_pairs<W>(task.queries, task.n_queries * DV * W, true);
+  score<W, DV, READING>(task, stride);
   softmax_rows<W>(task, stride, total);
-  weigh_values<W, DV, CONVERT_ONCE>(task, stride, total);
+  weigh_values<W, DV, READING>(task, stride, total);
+  if constexpr (READING == Reading::PAIRED) reorder_pairs<W>(task.out, task.n_queries * DV * W, false);
 }
 
 // attend<W, DV> for a head width of head_vectors vectors of W (head widths: multiples of 16)
@@ -305,9 +362,11 @@ void attend_any(const Task& task, int64_t head_vectors) {
   if constexpr (DV > 16 / W) {
     if (head_vectors < DV) return attend_any<W, DV - 16 / W>(task, head_vectors);
   }
-  // bfloat16 rows loaded by one query are converted as loaded; by several, into float32 once
-  if (task.bf16_storage && task.n_queries > 1) return attend<W, DV, true>(task);
-  attend<W, DV, false>(task);
+  // bfloat16 rows loaded by several queries are converted into float32 once; by one, in pairs of
+  // vectors (a head of an odd number of vectors: as loaded)
+  if (task.bf16_storage && task.n_queries > 1) return attend<W, DV, Reading::CONVERT_ONCE>(task);
+  if (task.bf16_storage && DV % 2 == 0) return attend<W, DV, Reading::PAIRED>(task);
+  attend<W, DV, Reading::AS_LOADED>(task);
 }
 
 bool is_bf16(const at::Tensor& x) { return x.scalar_type() == at::kBFloat16; }
