@@ -91,8 +91,8 @@ def main() -> None:
                 arguments = case(batch, queries, width, dtype, args.seen, args.copies)
                 # the same up to rounding (a bfloat16 output: its last bit)
                 tolerance = 1e-5 if dtype == torch.float32 else 1e-2
-                torch.testing.assert_close(operators["this"](*arguments[0], 0).float(),
-                                           operators["against"](*arguments[0], 0).float(), atol=tolerance, rtol=tolerance)
+                this, against = (operators[name](*arguments[0], 0).float() for name in ("this", "against"))
+                torch.testing.assert_close(this, against, atol=tolerance, rtol=tolerance)
                 times = {name: [] for name in operators}
                 for _ in range(args.rounds):
                     for name, operator in operators.items():
