@@ -8,9 +8,16 @@
 
 namespace attnlab_cpu {
 
-constexpr int LANES = 16;  // keys (or head-width elements) processed together: one vector
+// keys (or head-width elements) processed together: one vector register of floats, 16 with
+// AVX-512 (a zmm register), else 8 (a ymm register with AVX2: 16 floats would take two, and a
+// tile of 8 such accumulators would no longer fit in AVX2's 16 registers)
+#if defined(__AVX512F__)
+constexpr int LANES = 16;
+#else
+constexpr int LANES = 8;
+#endif
 
-// GCC/Clang vector extensions: one 16-float vector (a zmm register with AVX-512, two ymm with AVX2)
+// GCC/Clang vector extensions: one vector of LANES floats
 typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(LANES * sizeof(int32_t))));
 
