@@ -13,14 +13,14 @@
 // [B G, S, D]; blocks, gates, grad_gates [B G, T, n]; lse [B G, T, R]; positions [T].
 //
 // The keys and values are first copied transposed per block, [B G, M, D, width] (width: block
-// rounded up to 16), so a query head's scores for a block are one vector multiply-add chain over
-// d: no horizontal sums. Each query is computed on its own keys only (its blocks, in slot order),
+// rounded up to whole vectors of LANES floats), so a query head's scores for a block are one
+// vector multiply-add chain over d: no horizontal sums. Each query is computed on its own keys only (its blocks, in slot order),
 // so its output does not depend on any other key, bit for bit: the selection, not the kernel,
 // decides what a query reads.
 //
 // Threads: the forward runs queries in parallel. The backward runs (bg, part of the queries) in
 // parallel, each adding its key/value gradients into buffers of its own, laid out like the
-// transposed keys (16 positions of a block per vector), summed in part order into grad_k and
+// transposed keys (LANES positions of a block per vector), summed in part order into grad_k and
 // grad_v at the end.
 #include <omp.h>
 
@@ -165,7 +165,7 @@ void exponentiate(float* scores, int64_t R, int64_t ld, int64_t used, const floa
 }
 
 // out[r][:] = sum over visible keys of weights[r][key] * x[key][:], slot by slot in order: one
-// multiply-add chain per element, up to CHAINS (head, 16 elements) chains interleaved
+// multiply-add chain per element, up to CHAINS (head, LANES elements) chains interleaved
 void combine(const float* weights, int64_t R, const float* x, const Visible& vis, const Shape& s, int64_t width,
              float* out) {
   const int64_t ld = s.n * width, chunks = s.D / LANES, pairs = R * chunks;
@@ -194,13 +194,13 @@ void combine(const float* weights, int64_t R, const float* x, const Visible& vis
 // The key (or value) gradients of one query, added into a transposed buffer [M, D, width] (like
 // transpose_blocks' layout): for every active slot, position j and d,
 //   buffer[block][d][j] += sum_r weights[r][slot, j] * sources[r][d],
-// 16 positions at a time (one vector of weights per head, zero where the query sees no key).
+// LANES positions at a time (one vector of weights per head, zero where the query sees no key).
 // Element by element the terms are added in head order, query after query.
 template <int RC>
 void accumulate_heads(const float* weights, int64_t R, const float* sources, const Visible& vis, const Shape& s,
                       int64_t width, float* buffer) {
   const int64_t ld = s.n * width, heads = RC > 0 ? RC : R;
-  vf w[RC > 0 ? RC : MAX_HEADS];  // the heads' weights of 16 positions (registers when RC is known)
+  vf w[RC > 0 ? RC : MAX_HEADS];  // the heads' weights of LANES positions (registers when RC is known)
   for (int64_t a = 0; a < vis.count; ++a)
     for (int64_t j0 = 0; j0 < width; j0 += LANES) {
       for (int64_t r = 0; r < heads; ++r) w[r] = load(weights + r * ld + a * width + j0);

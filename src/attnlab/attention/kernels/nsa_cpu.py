@@ -29,7 +29,7 @@ from attnlab.attention.kernels.cpu import library, pointer, require
 
 MAX_BLOCKS = 64  # blocks per query (nsa_cpu.cpp's Visible)
 MAX_HEADS = 64  # query heads per key/value head (nsa_cpu.cpp's MAX_HEADS)
-LANES = 16  # keys scored together (one vector)
+KEY_BLOCK = 16  # key blocks are multiples of 16: whole vectors of nsa_cpu.cpp (16 floats with AVX-512, else 8)
 
 
 def fits(n_blocks: int, heads_per_group: int) -> bool:
@@ -151,7 +151,7 @@ def _compressed_layout(n_keys: int, positions: Tensor, compress_block: int, stri
     """The kernel blocks of the compressed keys (at most MAX_BLOCKS per query) and the last kernel
     key each query sees: key 0 is the memory slot, key i + 1 compressed block i, complete once its
     last token is at or before the query."""
-    block = LANES * -(-n_keys // (LANES * MAX_BLOCKS))
+    block = KEY_BLOCK * -(-n_keys // (KEY_BLOCK * MAX_BLOCKS))
     last = torch.clamp((positions + 1 - compress_block) // stride + 1, min=0)
     return block, last
 
@@ -252,7 +252,7 @@ def sliding_attention(q: Tensor, k: Tensor, v: Tensor, window: int) -> Tensor:
     """NSA's sliding branch for a whole sequence: q [B, H, T, D], k, v [B, G, T, D], each query seeing
     the last `window` tokens -> [B, H, T, D]. Blocks of 16 keys, wider for long windows so that a
     window spans at most MAX_BLOCKS of them."""
-    block = LANES * -(-window // (LANES * (MAX_BLOCKS - 1)))
+    block = KEY_BLOCK * -(-window // (KEY_BLOCK * (MAX_BLOCKS - 1)))
     positions = torch.arange(q.shape[2])
     blocks = window_blocks(positions, window, block).expand(*k.shape[:2], -1, -1)
     out, _ = block_attention(_grouped(q, k.shape[1]), k, v, blocks, q.new_empty(0), positions, block, window)
