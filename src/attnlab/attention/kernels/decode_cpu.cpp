@@ -11,7 +11,7 @@
 // whole storage (torch's fused attention reads every position of it, masked); float32 storage is
 // read in place; bfloat16 storage that one query reads, two vectors to a load in an order of the
 // elements the query is put in too (a shift or a mask a vector: as fast as the memory on an AVX2
-// EPYC, where widening each half took 1.15-1.3x the time; docs/bench/decode-operator/), and into a
+// EPYC, where widening each half took 1.1-1.6x the time; docs/bench/decode-operator/), and into a
 // float32 block once where several queries would each convert it (a bfloat16 cache beside float32
 // weights reads half the bytes). float32 or bfloat16 queries and storage, the arithmetic in
 // float32; head widths 16 to 128 in steps of 16.
@@ -211,8 +211,8 @@ struct Task {
   int64_t n_queries;
   int64_t first, end;       // keys first..end-1: those some query sees
   float* scores;            // scratch [T, end - first rounded up to 16]
-  void* block;              // scratch [16, D] floats: a key block (the last one, shorter than W,
-                            // as stored; bfloat16 rows that several queries read, as float32)
+  void* block;              // scratch [16, D] floats: a key block as float32 (the last one,
+                            // shorter than W, PAIRED: as stored; bfloat16 rows several queries read)
   float* out;               // [T, D] float32
 };
 
@@ -239,27 +239,27 @@ void score_block(const Task& task, int64_t stride, int64_t j0, Rows keys) {
 }
 
 // every query's scores over the keys first..end-1: whole blocks of W read from the storage, a last
-// shorter block copied as stored and padded with zero rows (the storage may end before W rows)
-// (CONVERT_ONCE: each block converted into the float32 block once, not once per query that loads it)
+// shorter block copied into the block scratch, as float32 (PAIRED: as stored) and padded with zero
+// rows (the storage may end before W rows) (CONVERT_ONCE: every block converted into the float32
+// block once, not once per query that loads it)
 template <int W, int DV, Reading READING>
 void score(const Task& task, int64_t stride) {
   constexpr int64_t D = DV * W;
-  const int64_t element = task.bf16_storage ? 2 : 4;
   for (int64_t j0 = task.first; j0 < task.end; j0 += W) {
     const int64_t n = std::min<int64_t>(W, task.end - j0);
     const auto score_rows = [&](auto keys) { score_block<W, DV>(task, stride, j0, keys); };
-    if constexpr (READING == Reading::CONVERT_ONCE) {
+    if (READING != Reading::CONVERT_ONCE && n == W) {
+      with_rows<W, READING>(task.keys, task.bf16_storage, j0 * D, score_rows);
+    } else if constexpr (READING == Reading::PAIRED) {
+      uint16_t* block = static_cast<uint16_t*>(task.block);
+      std::memcpy(block, static_cast<const uint16_t*>(task.keys) + j0 * D, n * D * sizeof(uint16_t));
+      std::memset(block + n * D, 0, (W - n) * D * sizeof(uint16_t));
+      score_rows(BFloat16PairedRows<W>{block});
+    } else {
       float* block = static_cast<float*>(task.block);
-      rows_to_float(task.keys, j0 * D, n, D, true, block);
+      rows_to_float(task.keys, j0 * D, n, D, task.bf16_storage, block);
       std::memset(block + n * D, 0, (W - n) * D * sizeof(float));
       score_rows(Float32Rows<W>{block});
-    } else if (n == W) {
-      with_rows<W, READING>(task.keys, task.bf16_storage, j0 * D, score_rows);
-    } else {
-      char* block = static_cast<char*>(task.block);
-      std::memcpy(block, static_cast<const char*>(task.keys) + j0 * D * element, n * D * element);
-      std::memset(block + n * D * element, 0, (W - n) * D * element);
-      with_rows<W, READING>(block, task.bf16_storage, 0, score_rows);
     }
   }
 }
