@@ -9,10 +9,10 @@
 // of W value rows, read once, is weighed into the output rows of up to 8 queries at a time, held
 // in registers. Only the keys some query sees are read, not the
 // whole storage (torch's fused attention reads every position of it, masked); float32 storage is
-// read in place; bfloat16 storage that one query reads, two vectors to a load in an order of the
-// elements the query is put in too (a shift or a mask a vector: as fast as the memory on an AVX2
-// EPYC, where widening each half took 1.1-1.6x the time; docs/bench/decode-operator/), and into a
-// float32 block once where several queries would each convert it (a bfloat16 cache beside float32
+// read in place. bfloat16 storage that one query reads is loaded two vectors at a time, in an order
+// of the elements the query is put in too (a shift or a mask a vector: as fast as the memory on an
+// AVX2 EPYC, where widening each half took 1.1-1.6x the time; docs/bench/decode-operator/); what
+// several queries read is converted into a float32 block once (a bfloat16 cache beside float32
 // weights reads half the bytes). float32 or bfloat16 queries and storage, the arithmetic in
 // float32; head widths 16 to 128 in steps of 16.
 //
