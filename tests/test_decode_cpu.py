@@ -81,22 +81,24 @@ def test_the_cpus_own_width_is_one_of_the_two():
         decode_cpu.cached_attention(q, keys, values, positions, 0, 4)
 
 
-@pytest.mark.parametrize("queries, storage_dtype", [
-    (3, torch.float32),
-    (3, torch.bfloat16),  # converted into float32 once for the three queries
-    (1, torch.bfloat16),  # one query: read in pairs of vectors
+@pytest.mark.parametrize("queries, storage_dtype, width, lanes", [
+    (3, torch.float32, 32, 0),
+    (3, torch.bfloat16, 32, 0),   # read in pairs of vectors
+    (1, torch.bfloat16, 32, 0),
+    (3, torch.bfloat16, 48, 16),  # three vectors of 16: converted into float32 once for the queries
+    (1, torch.bfloat16, 48, 16),  # converted as loaded
 ])
-def test_reads_only_the_keys_its_queries_see(queries, storage_dtype):
+def test_reads_only_the_keys_its_queries_see(queries, storage_dtype, width, lanes):
     """What lies past every query's position (rejected draft tokens, a storage never written) or
     before every query's window changes nothing, even where it is not a number."""
-    q, keys, values, _ = case(2, 4, 2, queries, 64, 32, torch.float32, storage_dtype=storage_dtype)
+    q, keys, values, _ = case(2, 4, 2, queries, 64, width, torch.float32, storage_dtype=storage_dtype)
     positions = torch.tensor([[20, 21, 22], [40, 41, 42]])[:, 3 - queries:]
-    expected = decode_cpu.cached_attention(q, keys, values, positions, 8)
+    expected = decode_cpu.cached_attention(q, keys, values, positions, 8, lanes)
     for cut in (slice(0, 13), slice(23, 64)):  # the windows start at 13 at the earliest
         spoiled_keys, spoiled_values = keys.clone(), values.clone()
         spoiled_keys[0, :, cut] = float("nan")
         spoiled_values[0, :, cut] = float("inf")
-        spoiled = decode_cpu.cached_attention(q, spoiled_keys, spoiled_values, positions, 8)
+        spoiled = decode_cpu.cached_attention(q, spoiled_keys, spoiled_values, positions, 8, lanes)
         assert torch.equal(spoiled, expected)
 
 

@@ -9,11 +9,11 @@
 // of W value rows, read once, is weighed into the output rows of up to 8 queries at a time, held
 // in registers. Only the keys some query sees are read, not the
 // whole storage (torch's fused attention reads every position of it, masked); float32 storage is
-// read in place. bfloat16 storage that one query reads is loaded two vectors at a time, in an order
-// of the elements the query is put in too (a shift or a mask a vector: as fast as the memory on an
-// AVX2 EPYC, where widening each half took 1.1-1.6x the time; docs/bench/decode-operator/); what
-// several queries read is converted into a float32 block once (a bfloat16 cache beside float32
-// weights reads half the bytes). float32 or bfloat16 queries and storage, the arithmetic in
+// read in place. bfloat16 storage is loaded two vectors at a time, in an order of the elements the
+// queries are put in too (a shift or a mask a vector: for one query as fast as the memory on an
+// AVX2 EPYC, where widening each half took 1.1-1.6x the time, and for 7 queries 0.87-0.97x the
+// time of converting each block into float32 once; docs/bench/decode-operator/). A bfloat16 cache
+// beside float32 weights reads half the bytes. float32 or bfloat16 queries and storage, the arithmetic in
 // float32; head widths 16 to 128 in steps of 16.
 //
 // Registered as the torch operator attnlab::cached_attention_cpu, so a compiled decode step calls
@@ -109,8 +109,9 @@ inline void rows_to_float(const void* base, int64_t offset, int64_t n, int64_t w
 }
 
 // How a task reads its keys and values: float32 in place, or bfloat16 converted in registers as
-// it is loaded (AS_LOADED); bfloat16 in pairs of vectors (PAIRED); bfloat16 converted into a float32
-// block once, where several queries would each convert it (CONVERT_ONCE)
+// it is loaded (AS_LOADED); bfloat16 in pairs of vectors (PAIRED: a head of an even number of
+// vectors); bfloat16 converted into a float32 block once, where several queries would each convert
+// it (CONVERT_ONCE: an odd number)
 enum class Reading { AS_LOADED, PAIRED, CONVERT_ONCE };
 
 // Rows of a [L, D] storage read as W-float vectors; at(row, d): vector d of the row whose first
@@ -362,10 +363,10 @@ void attend_any(const Task& task, int64_t head_vectors) {
   if constexpr (DV > 16 / W) {
     if (head_vectors < DV) return attend_any<W, DV - 16 / W>(task, head_vectors);
   }
-  // bfloat16 rows loaded by several queries are converted into float32 once; by one, in pairs of
-  // vectors (a head of an odd number of vectors: as loaded)
-  if (task.bf16_storage && task.n_queries > 1) return attend<W, DV, Reading::CONVERT_ONCE>(task);
+  // bfloat16 rows are read in pairs of vectors; a head of an odd number of vectors converts them
+  // into float32 once where several queries read them, else as they are loaded
   if (task.bf16_storage && DV % 2 == 0) return attend<W, DV, Reading::PAIRED>(task);
+  if (task.bf16_storage && task.n_queries > 1) return attend<W, DV, Reading::CONVERT_ONCE>(task);
   attend<W, DV, Reading::AS_LOADED>(task);
 }
 
