@@ -17,7 +17,9 @@ attention.<kind>.backend=torch; the same step as the default for the other kinds
 new_cache(dtype=torch.bfloat16), beside the weights' dtype), `bfloat16` (the default step of the
 model cast to bfloat16, weights and cache: `attnlab sample --dtype bfloat16`), `dynamo-calls` (every
 step through dynamo's frame evaluation, most guards skipped, instead of the code dynamo made for it
-called directly, compile_decoding(direct_calls=False)). --dtype: every
+called directly, compile_decoding(direct_calls=False)), `separate-products` (the default step with
+a layer's queries, keys and values made by three products, as before revision aebb2db, instead of
+one over their weights concatenated: CONCATENATED_PRODUCTS off). --dtype: every
 model's weights and caches (float32 unless told).
 
     OMP_NUM_THREADS=2 python bench/compiled_decoding.py --context 256 4096 --new-tokens 128 --rounds 3 --also library
@@ -26,6 +28,7 @@ model's weights and caches (float32 unless told).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -35,7 +38,7 @@ import torch
 from attnlab.bench.measure import model_config
 from attnlab.cli import arguments  # the decoding commands' --dtype names (bf16 too)
 from attnlab.generate.sampling import SamplingConfig, draw_last
-from attnlab.model import Transformer
+from attnlab.model import Transformer, transformer
 
 MODEL = dict(dim=256, depth=4, heads=4, dim_head=64)
 WINDOW = dict(local={"window_size": 64}, routing={"window_size": 64}, sinkhorn={"bucket_size": 64},
@@ -47,7 +50,8 @@ SAMPLING = SamplingConfig(top_k=26)
 # their cache's dtype or their model's
 OTHER_STEPS = {"library": {"linear": "library"}, "python-wrapper": {"cpp_wrapper": False},
                "torch-attention": {"backend": "torch"}, "bfloat16-cache": {"cache_dtype": torch.bfloat16},
-               "bfloat16": {"model_dtype": torch.bfloat16}, "dynamo-calls": {"direct_calls": False}}
+               "bfloat16": {"model_dtype": torch.bfloat16}, "dynamo-calls": {"direct_calls": False},
+               "separate-products": {"separate_products": True}}
 BACKEND_KINDS = ("full", "local")  # the kinds whose cached calls have a cpu back-end
 
 
@@ -63,9 +67,23 @@ def build(kind: str, max_len: int, variant: str, dtype: torch.dtype = torch.floa
     values = {**MODEL, "kv_heads": KV_HEADS.get(kind), "max_seq_len": max_len, "attention": attention}
     torch.manual_seed(0)
     model = Transformer(model_config(values)).to(dtype).eval()
-    if variant != "eager":
+    if variant == "eager":
+        return model
+    with separate_products() if step.pop("separate_products", False) else contextlib.nullcontext():
         model.compile_decoding(**step)
     return model
+
+
+@contextlib.contextmanager
+def separate_products():
+    """compile_decoding's packed options without CONCATENATED_PRODUCTS, for the time of the context
+    (the options are read when it is called; the step compiles later with them)."""
+    original = transformer.packed_linear_options
+    transformer.packed_linear_options = lambda: dict(transformer.PACKED_LINEAR_OPTIONS)
+    try:
+        yield
+    finally:
+        transformer.packed_linear_options = original
 
 
 @torch.inference_mode()

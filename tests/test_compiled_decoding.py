@@ -186,12 +186,14 @@ def test_each_model_keeps_its_graphs_apart():
 def test_decode_compile_options():
     """The C++ wrapper and the packed linear kernels: by default for inductor on the CPU without a
     mode; asked for where they cannot be, one error."""
-    from attnlab.model.transformer import PACKED_LINEAR_OPTIONS, decode_compile_options
+    from attnlab.model.transformer import PACKED_LINEAR_OPTIONS, decode_compile_options, packed_linear_options
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert decode_compile_options(cpu, None, "inductor", None) == {"cpp_wrapper": True, **PACKED_LINEAR_OPTIONS}
+    packed = packed_linear_options()
+    assert packed.items() >= PACKED_LINEAR_OPTIONS.items()
+    assert decode_compile_options(cpu, None, "inductor", None) == {"cpp_wrapper": True, **packed}
     assert decode_compile_options(cpu, None, "inductor", False, "library") is None
-    assert decode_compile_options(cpu, None, "inductor", False) == PACKED_LINEAR_OPTIONS
+    assert decode_compile_options(cpu, None, "inductor", False) == packed
     assert decode_compile_options(cuda, "reduce-overhead", "inductor", None) is None
     assert decode_compile_options(cpu, None, "aot_eager", None) is None
     with pytest.raises(ValueError, match="cpp_wrapper is an option of the inductor back-end without a mode"):
@@ -233,6 +235,26 @@ def test_packed_linear_kernels_follow_the_weights():
         compiled._frozen_weights = FrozenWeights(compiled)  # skip the check: the step keeps what it froze
         assert not torch.allclose(steps(compiled)[:, 10:], steps(eager)[:, 10:], atol=1e-3)
     assert compiled._compiled_step is not None
+
+
+@pytest.mark.parametrize("rows", [1, 6])
+def test_packed_step_makes_queries_keys_and_values_in_one_product(rows):
+    """A packed step concatenates the frozen weights of the products of one input: a layer's
+    queries, keys and values come from one template kernel (one pass over the rows, where three
+    made them before), and equal the eager projections."""
+    from attnlab.model.transformer import CONCATENATED_PRODUCTS, packed_linear_options, packed_step_compiling
+
+    if CONCATENATED_PRODUCTS not in packed_linear_options():
+        pytest.skip("this torch's inductor does not concatenate products")
+    eager, _ = twins("full", depth=1)
+    heads = eager.blocks[0].attention.heads
+    x = torch.randn(1, rows, heads.spec.dim, generator=torch.Generator().manual_seed(1))
+    compiled = torch.compile(heads.project, fullgraph=True, dynamic=False, options=packed_linear_options())
+    counters.clear()
+    with torch.no_grad(), packed_step_compiling():
+        for made, expected in zip(compiled(x), heads.project(x), strict=True):
+            torch.testing.assert_close(made, expected, atol=1e-5, rtol=1e-5)
+    assert counters["inductor"]["cpp_templated_kernel_counter"] == 1
 
 
 def test_six_row_block_makes_a_verification_product_in_one_pass():

@@ -196,6 +196,10 @@ def dynamo_code_function(compiled, arguments: tuple):
 # template_choices_only keeps the template's (timing each choice would cost a C++ compile per
 # product shape, and the choice would follow the load of the machine at that moment)
 PACKED_LINEAR_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+# and, where inductor has the pass, products of one input with frozen weights (a layer's queries,
+# keys and values; a gated feed-forward's gate and up) made as one product with the weights
+# concatenated: one kernel and one pass over the rows instead of three
+CONCATENATED_PRODUCTS = "cpp.enable_concat_linear"
 LINEAR_KERNELS = ("library", "packed")
 COMPILING_PACKED_STEP = [False]  # set while a packed decode step may compile (Transformer._tracing_settings)
 
@@ -281,8 +285,19 @@ def decode_compile_options(device: torch.device, mode: str | None, backend: str,
     if cpp_wrapper or (cpp_wrapper is None and cpu_default):
         options["cpp_wrapper"] = True
     if linear == "packed" or (linear is None and cpu_default):
-        options.update(PACKED_LINEAR_OPTIONS)
+        options.update(packed_linear_options())
     return options or None
+
+
+def packed_linear_options() -> dict:
+    """PACKED_LINEAR_OPTIONS, with the products of one input concatenated where this torch's
+    inductor can (CONCATENATED_PRODUCTS)."""
+    from torch._inductor import config as inductor_config
+
+    section, name = CONCATENATED_PRODUCTS.split(".")
+    if not hasattr(getattr(inductor_config, section, None), name):
+        return dict(PACKED_LINEAR_OPTIONS)
+    return {**PACKED_LINEAR_OPTIONS, CONCATENATED_PRODUCTS: True}
 
 
 def call_key(value) -> tuple | object:
@@ -694,7 +709,9 @@ class Transformer(nn.Module):
         and multiplied by inductor's C++ GEMM template (PACKED_LINEAR_OPTIONS). A one-token step
         reads every weight once, so the product's kernel sets its speed; the template's
         micro-kernels read a packed weight once for all of a step's rows (a speculative
-        verification's too). docs/benchmarks.md "Compiled decoding" has the effect. The frozen
+        verification's too), and the products of one input (queries, keys and values) are one
+        product over their weights concatenated (CONCATENATED_PRODUCTS). docs/benchmarks.md
+        "Compiled decoding" has the effect. The frozen
         weights are checked at every step: a step after they changed (training, loading a state
         dict, quantising) compiles again.
 
