@@ -18,7 +18,7 @@ new_cache(dtype=torch.bfloat16), beside the weights' dtype), `bfloat16` (the def
 model cast to bfloat16, weights and cache: `attnlab sample --dtype bfloat16`), `dynamo-calls` (every
 step through dynamo's frame evaluation, most guards skipped, instead of the code dynamo made for it
 called directly, compile_decoding(direct_calls=False)), `separate-products` (the default step with
-a layer's queries, keys and values made by three products, as before revision aebb2db, instead of
+a layer's queries, keys and values made by three products, as before revision 0e8353d, instead of
 one over their weights concatenated: CONCATENATED_PRODUCTS off). --dtype: every
 model's weights and caches (float32 unless told).
 

@@ -1,15 +1,18 @@
 """The target's two compiled forwards of speculative decoding, a one-token step and a verification
 of gamma + 1 tokens (Transformer.decode_then with the acceptance rule, as the loop calls it), with
-each kind of linear kernels of compile_decoding (`packed`: inductor's C++ template over weights
-packed once; `library`: ATen's calls), side by side in one process, at each batch size.
+compile_decoding's packed linear kernels (inductor's C++ template over weights packed once) and
+with `--against` (`library`: ATen's calls; `separate-products`: packed, but a layer's queries, keys
+and values made by three products instead of one over their weights concatenated), side by side in
+one process, at each batch size.
 
 Each forward is timed warm (a cache filled with `--context` tokens once, then `--repeats` calls, the
 cache rolled back after each, untimed), the two models in turn, round after round; the figure is the
-median over rounds of each round's packed / library ratio (below 1: packed is faster). The shapes
+median over rounds of each round's packed / other ratio (below 1: packed is faster). The shapes
 are spec-small-target's (dim 256, depth 6; weights as initialised: a forward's cost does not
 depend on them).
 
-    OMP_NUM_THREADS=2 python bench/verification_products.py [--batch-size 1 4] [--rounds 11] [--dtype bfloat16]
+    OMP_NUM_THREADS=2 python bench/verification_products.py [--batch-size 1 4] [--rounds 11] [--dtype bfloat16] \
+        [--against separate-products]
 """
 
 from __future__ import annotations
@@ -19,27 +22,35 @@ import json
 import statistics
 
 import torch
+from compiled_decoding import separate_products  # this folder's
 from compiled_speculative_costs import timed_call, warm_ms  # this folder's: the same calls, timed alike
 
 from attnlab.cli import arguments  # the decoding commands' --dtype names (bf16 too)
 from attnlab.config import load_config
 from attnlab.model import Transformer
 
-LINEAR_KERNELS = ("packed", "library")
+AGAINST = ("library", "separate-products")
 KINDS = ("target token", "verification")  # compiled_speculative_costs.timed_call's: a one-token step, a verification
 
 
-def build(linear: str, dtype: torch.dtype) -> Transformer:
+def build(variant: str, dtype: torch.dtype) -> Transformer:
+    """variant: packed (compile_decoding's CPU default) or one of AGAINST."""
     torch.manual_seed(0)
     model = Transformer(load_config("spec-small-target").model).to(dtype).eval()
-    model.compile_decoding(linear=linear)
+    if variant == "separate-products":
+        with separate_products():
+            model.compile_decoding()
+    else:
+        model.compile_decoding(linear=variant)
     return model
 
 
-def measure(batch: int, context: int, rounds: int, repeats: int, gamma: int, dtype: torch.dtype) -> dict:
-    models = {linear: build(linear, dtype) for linear in LINEAR_KERNELS}
+def measure(batch: int, context: int, rounds: int, repeats: int, gamma: int, dtype: torch.dtype,
+            against: str) -> dict:
+    variants = ("packed", against)
+    models = {variant: build(variant, dtype) for variant in variants}
     prompt = torch.randint(0, 256, (batch, context), generator=torch.Generator().manual_seed(0))
-    times = {(linear, kind): [] for linear in LINEAR_KERNELS for kind in KINDS}
+    times = {(variant, kind): [] for variant in variants for kind in KINDS}
     with torch.inference_mode():
         calls = {}
         for linear, model in models.items():
@@ -54,11 +65,12 @@ def measure(batch: int, context: int, rounds: int, repeats: int, gamma: int, dty
                         times[linear, kind].append(elapsed)
     report = {"batch_size": batch, "context": context, "gamma": gamma, "rounds": rounds, "repeats": repeats,
               "threads": torch.get_num_threads(), "dtype": str(dtype).removeprefix("torch.")}
+    other = against.replace("-", "_")
     for kind in KINDS:
-        ratios = [packed / library for packed, library in zip(times["packed", kind], times["library", kind])]
+        ratios = [packed / slower for packed, slower in zip(times["packed", kind], times[against, kind])]
         report[kind] = {"packed_ms": statistics.median(times["packed", kind]),
-                        "library_ms": statistics.median(times["library", kind]),
-                        "packed_over_library": statistics.median(ratios)}
+                        f"{other}_ms": statistics.median(times[against, kind]),
+                        f"packed_over_{other}": statistics.median(ratios)}
     return report
 
 
@@ -71,14 +83,18 @@ def main() -> None:
     parser.add_argument("--gamma", type=int, default=5)
     parser.add_argument("--dtype", type=arguments.dtype, default="float32",
                         help="the model's weights and caches")
+    parser.add_argument("--against", choices=AGAINST, default="library")
     args = parser.parse_args()
+    other = args.against.replace("-", "_")
     for batch in args.batch_size:
-        report = measure(batch, args.context, args.rounds, args.repeats, args.gamma, getattr(torch, args.dtype))
+        report = measure(batch, args.context, args.rounds, args.repeats, args.gamma, getattr(torch, args.dtype),
+                         args.against)
         print(json.dumps(report), flush=True)
         for kind in KINDS:
             part = report[kind]
-            print(f"batch {batch} {kind}: packed {part['packed_ms']:.2f} ms, library {part['library_ms']:.2f} ms, "
-                  f"packed / library {part['packed_over_library']:.3f}", flush=True)
+            print(f"batch {batch} {kind}: packed {part['packed_ms']:.2f} ms, {args.against} "
+                  f"{part[f'{other}_ms']:.2f} ms, packed / {args.against} {part[f'packed_over_{other}']:.3f}",
+                  flush=True)
 
 
 if __name__ == "__main__":
