@@ -6,10 +6,13 @@ process, medians. A product of a few rows reads its weights once, as one row's d
 much more than one row's, the verification costs more than a token for that reason alone, and the
 speculative speed-up is bounded below what the draft's acceptance alone would give.
 
-    OMP_NUM_THREADS=2 python bench/small_gemm.py [--rows 1 6] [--repeats 300]
+    OMP_NUM_THREADS=2 python bench/small_gemm.py [--rows 1 6] [--repeats 300] [--attainable-size 2048]
 
 Prints one JSON line per weight shape: microseconds per product for each row count, the ratio of
-the largest row count's to one row's, and the weights' bytes read per microsecond (GB/s) at one row.
+the largest row count's to one row's, the weights' bytes read per microsecond (GB/s) at one row and
+the arithmetic rate (GFLOP/s) at the most rows; then one line with the rate of a large square
+product (`--attainable-size`, the library at its best on this CPU: what a compute-bound product of
+many rows can reach here).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 6])
     parser.add_argument("--repeats", type=int, default=300)
+    parser.add_argument("--attainable-size", type=int, default=2048)
     args = parser.parse_args()
     torch.manual_seed(0)
     with torch.inference_mode():
@@ -54,7 +58,14 @@ def main() -> None:
             print(json.dumps({"weight": name, "shape": [out_features, in_features], "threads": torch.get_num_threads(),
                               "microseconds": {str(rows): round(value, 1) for rows, value in microseconds.items()},
                               "most_over_fewest_rows": round(most / one, 2),
-                              "gb_per_s_fewest_rows": round(weight.numel() * 4 / one / 1e3, 1)}), flush=True)
+                              "gb_per_s_fewest_rows": round(weight.numel() * 4 / one / 1e3, 1),
+                              "gflop_per_s_most_rows": round(2 * max(args.rows) * weight.numel() / most / 1e3, 1)}),
+                  flush=True)
+        size = args.attainable_size
+        a, b = torch.randn(size, size), torch.randn(size, size)
+        microseconds = median_microseconds(lambda: a @ b, max(5, args.repeats // 50))
+        print(json.dumps({"attainable": [size, size, size], "threads": torch.get_num_threads(),
+                          "gflop_per_s": round(2 * size**3 / microseconds / 1e3, 1)}), flush=True)
 
 
 if __name__ == "__main__":
