@@ -3,7 +3,8 @@
 compiled step's speed-up, and how much a token's cost grows from the short prompt to the long one.
 
 Each model decodes --new-tokens tokens with top-k sampling after a random prompt, eager and compiled
-in turn, round by round (the compiled step's compilation happens in an untimed warm-up round);
+in turn, round by round, each round's order of the steps one place further along (the compiled
+step's compilation happens in an untimed warm-up round);
 medians of the per-round medians. A token is what generate() spends on it: a uniform drawn, then
 one decode_then call, the forward and the draw (in the compiled step's graph when compiled; until
 revision 4b717ae the script timed the forward and a sample_from after it, outside the graph).
@@ -104,6 +105,17 @@ def ms_per_token(model: Transformer, prompt: torch.Tensor, new_tokens: int, seed
     return statistics.median(times) * 1e3
 
 
+def rotated(models: dict, variants: tuple[str, ...], round_: int) -> list[tuple[str, int, str]]:
+    """The models' keys in a round's order: each kind and context in turn, its variants starting one
+    further along each round, so that no variant always runs right after the same other one (in a
+    run with a fixed order, one step timed in two slots differed by up to 11%: docs/benchmarks.md,
+    "Compiled decoding")."""
+    shift = round_ % len(variants)
+    order = variants[shift:] + variants[:shift]
+    groups = dict.fromkeys((kind, context) for kind, context, _ in models)
+    return [(kind, context, variant) for kind, context in groups for variant in order]
+
+
 def measure(kinds: list[str], contexts: list[int], new_tokens: int, rounds: int, variants: tuple[str, ...],
             dtype: torch.dtype) -> dict:
     models = {(kind, context, variant): build(kind, context + new_tokens, variant, dtype)
@@ -112,7 +124,8 @@ def measure(kinds: list[str], contexts: list[int], new_tokens: int, rounds: int,
                for context in contexts}
     times = {key: [] for key in models}
     for round_ in range(rounds + 1):  # round 0 warms up (and compiles)
-        for (kind, context, variant), model in models.items():
+        for kind, context, variant in rotated(models, variants, round_):
+            model = models[kind, context, variant]
             cache_dtype = OTHER_STEPS.get(variant, {}).get("cache_dtype")
             elapsed = ms_per_token(model, prompts[context], new_tokens, seed=round_, cache_dtype=cache_dtype)
             if round_:
