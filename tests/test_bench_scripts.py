@@ -44,12 +44,14 @@ def test_static_cache_reference_prints_both_steps():
     assert '"attnlab_ms"' in printed and "static-cache reference" in printed and '"read_ms"' in printed
 
 
-def test_small_gemm_prints_each_shape():
-    printed = run_script("small_gemm.py", "--rows", "1", "3", "--repeats", "3")
-    lines = [json.loads(line) for line in printed.splitlines() if line.startswith("{")]
+def test_small_gemm_prints_each_shape_then_the_attainable_rate():
+    printed = run_script("small_gemm.py", "--rows", "1", "3", "--repeats", "3", "--attainable-size", "64")
+    *lines, attainable = [json.loads(line) for line in printed.splitlines() if line.startswith("{")]
     assert [line["weight"] for line in lines] == ["query/key/value", "output", "feed-forward up", "feed-forward down",
                                                   "head"]
-    assert all(set(line["microseconds"]) == {"1", "3"} and line["most_over_fewest_rows"] > 0 for line in lines)
+    assert all(set(line["microseconds"]) == {"1", "3"} and line["most_over_fewest_rows"] > 0
+               and line["gflop_per_s_most_rows"] > 0 for line in lines)
+    assert attainable["attainable"] == [64, 64, 64] and attainable["gflop_per_s"] > 0
 
 
 def test_speculative_profile_splits_a_step():
@@ -179,3 +181,19 @@ def test_compile_time_script_runs_fresh_processes(tmp_path):
     assert [(row["variant"], row["process"]) for row in rows] == [("library", 1), ("library", 2)]
     assert all(row["first_generate_s"] > 0 and row["ms_per_token"] > 0 for row in rows)
     assert "| library | 2 |" in printed
+
+
+def test_compiled_decoding_moves_the_order_of_the_steps_each_round(monkeypatch):
+    """Each round times every step of every model once, each model's steps in turn, its variants
+    starting one further along than the round before: over as many rounds as variants, each
+    variant runs first once."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    from compiled_decoding import rotated
+
+    variants = ("eager", "compiled", "library")
+    models = {(kind, context, variant): None for kind in ("full", "nsa") for context in (8, 16) for variant in variants}
+    orders = [rotated(models, variants, round_) for round_ in range(len(variants))]
+    assert all(sorted(order) == sorted(models) for order in orders)
+    assert all(order[:3] == [("full", 8, variant) for variant in order_of_variants]
+               for order, order_of_variants in zip(orders, [variants, variants[1:] + variants[:1],
+                                                            variants[2:] + variants[:2]], strict=True))
