@@ -379,23 +379,47 @@ def test_int8_decoding_compiled_by_inductor_gives_the_eager_logits():
     assert compiled._compiled_step is not None and max(compiled._decode_calls.values()) >= 2  # it ran compiled
 
 
-def test_packed_step_compiles_again_when_its_weights_change(monkeypatch):
-    """The bookkeeping of frozen weights, with the compiled step stood in for by the eager one (so
-    nothing compiles): steps on unchanged weights compile nothing again; an in-place write to a
-    weight, and quantising (other tensors than the frozen ones), each compile it once again."""
-    from attnlab.model.quantize import quantize_weights
-
-    torch.manual_seed(0)
-    model = Transformer(variant_config("full", max_seq_len=64)).eval()
+def counting_compiles(monkeypatch, model: Transformer, entry: str, stand_in) -> list[dict]:
+    """model.compile_decoding stood in for by one that records its arguments (in the list returned),
+    makes the compiled wrappers (lazily: nothing compiles) and sets the compiled `entry` to the
+    eager `stand_in`."""
     compiles = []
 
     def compile_decoding(**arguments) -> bool:
         compiles.append(arguments)
-        Transformer.compile_decoding(model, **arguments)  # lazy: makes the wrapper, compiles nothing
-        model._compiled_step = model.run
+        Transformer.compile_decoding(model, **arguments)
+        setattr(model, entry, stand_in)
         return True
 
     monkeypatch.setattr(model, "compile_decoding", compile_decoding)
+    return compiles
+
+
+def assert_compiles_again_after_each_change(compiles: list[dict], steps, changed: Transformer) -> None:
+    """steps() compiles once; again after an in-place write to one of `changed`'s weights, not
+    when nothing changed; and again after quantising `changed`."""
+    from attnlab.model.quantize import quantize_weights
+
+    with torch.no_grad():
+        steps()
+        assert len(compiles) == 1
+        next(changed.parameters()).mul_(2.0)
+        steps()
+        assert len(compiles) == 2
+        steps()
+        assert len(compiles) == 2
+        assert quantize_weights(changed) > 0
+        steps()
+        assert len(compiles) == 3
+
+
+def test_packed_step_compiles_again_when_its_weights_change(monkeypatch):
+    """The bookkeeping of frozen weights, with the compiled step stood in for by the eager one (so
+    nothing compiles): steps on unchanged weights compile nothing again; an in-place write to a
+    weight, and quantising (other tensors than the frozen ones), each compile it once again."""
+    torch.manual_seed(0)
+    model = Transformer(variant_config("full", max_seq_len=64)).eval()
+    compiles = counting_compiles(monkeypatch, model, "_compiled_step", model.run)
     model.compile_decoding(linear="packed")
     tokens = torch.randint(0, 61, (1, 16), generator=torch.Generator().manual_seed(6))
 
@@ -405,17 +429,8 @@ def test_packed_step_compiles_again_when_its_weights_change(monkeypatch):
         for position in range(8, 12):
             model(tokens[:, position : position + 1], cache=cache)
 
-    with torch.no_grad():
-        steps()
-        assert len(compiles) == 1
-        next(model.parameters()).mul_(2.0)
-        steps()
-        assert len(compiles) == 2
-        steps()
-        assert len(compiles) == 2
-        assert quantize_weights(model) > 0
-        steps()
-        assert len(compiles) == 3 and compiles[-1]["linear"] == "packed"
+    assert_compiles_again_after_each_change(compiles, steps, model)
+    assert compiles[-1]["linear"] == "packed"
 
 
 def test_without_torch_compile_decoding_stays_eager(monkeypatch, caplog):

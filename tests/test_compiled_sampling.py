@@ -14,7 +14,7 @@ from attnlab.generate.distribution import probabilities, token_at
 from attnlab.generate.sampling import SamplingConfig, generate, sample_from, stream
 from attnlab.generate.speculative import speculative_generate
 from attnlab.model import Transformer
-from test_compiled_decoding import twins
+from test_compiled_decoding import assert_compiles_again_after_each_change, counting_compiles, twins
 from variants import variant_config
 
 pytestmark = pytest.mark.slow
@@ -269,20 +269,11 @@ def test_draw_then_decode_compiles_again_when_the_drafts_weights_change(monkeypa
     stood in for by the eager one (so nothing compiles): calls on unchanged weights compile nothing
     again; an in-place write to a draft weight, and quantising the draft, each compile it once again."""
     from attnlab.generate.speculative import verification
-    from attnlab.model.quantize import quantize_weights
 
     torch.manual_seed(0)
     target = Transformer(variant_config("full", max_seq_len=64)).eval()
     draft = Transformer(variant_config("local", max_seq_len=64, depth=1)).eval()
-    compiles = []
-
-    def compile_decoding(**arguments) -> bool:
-        compiles.append(arguments)
-        Transformer.compile_decoding(target, **arguments)  # lazy: makes the wrappers, compiles nothing
-        target._compiled_draw_then_decode = target._draw_then_run
-        return True
-
-    monkeypatch.setattr(target, "compile_decoding", compile_decoding)
+    compiles = counting_compiles(monkeypatch, target, "_compiled_draw_then_decode", target._draw_then_run)
     target.compile_decoding(linear="packed")
     draft.compile_decoding(linear="packed")
     tokens = torch.randint(0, 61, (1, 16), generator=torch.Generator().manual_seed(6))
@@ -299,17 +290,7 @@ def test_draw_then_decode_compiles_again_when_the_drafts_weights_change(monkeypa
             for each in (draft_cache, cache):
                 each.truncate(each.length - 3)
 
-    with torch.no_grad():
-        steps()
-        assert len(compiles) == 1
-        next(draft.parameters()).mul_(2.0)
-        steps()
-        assert len(compiles) == 2
-        steps()
-        assert len(compiles) == 2
-        assert quantize_weights(draft) > 0
-        steps()
-        assert len(compiles) == 3
+    assert_compiles_again_after_each_change(compiles, steps, draft)
 
 
 def untraceable_argmax(logits: torch.Tensor) -> torch.Tensor:

@@ -7,14 +7,14 @@
 // CPU's vector width in floats, 16 with AVX-512, else 8): a key block is multiplied by each query
 // in vector lanes and the W lane sums are taken together by a ladder of shuffles; then each block
 // of W value rows, read once, is weighed into the output rows of up to 8 queries at a time, held
-// in registers. Only the keys some query sees are read, not the
-// whole storage (torch's fused attention reads every position of it, masked); float32 storage is
-// read in place. bfloat16 storage is loaded two vectors at a time, in an order of the elements the
-// queries are put in too (a shift or a mask a vector: for one query as fast as the memory on an
-// AVX2 EPYC, where widening each half took 1.1-1.6x the time, and for 7 queries 0.87-0.97x the
-// time of converting each block into float32 once; docs/bench/decode-operator/). A bfloat16 cache
-// beside float32 weights reads half the bytes. float32 or bfloat16 queries and storage, the arithmetic in
-// float32; head widths 16 to 128 in steps of 16.
+// in registers. Only the keys some query sees are read, not the whole storage (torch's fused
+// attention reads every position of it, masked); float32 storage is read in place. bfloat16
+// storage is loaded two vectors at a time, in an order of the elements the queries are put in too
+// (a shift or a mask a vector: for one query as fast as the memory on an AVX2 EPYC, where widening
+// each half took 1.1-1.6x the time, and for 7 queries 0.87-0.97x the time of converting each block
+// into float32 once; docs/bench/decode-operator/). A bfloat16 cache beside float32 weights reads
+// half the bytes. float32 or bfloat16 queries and storage, the arithmetic in float32; head widths
+// 16 to 128 in steps of 16.
 //
 // Registered as the torch operator attnlab::cached_attention_cpu, so a compiled decode step calls
 // it from inductor's C++ wrapper without a return to Python.

@@ -14,9 +14,9 @@
 //
 // The keys and values are first copied transposed per block, [B G, M, D, width] (width: block
 // rounded up to whole vectors of LANES floats), so a query head's scores for a block are one
-// vector multiply-add chain over d: no horizontal sums. Each query is computed on its own keys only (its blocks, in slot order),
-// so its output does not depend on any other key, bit for bit: the selection, not the kernel,
-// decides what a query reads.
+// vector multiply-add chain over d: no horizontal sums. Each query is computed on its own keys
+// only (its blocks, in slot order), so its output does not depend on any other key, bit for bit:
+// the selection, not the kernel, decides what a query reads.
 //
 // Threads: the forward runs queries in parallel. The backward runs (bg, part of the queries) in
 // parallel, each adding its key/value gradients into buffers of its own, laid out like the
