@@ -1,8 +1,9 @@
-"""The cpu back-end's operator for calls through a cache (kernels/decode_cpu.py): equal to the test
-oracle over per-row positions, windows, key/value groups, head widths, query counts and dtypes; a
-full or local model decodes through it (the contract suite's *-cpu-decode variants check cache =
-no cache and compiled = eager on it); where it cannot serve, torch's attention does, or a named
-back-end says why in one line."""
+"""The cpu back-end's operators for calls through a cache (kernels/decode_cpu.py): over a range of
+positions (full, local) and over listed blocks (routing, sinkhorn), each equal to the test oracle
+over per-row positions, windows or blocks, key/value groups, head widths, query counts and dtypes;
+a full, local, routing or sinkhorn model decodes through them (the contract suite's *-cpu-decode
+variants check cache = no cache and compiled = eager on them); where they cannot serve, torch's
+attention does, or a named back-end says why in one line."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import dataclasses
 import pytest
 import torch
 
-from attnlab.attention import full, local
+from attnlab.attention import full, local, routing, sinkhorn
 from attnlab.attention.base import naive_attention
 from attnlab.attention.kernels import choose_cached, decode_cpu
 from attnlab.attention.kernels.cpu import OperatorLibrary
@@ -131,21 +132,106 @@ def test_opcheck():
                           test_utils=("test_schema", "test_faketensor"))
 
 
-def counted(monkeypatch, module) -> list[int]:
-    """Calls of the operator from `module` (full or local attention), counted."""
+def listed_case(batch, heads, groups, queries, length, width, n_blocks, block, dtype, storage_dtype, seed=0):
+    """Queries at consecutive positions of each row, and blocks listed for each (row, head, query):
+    starts anywhere from before the storage to past it (hidden), some blocks absent (bias -inf)."""
+    q, keys, values, positions = case(batch, heads, groups, queries, length, width, dtype, seed,
+                                      storage_dtype=storage_dtype)
+    generator = torch.Generator().manual_seed(seed + 1)
+    starts = torch.randint(-block, length + 2, (batch, heads, queries, n_blocks), generator=generator)
+    starts[..., -1] = positions[:, None, :] - block + 1  # a block ending at the query itself: it sees a key
+    biases = torch.randn(starts.shape, generator=generator)
+    biases[torch.rand(starts.shape, generator=generator) < 0.2] = float("-inf")
+    biases[..., -1] = 0.0
+    return q, keys, values, starts, biases, positions
+
+
+def listed_oracle(q, keys, values, starts, biases, block, positions) -> torch.Tensor:
+    """Every listed key gathered, in float64: its score plus its block's bias; hidden past the query's
+    position, outside the storage, or in an absent block."""
+    batch, n_heads, n_queries, width = q.shape
+    length = keys.shape[2]
+    expand = n_heads // keys.shape[1]
+    keys, values = (x.double().repeat_interleave(expand, dim=1) for x in (keys, values))  # [B, H, L, D]
+    key_positions = (starts[..., None] + torch.arange(block)).flatten(-2)  # [B, H, T, N b]
+    seen = ((key_positions >= 0) & (key_positions < length) & (key_positions <= positions[:, None, :, None])
+            & biases.repeat_interleave(block, dim=-1).isfinite())
+    index = key_positions.clamp(0, length - 1)
+    gathered_keys, gathered_values = (x[:, :, None].expand(-1, -1, n_queries, -1, -1).gather(
+        3, index[..., None].expand(-1, -1, -1, -1, width)) for x in (keys, values))  # [B, H, T, N b, D]
+    scores = torch.einsum("bhtd,bhtkd->bhtk", q.double(), gathered_keys) / width**0.5
+    scores = (scores + biases.double().repeat_interleave(block, dim=-1)).masked_fill(~seen, float("-inf"))
+    return torch.einsum("bhtk,bhtkd->bhtd", scores.softmax(dim=-1), gathered_values)
+
+
+@pytest.mark.parametrize("batch, heads, groups, queries, length, width, n_blocks, block", [
+    (1, 4, 4, 1, 50, 64, 9, 1),    # a routing step: W + 1 keys, each a block of one
+    (2, 4, 2, 6, 77, 16, 5, 1),    # a verification of 6, key/value groups
+    (2, 4, 4, 1, 60, 64, 3, 6),    # a sinkhorn step: 2 chosen buckets of 6 and its own
+    (3, 2, 1, 4, 48, 128, 4, 8),
+    (2, 8, 2, 3, 40, 48, 2, 16),   # a width of three vectors of 16 (six of 8)
+])
+@pytest.mark.parametrize("dtype, storage_dtype", [
+    (torch.float32, torch.float32),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float32, torch.bfloat16),  # a bfloat16 cache beside float32 weights
+])
+def test_listed_blocks_equal_the_oracle(batch, heads, groups, queries, length, width, n_blocks, block, dtype,
+                                        storage_dtype):
+    arguments = listed_case(batch, heads, groups, queries, length, width, n_blocks, block, dtype, storage_dtype)
+    q, keys, values, starts, biases, positions = arguments
+    out = decode_cpu.listed_attention(q, keys, values, starts, biases, block, positions)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert out.stride() == decode_cpu.out_layout(q).stride()
+    tolerance = dict(atol=2e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(out.double(), listed_oracle(*arguments[:5], block, positions), **tolerance)
+
+
+@pytest.mark.parametrize("storage_dtype", [torch.float32, torch.bfloat16])
+def test_listed_blocks_read_a_slice_of_heads_in_place_and_nothing_unseen(storage_dtype):
+    """A slice of a cache's heads (routed or sorted heads after local ones: not contiguous over
+    rows) gives what its contiguous copy gives; keys past every query's position change nothing,
+    even where they are not numbers."""
+    q, keys, values, starts, biases, positions = listed_case(2, 3, 3, 2, 40, 32, 4, 3, torch.float32, storage_dtype)
+    storage_keys, storage_values = (torch.cat((torch.randn(2, 1, 40, 32).to(storage_dtype), x), dim=1)
+                                    for x in (keys, values))  # a local head first, then the three
+    sliced_keys, sliced_values = storage_keys[:, 1:], storage_values[:, 1:]
+    assert not sliced_keys.is_contiguous()
+    expected = decode_cpu.listed_attention(q, keys, values, starts, biases, 3, positions)
+    assert torch.equal(decode_cpu.listed_attention(q, sliced_keys, sliced_values, starts, biases, 3, positions),
+                       expected)
+    last = int(positions.max())
+    sliced_keys[:, :, last + 1 :] = float("nan")
+    sliced_values[:, :, last + 1 :] = float("inf")
+    assert torch.equal(decode_cpu.listed_attention(q, sliced_keys, sliced_values, starts, biases, 3, positions),
+                       expected)
+
+
+def test_listed_opcheck_and_a_one_line_error():
+    q, keys, values, starts, biases, positions = listed_case(2, 4, 2, 3, 40, 32, 3, 2, torch.float32, torch.float32)
+    torch.library.opcheck(torch.ops.attnlab.listed_attention_cpu, (q, keys, values, starts, biases, 2, positions),
+                          test_utils=("test_schema", "test_faketensor"))
+    with pytest.raises(RuntimeError, match="starts .int64. and biases .float32. must be"):
+        decode_cpu.listed_attention(q, keys, values, starts.int(), biases, 2, positions)
+
+
+def counted(monkeypatch, module, operator_name: str) -> list[int]:
+    """Calls of the operator `operator_name` from `module` (an attention variant's), counted."""
     calls = []
-    operator = module.cached_attention
+    operator = getattr(module, operator_name)
 
     def counting(*arguments):
         calls.append(1)
         return operator(*arguments)
 
-    monkeypatch.setattr(module, "cached_attention", counting)
+    monkeypatch.setattr(module, operator_name, counting)
     return calls
 
 
-@pytest.mark.parametrize("name, module", [("full-cpu-decode", full), ("local-cpu-decode", local)])
-def test_auto_decodes_through_it_and_equals_torch(name, module, monkeypatch):
+@pytest.mark.parametrize("name, module, operator_name", [
+    ("full-cpu-decode", full, "cached_attention"), ("local-cpu-decode", local, "cached_attention"),
+    ("routing-cpu-decode", routing, "listed_attention"), ("sinkhorn-cpu-decode", sinkhorn, "listed_attention")])
+def test_auto_decodes_through_it_and_equals_torch(name, module, operator_name, monkeypatch):
     """`auto` takes the operator for a cached call (not for the prefill), and decodes what the torch
     back-end does."""
     torch.manual_seed(0)
@@ -156,7 +242,7 @@ def test_auto_decodes_through_it_and_equals_torch(name, module, monkeypatch):
     reference.load_state_dict(auto.state_dict())
     assert getattr(auto.config.attention, kind).backend == "auto"
     tokens = torch.randint(0, 61, (2, 30), generator=torch.Generator().manual_seed(2))
-    calls = counted(monkeypatch, module)
+    calls = counted(monkeypatch, module, operator_name)
 
     def decode(model):
         cache = model.new_cache(2, 40)
@@ -168,7 +254,9 @@ def test_auto_decodes_through_it_and_equals_torch(name, module, monkeypatch):
         expected = decode(reference)
         assert not calls
         torch.testing.assert_close(decode(auto), expected, atol=1e-5, rtol=1e-5)
-    assert len(calls) == 2 * auto.config.depth  # the two chunks after the prefill, in every layer
+    # the two chunks after the prefill, in every layer that has heads it serves (routing's layer 0
+    # mixes local heads, which read a window, with routed ones: one call for the routed heads)
+    assert len(calls) == 2 * auto.config.depth
 
 
 def test_where_it_cannot_serve_torch_does_or_a_named_backend_says_why(monkeypatch):

@@ -23,6 +23,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # (kernels/decode_cpu.py; torch's attention where it cannot be built: tests/test_decode_cpu.py checks it runs)
     "full-cpu-decode": dict(dim_head=16, attention={"kind": "full"}),
     "local-cpu-decode": dict(dim_head=16, attention={"kind": "local", "local": {"window_size": 8}}),
+    # routing's and sinkhorn's cached calls through it too (its listed blocks): the settings below, wider heads
+    "routing-cpu-decode": dict(dim_head=16, attention={"kind": "routing", "routing": {
+        "window_size": 4, "n_clusters": 3, "n_local_heads": [1, 0]}}),
+    "sinkhorn-cpu-decode": dict(dim_head=16, attention={"kind": "sinkhorn", "sinkhorn": {
+        "bucket_size": 6, "n_sortcut": 2, "n_local_heads": 1, "sinkhorn_iter": 3}}),
     # routing: windows and clusters small enough that length 45 overflows both; layer 0 mixes
     # 1 local head with 3 routed ones (not aligned with the 2 kv groups), layer 1 has 2 and 2
     "routing": dict(attention={"kind": "routing", "routing": {

@@ -29,7 +29,8 @@ Back-ends (kernels/__init__.py): `cpu`, the listed-key C++ kernel (kernels/liste
 per cluster, keys read in place); `flex`, a FlexAttention band in sorted order
 (kernels/flex_routing.py). Both serve whole sequences (training, and a prefill into an empty cache).
 Decoding through the cache (`cached_routed_attention`) finds each query's W + 1 keys by a top-k of
-positions over the static storage: the same shapes at every step.
+positions over the static storage: the same shapes at every step; on the CPU the `cpu` back-end
+reads them in place (kernels/decode_cpu.py's listed_attention), elsewhere torch gathers them.
 
 Legend: B batch, T queries, S keys (cached + new), H query heads, R routed heads, L local heads,
 G key/value heads, D head width, C clusters, W window, K = W + 1 key slots (itself + W earlier).
@@ -54,7 +55,8 @@ from attnlab.attention.base import (
     select_rows,
     write_rows,
 )
-from attnlab.attention.kernels import check_backend, choose
+from attnlab.attention.kernels import check_backend, choose, choose_cached
+from attnlab.attention.kernels.decode_cpu import listed_attention
 from attnlab.attention.kernels.flex_routing import flex_routed_attention
 from attnlab.attention.kernels.listed_cpu import routed_attention_cpu
 from attnlab.attention.local import local_attention, window_attention
@@ -164,17 +166,28 @@ def _routed_chunk(q, k, v, clusters, order, rank, sorted_clusters, positions, wi
     return torch.einsum("brtk,brtkd->brtd", probs, values)
 
 
-def cached_routed_attention(q: Tensor, keys: Tensor, values: Tensor, clusters: Tensor, positions: Tensor,
-                            window: int) -> Tensor:
-    """Queries q [B, R, T, D] at positions [B, T] (each row's own) over a cache's storage keys, values
-    [B, R, L, D] and clusters [B, R, L]: each attends to the last W + 1 positions of its cluster at or
-    before it, found by a top-k of their positions (fixed shapes whatever the position: a decode step
-    compiles once; positions past a row's length are later than its queries, so never among them)."""
+def routed_key_positions(clusters: Tensor, positions: Tensor, window: int) -> Tensor:
+    """The keys of queries at positions [B, T] (each row's own) in a cache's storage of clusters
+    [B, R, L]: the last W + 1 positions of each query's cluster at or before it, found by a top-k of
+    their positions (fixed shapes whatever the position: a decode step compiles once; positions past
+    a row's length are later than its queries, so never among them). -> [B, R, T, K] (-1: none)."""
     query_positions = positions[:, None, :].expand(-1, clusters.shape[1], -1)  # [B, R, T]
     own = clusters.gather(-1, query_positions)  # [B, R, T]
-    key_positions = torch.arange(keys.shape[2], device=q.device)
+    key_positions = torch.arange(clusters.shape[2], device=clusters.device)
     same = (clusters[:, :, None, :] == own[..., None]) & (key_positions <= query_positions[..., None])  # [B, R, T, L]
-    picked = torch.where(same, key_positions, -1).topk(min(window + 1, keys.shape[2]), dim=-1).values  # [B, R, T, K]
+    return torch.where(same, key_positions, -1).topk(min(window + 1, clusters.shape[2]), dim=-1).values
+
+
+def cached_routed_attention(q: Tensor, keys: Tensor, values: Tensor, clusters: Tensor, positions: Tensor,
+                            window: int, backend: str = "torch") -> Tensor:
+    """Queries q [B, R, T, D] at positions [B, T] (each row's own) over a cache's storage keys, values
+    [B, R, L, D] and clusters [B, R, L]: each attends to its routed_key_positions. backend: torch
+    gathers them; cpu reads them in place (kernels/decode_cpu.py's listed_attention, each key a
+    block of one), the same result up to rounding."""
+    picked = routed_key_positions(clusters, positions, window)  # [B, R, T, K]
+    if backend == "cpu":
+        biases = torch.zeros(picked.shape, device=q.device).masked_fill(picked < 0, float("-inf"))
+        return listed_attention(q, keys, values, picked, biases, 1, positions)
     index = picked.clamp(min=0)
     chosen_keys, chosen_values = select_rows(keys, index), select_rows(values, index)  # [B, R, T, K, D]
     scores = torch.einsum("brtd,brtkd->brtk", q, chosen_keys.to(q.dtype)).float() / math.sqrt(q.shape[-1])
@@ -261,8 +274,9 @@ class RoutingAttention(Attention):
                 parts = [window_attention(q[:, local], cache.keys[:, local], cache.values[:, local], positions, window)
                          ] if self.n_local else []
                 if self.n_routed:
+                    backend = choose_cached(self.config.backend, OFFERED, q, cache.keys, dropout)
                     parts.append(cached_routed_attention(q[:, routed], cache.keys[:, routed], cache.values[:, routed],
-                                                         cache.clusters, positions, window))
+                                                         cache.clusters, positions, window, backend))
                 return self.heads.merge(torch.cat(parts, dim=1) if len(parts) > 1 else parts[0])
         parts = []  # a whole sequence (training, or a prefill into an empty cache)
         if self.n_local:

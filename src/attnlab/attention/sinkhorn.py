@@ -31,8 +31,9 @@ the log sorting weight as a per-key bias that gets its gradient directly, and no
 the backward); `flex`, a FlexAttention bucket mask (kernels/flex_sinkhorn.py). Decoding through the
 cache keeps every bucket's choice (SinkhornCache.sort): a bucket's choice is fixed once its
 predecessor is finished, so the sorting runs when a token opens a bucket (one in bucket_size), not
-at every step; `cached_bucket_attention` then gathers each query's keys from the static storage:
-the same shapes at every step.
+at every step; `cached_bucket_attention` then reads each query's keys from the static storage, the
+same shapes at every step: on the CPU in place by the `cpu` back-end (kernels/decode_cpu.py's
+listed_attention), elsewhere gathered by torch.
 
 Legend: B batch, T tokens, H query heads, G key/value heads, D head width, N buckets, M buckets
 holding queries, b bucket size, S n_sortcut, L local heads.
@@ -60,7 +61,8 @@ from attnlab.attention.base import (
     select_rows,
     write_rows,
 )
-from attnlab.attention.kernels import check_backend, choose
+from attnlab.attention.kernels import check_backend, choose, choose_cached
+from attnlab.attention.kernels.decode_cpu import listed_attention
 from attnlab.attention.kernels.flex_sinkhorn import flex_bucket_attention
 from attnlab.attention.kernels.listed_cpu import bucket_attention_cpu
 from attnlab.attention.local import local_attention, window_attention
@@ -143,17 +145,24 @@ def bucket_attention(q: Tensor, keys: Tensor, values: Tensor, chosen: Tensor, ch
 
 
 def cached_bucket_attention(q: Tensor, keys: Tensor, values: Tensor, chosen: Tensor, chosen_weights: Tensor,
-                            positions: Tensor, size: int, dropout: float = 0.0) -> Tensor:
+                            positions: Tensor, size: int, dropout: float = 0.0, backend: str = "torch") -> Tensor:
     """Queries q [B, H, t, D] at positions [B, t] (each row's own) over keys, values [B, H, L, D]
     (a whole sequence, or a cache's storage), with every bucket's choice chosen, chosen_weights
-    [B, H, N, S'] (see bucket_attention): each query gathers its (S' + 1) b keys, fixed shapes
-    whatever the position (positions past a row's length lie after its queries: masked)."""
+    [B, H, N, S'] (see bucket_attention): each query reads its (S' + 1) b keys, fixed shapes
+    whatever the position (positions past a row's length lie after its queries: masked). backend:
+    torch gathers them; cpu reads them in place (kernels/decode_cpu.py's listed_attention, the
+    buckets as blocks of b, no dropout), the same result up to rounding."""
     batch, n_heads = q.shape[:2]
     slot = torch.arange(size, device=q.device)
     bucket = positions // size  # [B, t]
     row = bucket[:, None, :, None].expand(batch, n_heads, -1, chosen.shape[-1])  # [B, H, t, S']
     picked, weights = chosen.gather(2, row), chosen_weights.gather(2, row)  # each query's bucket's choice
     valid = weights.isfinite()  # [B, H, t, S']: a bucket with fewer past buckets has holes
+    if backend == "cpu":  # the chosen buckets (their log weights the biases), then its own (no weight)
+        own_start = (bucket * size)[:, None, :, None].expand(batch, n_heads, -1, 1)  # [B, H, t, 1]
+        starts = torch.cat((picked * size, own_start), dim=-1)  # [B, H, t, S' + 1]
+        biases = torch.cat((weights.float(), torch.zeros(own_start.shape, device=q.device)), dim=-1)
+        return listed_attention(q, keys, values, starts, biases, size, positions)
     own = (bucket[..., None] * size + slot)[:, None].expand(batch, n_heads, -1, -1)  # [B, H, t, b]
     key_positions = torch.cat(((picked[..., None] * size + slot).flatten(-2), own), dim=-1)  # [B, H, t, (S'+1) b]
     # a key slot past the keys (or a row's own length) lies after the query: its own-bucket mask hides it
@@ -290,9 +299,10 @@ class SinkhornAttention(Attention):
             parts.append(window_attention(q[:, :local], cache.keys[:, :local], cache.values[:, :local], positions,
                                           size))
         if local < self.spec.n_heads:
+            backend = choose_cached(self.config.backend, OFFERED, q, cache.keys)
             parts.append(cached_bucket_attention(q[:, local:], cache.keys[:, local:], cache.values[:, local:],
                                                  cache.chosen[:, local:], cache.choice_weights[:, local:], positions,
-                                                 size))
+                                                 size, backend=backend))
         return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
 
     def _sort_cached(self, query_means: Tensor, key_means: Tensor) -> tuple[Tensor, Tensor]:

@@ -6,7 +6,7 @@ its config (`model.attention.<kind>.backend`) names the faster path that serves 
     torch   the variant file's reference path itself: any device, dtype, dropout and call
     cpu     compiled C++ kernels (kernels/cpu.py): float32 on the CPU, no dropout or autocast, whole
             sequences (training, prefill); registered as torch custom ops, so torch.compile traces them.
-            Full and local attention's: calls through a cache (a decode step, a speculative
+            Full, local, routing and sinkhorn attention's: calls through a cache (a decode step, a speculative
             verification; kernels/decode_cpu.py), float32 or bfloat16
     flex    FlexAttention with block masks (kernels/flex*.py): whole sequences or long chunks, no
             dropout; compiled on CUDA, forward-only eager reference on the CPU (for checks)
@@ -14,7 +14,7 @@ its config (`model.attention.<kind>.backend`) names the faster path that serves 
             TRITON_INTERPRET=1
     auto    the fastest back-end that serves the call: cpu where it serves it, else on CUDA for whole
             sequences triton (NSA) or flex (local, routing, sinkhorn), else torch (choose; a call
-            through a cache of full or local attention: choose_cached)
+            through a cache of full, local, routing or sinkhorn attention: choose_cached)
 
 A call a back-end does not serve (a cached chunk for `cpu`, a short chunk for `flex`) runs on the
 reference path: every back-end has one semantics, tested against the reference
@@ -120,9 +120,9 @@ def choose(backend: str, offered: tuple[str, ...], x: Tensor, whole: bool, dropo
 
 
 def choose_cached(backend: str, offered: tuple[str, ...], q: Tensor, keys: Tensor, dropout: float = 0.0) -> str:
-    """The back-end of full or local attention's call through a cache, queries q [B, H, T, D] over
-    its storage keys [B, G, L, D]: cpu (kernels/decode_cpu.py) where offered, named or auto, and it
-    serves the call, else torch. A named cpu that cannot run here at all is a one-line error, as in
+    """The back-end of an attention's call through a cache, queries q [B, H, T, D] over its storage
+    keys [B, G, L, D]: cpu (kernels/decode_cpu.py) where offered, named or auto, and it serves the
+    call, else torch. A named cpu that cannot run here at all is a one-line error, as in
     `choose`; a call it does not take (a head width or query count it has no block for) runs on torch."""
     if "cpu" not in offered or backend not in ("auto", "cpu"):
         return "torch"

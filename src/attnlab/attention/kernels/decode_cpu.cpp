@@ -1,5 +1,6 @@
 // Attention of a few queries through a cache, on the CPU: the `cpu` back-end of full and local
-// attention's cached calls (a decode step, a speculative verification; kernels/decode_cpu.py).
+// attention's cached calls (a decode step, a speculative verification; kernels/decode_cpu.py), and
+// of routing and sinkhorn attention's (listed_attention_cpu, at the end of this file).
 //
 // Query t of row b sees the keys at positions lo..positions[b, t] of the cache's storage
 // [B, G, L, D] (lo = position - window + 1 with a window, else 0). Each task, one (row, query head),
@@ -443,11 +444,165 @@ at::Tensor cached_attention_cpu(const at::Tensor& q_in, const at::Tensor& keys_i
   return out.transpose(1, 2);  // [B, H, T, D]
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// Attention over listed blocks of a cache's storage: the `cpu` back-end of routing and sinkhorn
+// attention's cached calls. Query t of row b, head h reads the blocks n = 0..N-1 of `block` keys
+// starting at position starts[b, h, t, n], each key's score raised by the block's bias[b, h, t, n]
+// (-inf: no such block); keys past the query's position or the storage are hidden. Routing lists
+// each query's W + 1 keys as blocks of one; sinkhorn its chosen buckets (their log sorting
+// weights as biases) and its own. The keys and values are read in place from the storage, float32
+// or bfloat16 (no gathered copy, no conversion of it), the arithmetic in float32.
+
+struct ListedTask {
+  const float* query;     // [D] float32, scaled by 1/sqrt(D)
+  const void* keys;       // the storage at this row's key/value head: [L, D]
+  const void* values;
+  bool bf16_storage;
+  const int64_t* starts;  // [N]
+  const float* biases;    // [N]
+  int64_t n_blocks, block, position, length;
+  float* scores;          // scratch [N * block rounded up to 16]
+  float* out;             // [D] float32
+};
+
+template <int W>
+inline floats<W> storage_row(const void* base, bool bf16, int64_t offset) {
+  return bf16 ? load_bf16<W>(static_cast<const uint16_t*>(base) + offset)
+              : load<W>(static_cast<const float*>(base) + offset);
+}
+
+template <int W, int DV>
+__attribute__((flatten)) void attend_listed(const ListedTask& task) {
+  using vf = floats<W>;
+  constexpr int64_t D = DV * W;
+  const int64_t n_keys = task.n_blocks * task.block, padded = (n_keys + W - 1) / W * W;
+  vf q[DV];
+  for (int d = 0; d < DV; ++d) q[d] = load<W>(task.query + d * W);
+  float top = NEGATIVE_INFINITY;
+  for (int64_t n = 0; n < task.n_blocks; ++n) {
+    const float bias = task.biases[n];
+    for (int64_t s = 0; s < task.block; ++s) {
+      const int64_t j = task.starts[n] + s;
+      float& score = task.scores[n * task.block + s];
+      if (!(bias > NEGATIVE_INFINITY) || j < 0 || j > task.position || j >= task.length) {
+        score = NEGATIVE_INFINITY;
+        continue;
+      }
+      vf sum = q[0] * storage_row<W>(task.keys, task.bf16_storage, j * D);
+      for (int d = 1; d < DV; ++d) sum += q[d] * storage_row<W>(task.keys, task.bf16_storage, j * D + d * W);
+      score = attnlab_cpu::sum_lanes(sum) + bias;
+      top = std::max(top, score);
+    }
+  }
+  vf acc[DV] = {};
+  if (top == NEGATIVE_INFINITY) {  // no key seen (not for routing or sinkhorn: a query sees itself)
+    for (int d = 0; d < DV; ++d) store(task.out + d * W, acc[d]);
+    return;
+  }
+  std::fill(task.scores + n_keys, task.scores + padded, NEGATIVE_INFINITY);
+  vf sum = {};
+  for (int64_t j = 0; j < padded; j += W) {
+    const vf e = exp_nonpositive(load<W>(task.scores + j) - top);  // -inf -> 0
+    store(task.scores + j, e);
+    sum += e;
+  }
+  const float total = attnlab_cpu::sum_lanes(sum);
+  for (int64_t n = 0; n < task.n_blocks; ++n) {
+    for (int64_t s = 0; s < task.block; ++s) {
+      const float weight = task.scores[n * task.block + s];
+      if (weight == 0.0f) continue;  // hidden (or too small to count)
+      const int64_t j = task.starts[n] + s;
+      const vf w = vf{} + weight;
+      for (int d = 0; d < DV; ++d) acc[d] += w * storage_row<W>(task.values, task.bf16_storage, j * D + d * W);
+    }
+  }
+  const vf inverse = vf{} + 1.0f / total;
+  for (int d = 0; d < DV; ++d) store(task.out + d * W, acc[d] * inverse);
+}
+
+// attend_listed<W, DV> for a head width of head_vectors vectors of W (widths: multiples of 16)
+template <int W, int DV = 128 / W>
+void attend_listed_any(const ListedTask& task, int64_t head_vectors) {
+  if constexpr (DV > 16 / W) {
+    if (head_vectors < DV) return attend_listed_any<W, DV - 16 / W>(task, head_vectors);
+  }
+  attend_listed<W, DV>(task);
+}
+
+// q [B, H, T, D] (unit stride along D), keys and values [B, G, L, D] (each position's row
+// contiguous; rows and heads by their strides: a slice of a cache's heads is read in place), starts
+// [B, H, T, N] int64, biases [B, H, T, N] float32, block >= 1, positions [B, T] int64 ->
+// [B, H, T, D] laid out as [B, T, H, D] in memory (as cached_attention_cpu's)
+at::Tensor listed_attention_cpu(const at::Tensor& q_in, const at::Tensor& keys, const at::Tensor& values,
+                                const at::Tensor& starts_in, const at::Tensor& biases_in, int64_t block,
+                                const at::Tensor& positions_in) {
+  const at::Tensor q = q_in.stride(3) == 1 ? q_in : q_in.contiguous();
+  const at::Tensor starts = starts_in.contiguous(), biases = biases_in.contiguous();
+  const at::Tensor positions = positions_in.contiguous();
+  const int64_t batch = q.size(0), n_heads = q.size(1), n_queries = q.size(2), width = q.size(3);
+  const int64_t n_groups = keys.size(1), length = keys.size(2), n_blocks = starts.size(3);
+  TORCH_CHECK(width % 16 == 0 && width >= 16 && width <= 128,
+              "listed_attention_cpu: head width must be 16 to 128 in steps of 16, got ", width);
+  TORCH_CHECK(n_heads % n_groups == 0 && keys.size(3) == width && values.sizes() == keys.sizes() &&
+                  keys.size(0) == batch, "listed_attention_cpu: shapes do not match");
+  TORCH_CHECK(keys.stride(3) == 1 && keys.stride(2) == width && values.strides() == keys.strides(),
+              "listed_attention_cpu: each position's key and value rows must be contiguous, with the same strides");
+  TORCH_CHECK(keys.scalar_type() == values.scalar_type(), "listed_attention_cpu: keys and values differ in dtype");
+  for (const at::Tensor* x : {&q, &keys})
+    TORCH_CHECK(x->scalar_type() == at::kFloat || is_bf16(*x), "listed_attention_cpu: float32 or bfloat16 only");
+  TORCH_CHECK(starts.scalar_type() == at::kLong && biases.scalar_type() == at::kFloat &&
+                  starts.sizes() == at::IntArrayRef({batch, n_heads, n_queries, n_blocks}) &&
+                  biases.sizes() == starts.sizes(),
+              "listed_attention_cpu: starts (int64) and biases (float32) must be [B, H, T, N]");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.sizes() == at::IntArrayRef({batch, n_queries}),
+              "listed_attention_cpu: positions must be int64 [B, T]");
+  TORCH_CHECK(block >= 1, "listed_attention_cpu: block must be at least 1, got ", block);
+  at::Tensor out = at::empty({batch, n_queries, n_heads, width}, q.options());  // [B, T, H, D]
+  const bool bf16_queries = is_bf16(q), bf16_storage = is_bf16(keys);
+  const int64_t element = bf16_storage ? 2 : 4;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(width));
+  const int64_t per_group = n_heads / n_groups;
+  const int64_t n_keys = n_blocks * block;
+  at::parallel_for(0, batch * n_heads * n_queries, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> query(width), row(width), scores((n_keys + MAX_LANES - 1) / MAX_LANES * MAX_LANES);
+    for (int64_t index = begin; index < end; ++index) {
+      const int64_t b = index / (n_heads * n_queries), h = index / n_queries % n_heads, t = index % n_queries;
+      rows_to_float(q.data_ptr(), b * q.stride(0) + h * q.stride(1) + t * q.stride(2), 1, width, bf16_queries,
+                    query.data());
+      for (float& x : query) x *= scale;
+      const int64_t storage_offset = (b * keys.stride(0) + h / per_group * keys.stride(1)) * element;
+      const ListedTask task{query.data(),
+                            static_cast<const char*>(keys.data_ptr()) + storage_offset,
+                            static_cast<const char*>(values.data_ptr()) + storage_offset,
+                            bf16_storage,
+                            starts.data_ptr<int64_t>() + index * n_blocks,
+                            biases.data_ptr<float>() + index * n_blocks,
+                            n_blocks, block, positions.data_ptr<int64_t>()[b * n_queries + t], length,
+                            scores.data(), row.data()};
+      attend_listed_any<NATIVE_LANES>(task, width / NATIVE_LANES);
+      const int64_t out_offset = ((b * n_queries + t) * n_heads + h) * width;
+      if (bf16_queries) {
+        uint16_t* o = static_cast<uint16_t*>(out.data_ptr()) + out_offset;
+        for (int64_t i = 0; i < width; ++i) o[i] = to_bf16(row[i]);
+      } else {
+        std::memcpy(static_cast<float*>(out.data_ptr()) + out_offset, row.data(), width * sizeof(float));
+      }
+    }
+  });
+  return out.transpose(1, 2);  // [B, H, T, D]
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(attnlab, m) {
   m.def("cached_attention_cpu(Tensor q, Tensor keys, Tensor values, Tensor positions, int window, int lanes=0) "
         "-> Tensor");
+  m.def("listed_attention_cpu(Tensor q, Tensor keys, Tensor values, Tensor starts, Tensor biases, int block, "
+        "Tensor positions) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(attnlab, CPU, m) { m.impl("cached_attention_cpu", &cached_attention_cpu); }
+TORCH_LIBRARY_IMPL(attnlab, CPU, m) {
+  m.impl("cached_attention_cpu", &cached_attention_cpu);
+  m.impl("listed_attention_cpu", &listed_attention_cpu);
+}

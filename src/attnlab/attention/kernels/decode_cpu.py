@@ -1,5 +1,7 @@
-"""The `cpu` back-end of full and local attention's cached calls: a decode step's or a speculative
-verification's few queries through a cache's storage, by decode_cpu.cpp (its header says how).
+"""The `cpu` back-end of attention's cached calls: a decode step's or a speculative verification's
+few queries through a cache's storage, by decode_cpu.cpp (its header says how): over a range of
+positions for full and local attention (`cached_attention`), over listed blocks of positions for
+routing and sinkhorn attention (`listed_attention`).
 
 The operator attnlab::cached_attention_cpu is C++ through and through (built against torch's
 headers, registered with torch's dispatcher), so a compiled decode step calls it from inductor's
@@ -9,7 +11,8 @@ as the attention itself at these sizes. Built on first use like the other CPU ke
 headers. Without a compiler, or with ATTNLAB_CPU_KERNELS=0, `available()` is False and `auto`
 takes torch's fused attention.
 
-Legend: B batch, H query heads, G key/value heads, T queries, L storage positions, D head width.
+Legend: B batch, H query heads, G key/value heads, T queries, L storage positions, D head width,
+N listed blocks a query reads.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ def _register_fake() -> None:
     """The operator's shape for torch.compile, once it is loaded (its schema is the library's)."""
     torch.library.register_fake("attnlab::cached_attention_cpu")(
         lambda q, keys, values, positions, window, lanes=0: out_layout(q))
+    torch.library.register_fake("attnlab::listed_attention_cpu")(
+        lambda q, keys, values, starts, biases, block, positions: out_layout(q))
 
 
 _library = OperatorLibrary("attnlab_decode", SOURCE, _register_fake, "using torch's attention")
@@ -58,6 +63,17 @@ def cached_attention(q: Tensor, keys: Tensor, values: Tensor, positions: Tensor,
     AVX-512, else 8; the same result up to rounding). The caller has checked that it can
     (kernels.choose_cached)."""
     return torch.ops.attnlab.cached_attention_cpu(q, keys, values, positions, window, lanes)
+
+
+def listed_attention(q: Tensor, keys: Tensor, values: Tensor, starts: Tensor, biases: Tensor, block: int,
+                     positions: Tensor) -> Tensor:
+    """q [B, H, T, D] at positions [B, T] over a cache's storage keys, values [B, G, L, D] (each
+    position's row contiguous; a slice of its heads is read in place): query t of row b, head h
+    sees the keys starts[b, h, t, n] .. + block - 1 of each listed block n (starts [B, H, T, N]
+    int64) that lie at or before its position and in the storage, each score raised by the block's
+    bias (biases [B, H, T, N] float32; -inf: no such block). -> [B, H, T, D] in q's dtype, laid out
+    as out_layout's. The caller has checked that it can (kernels.choose_cached)."""
+    return torch.ops.attnlab.listed_attention_cpu(q, keys, values, starts, biases, block, positions)
 
 
 def out_layout(q: Tensor) -> Tensor:
