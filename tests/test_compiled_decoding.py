@@ -22,7 +22,7 @@ from variants import variant_config
 
 pytestmark = pytest.mark.slow
 NAMES = ["full", "local", "routing", "sinkhorn", "nsa", "full-cpu-decode", "local-cpu-decode"]
-LISTED = ["routing-cpu-decode", "sinkhorn-cpu-decode"]  # the cpu back-end's listed blocks (its other operator)
+LISTED = ["routing-cpu-decode", "sinkhorn-cpu-decode", "nsa-cpu-decode"]  # the cpu back-end's listed blocks
 
 
 def twins(name: str, backend: str = "aot_eager", **overrides) -> tuple[Transformer, Transformer]:

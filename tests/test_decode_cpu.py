@@ -1,7 +1,7 @@
 """The cpu back-end's operators for calls through a cache (kernels/decode_cpu.py): over a range of
 positions (full, local) and over listed blocks (routing, sinkhorn), each equal to the test oracle
 over per-row positions, windows or blocks, key/value groups, head widths, query counts and dtypes;
-a full, local, routing or sinkhorn model decodes through them (the contract suite's *-cpu-decode
+a full, local, routing, sinkhorn or NSA model decodes through them (the contract suite's *-cpu-decode
 variants check cache = no cache and compiled = eager on them); where they cannot serve, torch's
 attention does, or a named back-end says why in one line."""
 
@@ -230,7 +230,8 @@ def counted(monkeypatch, module, operator_name: str) -> list[int]:
 
 @pytest.mark.parametrize("name, module, operator_name", [
     ("full-cpu-decode", full, "cached_attention"), ("local-cpu-decode", local, "cached_attention"),
-    ("routing-cpu-decode", routing, "listed_attention"), ("sinkhorn-cpu-decode", sinkhorn, "listed_attention")])
+    ("routing-cpu-decode", routing, "listed_attention"), ("sinkhorn-cpu-decode", sinkhorn, "listed_attention"),
+    ("nsa-cpu-decode", decode_cpu, "listed_attention")])  # NSA's selected branch (its sliding one: cached_attention)
 def test_auto_decodes_through_it_and_equals_torch(name, module, operator_name, monkeypatch):
     """`auto` takes the operator for a cached call (not for the prefill), and decodes what the torch
     back-end does."""
@@ -254,9 +255,7 @@ def test_auto_decodes_through_it_and_equals_torch(name, module, operator_name, m
         expected = decode(reference)
         assert not calls
         torch.testing.assert_close(decode(auto), expected, atol=1e-5, rtol=1e-5)
-    # the two chunks after the prefill, in every layer that has heads it serves (routing's layer 0
-    # mixes local heads, which read a window, with routed ones: one call for the routed heads)
-    assert len(calls) == 2 * auto.config.depth
+    assert len(calls) == 2 * auto.config.depth  # the two chunks after the prefill, in every layer
 
 
 def test_where_it_cannot_serve_torch_does_or_a_named_backend_says_why(monkeypatch):

@@ -47,6 +47,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "nsa": dict(attention={"kind": "nsa", "nsa": {
         "compress_block_size": 4, "compress_stride": 2, "selection_block_size": 6, "num_selected": 3,
         "sliding_window_size": 5, "use_diff_topk": True, "query_chunk_size": 16, "compress_mlp_mult": 1.0}}),
+    # the nsa settings above with heads wide enough for the cpu back-end's cached calls (selected and sliding branches)
+    "nsa-cpu-decode": dict(dim_head=16, attention={"kind": "nsa", "nsa": {
+        "compress_block_size": 4, "compress_stride": 2, "selection_block_size": 6, "num_selected": 3,
+        "sliding_window_size": 5, "query_chunk_size": 16, "compress_mlp_mult": 1.0}}),
     # nsa with one key/value projection shared by its branches, attention-pool compressor, one key/value head
     "nsa-shared": dict(kv_heads=1, attention={"kind": "nsa", "nsa": {
         "compress_block_size": 8, "compress_stride": 4, "selection_block_size": 4, "num_selected": 4,

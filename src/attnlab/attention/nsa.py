@@ -41,8 +41,10 @@ sequence (kernels/nsa_cpu.py: each query lists its key blocks and reads them in 
 compressed pass also makes the selection); `flex`, FlexAttention block masks for the selected and
 sliding branches (kernels/nsa_flex.py, kernels/flex_local.py); `triton`, Triton kernels for the
 compressed branch with the selection (kernels/nsa_compressed_triton.py) and the selected branch
-(kernels/nsa_triton.py), the sliding branch on FlexAttention's window (on CUDA). One semantics,
-tested against the reference.
+(kernels/nsa_triton.py), the sliding branch on FlexAttention's window (on CUDA). Through a cache on
+the CPU, `cpu` also runs the selected branch (its blocks listed: kernels/decode_cpu.py's
+listed_attention) and the sliding one (kernels/decode_cpu.py's cached_attention with the window),
+each reading the storage in place. One semantics, tested against the reference.
 
 Legend: B batch, T queries, S keys (cached + new), H query heads, G key/value heads, R = H / G query
 heads per group, D head width, C chunk of queries, N compressed blocks, M selection blocks,
@@ -73,6 +75,8 @@ from attnlab.attention.base import (
 from attnlab.attention.kernels import (
     check_backend,
     choose,
+    choose_cached,
+    decode_cpu,
     nsa_compressed_triton,
     nsa_cpu,
     nsa_flex,
@@ -518,18 +522,34 @@ class NativeSparseAttention(Attention):
         n_selection = k_cmp.shape[2] // config.selection_block_size
         out_cmp, indices, valid, _ = compressed_attention_chunk(q_plain, all_k, all_v, positions, config, n_selection)
         k_slc, v_slc = self._branch(stored, "slc")
-        blocked = (store.view(*store.shape[:2], n_selection, config.selection_block_size, store.shape[-1])
-                   for store in (k_slc, v_slc))  # [B, G, M, l', D]: a view of the storage
-        grouped = rearrange(q, "b (g r) t d -> b g t r d", g=k_slc.shape[1])
-        out_slc = rearrange(_selected_chunk(grouped, *blocked, indices, valid, None, positions,
-                                            config.selection_block_size), "b g t r d -> b (g r) t d")
+        backend = choose_cached(config.backend, OFFERED, q, k_slc)
+        out_slc = self._cached_selected(q, k_slc, v_slc, indices, valid, positions, n_selection, backend)
         k_win, v_win = self._branch(stored, "win")
-        out_win = window_attention(q, k_win, v_win, positions, config.sliding_window_size)
+        if backend == "cpu":
+            out_win = decode_cpu.cached_attention(q, k_win, v_win, positions, config.sliding_window_size)
+        else:
+            out_win = window_attention(q, k_win, v_win, positions, config.sliding_window_size)
         if x.shape[1] == 1 and not torch.compiler.is_compiling():  # the paper's Table 4 count, row 0
             n_visible = n_complete_blocks(int(positions[0, 0]) + 1, config.compress_block_size, config.compress_stride)
             cache.kv_tokens_loaded = kv_tokens_loaded(config, int(positions[0, 0]), n_visible, indices[0, 0, 0],
                                                       valid[0, 0, 0])
         return self._gated_sum(x, out_cmp, out_slc, out_win)
+
+    def _cached_selected(self, q, k_slc, v_slc, indices, valid, positions, n_selection: int, backend: str) -> Tensor:
+        """The selected branch through a cache: queries q [B, H, T, D] over the storage k_slc, v_slc
+        [B, G, S, D] (S: n_selection whole blocks), the blocks indices, valid [B, G, T, n] -> [B, H, T, D]."""
+        block = self.config.selection_block_size
+        if backend == "cpu":  # each query's selected blocks listed (per query head), read in place
+            heads_per_group = q.shape[1] // k_slc.shape[1]
+            starts = (indices * block).repeat_interleave(heads_per_group, dim=1)  # [B, H, T, n]
+            biases = torch.zeros(starts.shape, device=q.device).masked_fill(
+                ~valid.repeat_interleave(heads_per_group, dim=1), float("-inf"))
+            return decode_cpu.listed_attention(q, k_slc, v_slc, starts, biases, block, positions)
+        blocked = (store.view(*store.shape[:2], n_selection, block, store.shape[-1])
+                   for store in (k_slc, v_slc))  # [B, G, M, l', D]: a view of the storage
+        grouped = rearrange(q, "b (g r) t d -> b g t r d", g=k_slc.shape[1])
+        return rearrange(_selected_chunk(grouped, *blocked, indices, valid, None, positions, block),
+                         "b g t r d -> b (g r) t d")
 
     # -- back-ends of a whole sequence: one semantics, tested against the reference (tests/test_nsa_kernels.py)
 

@@ -6,15 +6,15 @@ its config (`model.attention.<kind>.backend`) names the faster path that serves 
     torch   the variant file's reference path itself: any device, dtype, dropout and call
     cpu     compiled C++ kernels (kernels/cpu.py): float32 on the CPU, no dropout or autocast, whole
             sequences (training, prefill); registered as torch custom ops, so torch.compile traces them.
-            Full, local, routing and sinkhorn attention's: calls through a cache (a decode step, a speculative
-            verification; kernels/decode_cpu.py), float32 or bfloat16
+            Calls through a cache too (a decode step, a speculative verification; kernels/decode_cpu.py),
+            float32 or bfloat16: full, local, routing and sinkhorn attention's, NSA's selected and sliding branches
     flex    FlexAttention with block masks (kernels/flex*.py): whole sequences or long chunks, no
             dropout; compiled on CUDA, forward-only eager reference on the CPU (for checks)
     triton  Triton kernels (kernels/nsa_compressed_triton.py, nsa_triton.py): CUDA, or the CPU under
             TRITON_INTERPRET=1
     auto    the fastest back-end that serves the call: cpu where it serves it, else on CUDA for whole
             sequences triton (NSA) or flex (local, routing, sinkhorn), else torch (choose; a call
-            through a cache of full, local, routing or sinkhorn attention: choose_cached)
+            through a cache: choose_cached)
 
 A call a back-end does not serve (a cached chunk for `cpu`, a short chunk for `flex`) runs on the
 reference path: every back-end has one semantics, tested against the reference

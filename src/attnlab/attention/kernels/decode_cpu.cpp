@@ -1,6 +1,6 @@
 // Attention of a few queries through a cache, on the CPU: the `cpu` back-end of full and local
 // attention's cached calls (a decode step, a speculative verification; kernels/decode_cpu.py), and
-// of routing and sinkhorn attention's (listed_attention_cpu, at the end of this file).
+// of routing and sinkhorn attention's and NSA's selected branch's (listed_attention_cpu, at the end).
 //
 // Query t of row b sees the keys at positions lo..positions[b, t] of the cache's storage
 // [B, G, L, D] (lo = position - window + 1 with a window, else 0). Each task, one (row, query head),
@@ -447,12 +447,13 @@ at::Tensor cached_attention_cpu(const at::Tensor& q_in, const at::Tensor& keys_i
 
 // ---------------------------------------------------------------------------------------------
 // Attention over listed blocks of a cache's storage: the `cpu` back-end of routing and sinkhorn
-// attention's cached calls. Query t of row b, head h reads the blocks n = 0..N-1 of `block` keys
-// starting at position starts[b, h, t, n], each key's score raised by the block's bias[b, h, t, n]
-// (-inf: no such block); keys past the query's position or the storage are hidden. Routing lists
-// each query's W + 1 keys as blocks of one; sinkhorn its chosen buckets (their log sorting
-// weights as biases) and its own. The keys and values are read in place from the storage, float32
-// or bfloat16 (no gathered copy, no conversion of it), the arithmetic in float32.
+// attention's cached calls and of NSA's selected branch. Query t of row b, head h reads the blocks
+// n = 0..N-1 of `block` keys starting at position starts[b, h, t, n], each key's score raised by the
+// block's bias[b, h, t, n] (-inf: no such block); keys past the query's position or the storage are
+// hidden. Routing lists each query's W + 1 keys as blocks of one; sinkhorn its chosen buckets
+// (their log sorting weights as biases) and its own; NSA its selected blocks. The keys and values
+// are read in place from the storage, float32 or bfloat16 (no gathered copy, no conversion of it),
+// the arithmetic in float32.
 
 struct ListedTask {
   const float* query;     // [D] float32, scaled by 1/sqrt(D)

@@ -1,7 +1,7 @@
 """The `cpu` back-end of attention's cached calls: a decode step's or a speculative verification's
 few queries through a cache's storage, by decode_cpu.cpp (its header says how): over a range of
 positions for full and local attention (`cached_attention`), over listed blocks of positions for
-routing and sinkhorn attention (`listed_attention`).
+routing and sinkhorn attention and NSA's selected branch (`listed_attention`).
 
 The operator attnlab::cached_attention_cpu is C++ through and through (built against torch's
 headers, registered with torch's dispatcher), so a compiled decode step calls it from inductor's
