@@ -117,6 +117,19 @@ def test_reads_a_slice_in_place_and_lays_rows_out_for_the_merge(dtype):
     assert out.stride() == decode_cpu.out_layout(q).stride() and out.transpose(1, 2).is_contiguous()
 
 
+@pytest.mark.parametrize("storage_dtype", [torch.float32, torch.bfloat16])
+def test_reads_a_slice_of_the_storages_heads_in_place(storage_dtype):
+    """A slice of a cache's heads (routing's or sinkhorn's local heads before their routed or sorted
+    ones: not contiguous over rows) gives what its contiguous copy gives."""
+    q, keys, values, positions = case(2, 4, 2, 3, 40, 32, torch.float32, storage_dtype=storage_dtype)
+    storage_keys, storage_values = (torch.cat((x, torch.randn(2, 3, 40, 32).to(storage_dtype)), dim=1)
+                                    for x in (keys, values))  # these two heads, then three others
+    sliced_keys, sliced_values = storage_keys[:, :2], storage_values[:, :2]
+    assert not sliced_keys.is_contiguous()
+    assert torch.equal(decode_cpu.cached_attention(q, sliced_keys, sliced_values, positions, 8),
+                       decode_cpu.cached_attention(q, keys, values, positions, 8))
+
+
 def test_a_compiled_call_equals_the_eager_one():
     """Traced whole as one operator (its fake gives the shape; the compiled-decoding tests run it
     through inductor's C++ wrapper)."""

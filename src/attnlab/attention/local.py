@@ -56,6 +56,15 @@ def window_attention(q: Tensor, keys: Tensor, values: Tensor, positions: Tensor,
     return out.reshape(batch, n_heads, n_queries, dim_head)
 
 
+def cached_window_attention(q: Tensor, keys: Tensor, values: Tensor, positions: Tensor, window: int,
+                            backend: str, dropout: float = 0.0) -> Tensor:
+    """window_attention (backend torch), or the cpu back-end's operator with the window (backend cpu,
+    kernels/decode_cpu.py: the storage read in place, a slice of its heads too; no dropout)."""
+    if backend == "cpu":
+        return cached_attention(q, keys, values, positions, window)
+    return window_attention(q, keys, values, positions, window, dropout)
+
+
 def local_attention(q: Tensor, k: Tensor, v: Tensor, window: int, dropout: float = 0.0) -> Tensor:
     """Banded causal attention. q [B, H, T, D] are the last T of the S >= T keys k, v [B, G, S, D];
     query i (key index S - T + i) sees keys S - T + i - window < j <= S - T + i. -> [B, H, T, D]."""
@@ -149,9 +158,9 @@ class LocalAttention(Attention):
         q, k, v = self.heads.split(x, positions)
         write_rows(cache.keys, k, positions)
         write_rows(cache.values, v, positions)
-        if choose_cached(self.config.backend, OFFERED, q, cache.keys, dropout) == "cpu":
-            return self.heads.merge(cached_attention(q, cache.keys, cache.values, positions, window))
-        return self.heads.merge(window_attention(q, cache.keys, cache.values, positions, window, dropout))
+        backend = choose_cached(self.config.backend, OFFERED, q, cache.keys, dropout)
+        return self.heads.merge(cached_window_attention(q, cache.keys, cache.values, positions, window, backend,
+                                                        dropout))
 
     def new_cache(self, batch: int, max_len: int, device=None, dtype=None, lengths: Tensor | None = None) -> LocalCache:
         lengths = new_lengths(batch, device) if lengths is None else lengths

@@ -84,7 +84,7 @@ from attnlab.attention.kernels import (
     serves_call,
 )
 from attnlab.attention.kernels.flex_local import flex_local_attention
-from attnlab.attention.local import local_attention, window_attention
+from attnlab.attention.local import cached_window_attention, local_attention
 from attnlab.config import NSAAttentionConfig
 from attnlab.errors import ConfigError
 from attnlab.registry import ATTENTION
@@ -525,10 +525,7 @@ class NativeSparseAttention(Attention):
         backend = choose_cached(config.backend, OFFERED, q, k_slc)
         out_slc = self._cached_selected(q, k_slc, v_slc, indices, valid, positions, n_selection, backend)
         k_win, v_win = self._branch(stored, "win")
-        if backend == "cpu":
-            out_win = decode_cpu.cached_attention(q, k_win, v_win, positions, config.sliding_window_size)
-        else:
-            out_win = window_attention(q, k_win, v_win, positions, config.sliding_window_size)
+        out_win = cached_window_attention(q, k_win, v_win, positions, config.sliding_window_size, backend)
         if x.shape[1] == 1 and not torch.compiler.is_compiling():  # the paper's Table 4 count, row 0
             n_visible = n_complete_blocks(int(positions[0, 0]) + 1, config.compress_block_size, config.compress_stride)
             cache.kv_tokens_loaded = kv_tokens_loaded(config, int(positions[0, 0]), n_visible, indices[0, 0, 0],

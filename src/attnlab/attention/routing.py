@@ -59,7 +59,7 @@ from attnlab.attention.kernels import check_backend, choose, choose_cached
 from attnlab.attention.kernels.decode_cpu import listed_attention
 from attnlab.attention.kernels.flex_routing import flex_routed_attention
 from attnlab.attention.kernels.listed_cpu import routed_attention_cpu
-from attnlab.attention.local import local_attention, window_attention
+from attnlab.attention.local import cached_window_attention, local_attention
 from attnlab.config import RoutingAttentionConfig
 from attnlab.errors import ConfigError
 from attnlab.registry import ATTENTION
@@ -271,10 +271,10 @@ class RoutingAttention(Attention):
         if cache is not None:
             cache.append(k, v, clusters, positions)
             if not cache.prefill:  # a chunk after earlier tokens: read them from the storage
-                parts = [window_attention(q[:, local], cache.keys[:, local], cache.values[:, local], positions, window)
-                         ] if self.n_local else []
+                backend = choose_cached(self.config.backend, OFFERED, q, cache.keys, dropout)
+                parts = [cached_window_attention(q[:, local], cache.keys[:, local], cache.values[:, local], positions,
+                                                 window, backend)] if self.n_local else []
                 if self.n_routed:
-                    backend = choose_cached(self.config.backend, OFFERED, q, cache.keys, dropout)
                     parts.append(cached_routed_attention(q[:, routed], cache.keys[:, routed], cache.values[:, routed],
                                                          cache.clusters, positions, window, backend))
                 return self.heads.merge(torch.cat(parts, dim=1) if len(parts) > 1 else parts[0])

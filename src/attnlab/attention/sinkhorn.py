@@ -65,7 +65,7 @@ from attnlab.attention.kernels import check_backend, choose, choose_cached
 from attnlab.attention.kernels.decode_cpu import listed_attention
 from attnlab.attention.kernels.flex_sinkhorn import flex_bucket_attention
 from attnlab.attention.kernels.listed_cpu import bucket_attention_cpu
-from attnlab.attention.local import local_attention, window_attention
+from attnlab.attention.local import cached_window_attention, local_attention
 from attnlab.config import SinkhornAttentionConfig
 from attnlab.errors import ConfigError
 from attnlab.registry import ATTENTION
@@ -294,12 +294,12 @@ class SinkhornAttention(Attention):
     def _cached(self, q: Tensor, cache: SinkhornCache, positions: Tensor) -> Tensor:
         """Queries q [B, H, T, D] at positions [B, T] over the cache's storage -> [B, H, T, D]."""
         local, size = self.n_local, self.config.bucket_size
+        backend = choose_cached(self.config.backend, OFFERED, q, cache.keys)
         parts = []
         if local:
-            parts.append(window_attention(q[:, :local], cache.keys[:, :local], cache.values[:, :local], positions,
-                                          size))
+            parts.append(cached_window_attention(q[:, :local], cache.keys[:, :local], cache.values[:, :local],
+                                                 positions, size, backend))
         if local < self.spec.n_heads:
-            backend = choose_cached(self.config.backend, OFFERED, q, cache.keys)
             parts.append(cached_bucket_attention(q[:, local:], cache.keys[:, local:], cache.values[:, local:],
                                                  cache.chosen[:, local:], cache.choice_weights[:, local:], positions,
                                                  size, backend=backend))

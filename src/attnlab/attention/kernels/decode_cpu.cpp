@@ -374,21 +374,27 @@ void attend_any(const Task& task, int64_t head_vectors) {
 bool is_bf16(const at::Tensor& x) { return x.scalar_type() == at::kBFloat16; }
 
 // q [B, H, T, D] (any strides with unit stride along D: a slice of the step's projections is read in
-// place), keys and values [B, G, L, D], positions [B, T] int64, window (0: none) -> [B, H, T, D]
+// place), keys and values [B, G, L, D] (a slice of a cache's heads read in place), positions [B, T]
+// int64, window (0: none) -> [B, H, T, D]
 // laid out as [B, T, H, D] in memory, so that merging the heads back into rows is a view, not a copy;
 // lanes: the keys scored together, 8 or 16 (0: the CPU's vector width)
 at::Tensor cached_attention_cpu(const at::Tensor& q_in, const at::Tensor& keys_in, const at::Tensor& values_in,
                                 const at::Tensor& positions_in, int64_t window, int64_t lanes) {
   const at::Tensor q = q_in.stride(3) == 1 ? q_in : q_in.contiguous();
-  const at::Tensor keys = keys_in.contiguous(), values = values_in.contiguous();
+  // each position's rows contiguous, rows and heads by their strides (a slice of a cache's heads read
+  // in place); any other layout copied
+  const bool in_place = keys_in.stride(3) == 1 && keys_in.stride(2) == keys_in.size(3) &&
+                        values_in.strides() == keys_in.strides();
+  const at::Tensor keys = in_place ? keys_in : keys_in.contiguous();
+  const at::Tensor values = in_place ? values_in : values_in.contiguous();
   const at::Tensor positions = positions_in.contiguous();
   const int64_t batch = q.size(0), n_heads = q.size(1), n_queries = q.size(2), width = q.size(3);
   const int64_t n_groups = keys.size(1), length = keys.size(2);
   TORCH_CHECK(width % 16 == 0 && width >= 16 && width <= 128,
               "cached_attention_cpu: head width must be 16 to 128 in steps of 16, got ", width);
   TORCH_CHECK(n_queries <= MAX_QUERIES, "cached_attention_cpu: at most ", MAX_QUERIES, " queries, got ", n_queries);
-  TORCH_CHECK(n_heads % n_groups == 0 && keys.size(3) == width && values.sizes() == keys.sizes(),
-              "cached_attention_cpu: shapes do not match");
+  TORCH_CHECK(n_heads % n_groups == 0 && keys.size(3) == width && values.sizes() == keys.sizes() &&
+                  keys.size(0) == batch, "cached_attention_cpu: shapes do not match");
   TORCH_CHECK(keys.scalar_type() == values.scalar_type(), "cached_attention_cpu: keys and values differ in dtype");
   for (const at::Tensor* x : {&q, &keys})
     TORCH_CHECK(x->scalar_type() == at::kFloat || is_bf16(*x), "cached_attention_cpu: float32 or bfloat16 only");
@@ -419,7 +425,7 @@ at::Tensor cached_attention_cpu(const at::Tensor& q_in, const at::Tensor& keys_i
         rows_to_float(q.data_ptr(), b * q.stride(0) + h * q.stride(1) + t * q.stride(2), 1, width, bf16_queries,
                       queries.data() + t * width);
       for (float& x : queries) x *= scale;
-      const int64_t storage_offset = (b * n_groups + g) * length * width * element;
+      const int64_t storage_offset = (b * keys.stride(0) + g * keys.stride(1)) * element;
       const Task task{queries.data(),
                       static_cast<const char*>(keys.data_ptr()) + storage_offset,
                       static_cast<const char*>(values.data_ptr()) + storage_offset,
