@@ -220,6 +220,26 @@ def test_listed_blocks_read_a_slice_of_heads_in_place_and_nothing_unseen(storage
                        expected)
 
 
+@pytest.mark.parametrize("batch, routed, queries, length, n_clusters, window", [
+    (1, 4, 1, 50, 3, 4),     # a decode step
+    (3, 2, 6, 77, 5, 8),     # a verification window of each row's own positions
+    (2, 3, 2, 20, 1, 40),    # one cluster, a window longer than the storage: every earlier key, then -1
+    (2, 2, 3, 64, 16, 2),    # clusters rarer than the window: fewer than W + 1 keys, -1 after them
+])
+def test_routed_keys_equal_the_top_k_of_positions(batch, routed, queries, length, n_clusters, window):
+    """The scan back from each query finds what routing's top-k over every stored position finds,
+    in the same order (latest first), exactly."""
+    generator = torch.Generator().manual_seed(3)
+    clusters = torch.randint(0, n_clusters, (batch, routed, length), generator=generator)
+    starts = torch.randint(0, length - queries + 1, (batch, 1), generator=generator)
+    positions = starts + torch.arange(queries)
+    n_keys = min(window + 1, length)
+    expected = routing.routed_key_positions(clusters, positions, window)
+    assert torch.equal(decode_cpu.routed_keys(clusters, positions, n_keys), expected)
+    torch.library.opcheck(torch.ops.attnlab.routed_keys_cpu, (clusters, positions, n_keys),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
 def test_listed_opcheck_and_a_one_line_error():
     q, keys, values, starts, biases, positions = listed_case(2, 4, 2, 3, 40, 32, 3, 2, torch.float32, torch.float32)
     torch.library.opcheck(torch.ops.attnlab.listed_attention_cpu, (q, keys, values, starts, biases, 2, positions),

@@ -30,7 +30,8 @@ per cluster, keys read in place); `flex`, a FlexAttention band in sorted order
 (kernels/flex_routing.py). Both serve whole sequences (training, and a prefill into an empty cache).
 Decoding through the cache (`cached_routed_attention`) finds each query's W + 1 keys by a top-k of
 positions over the static storage: the same shapes at every step; on the CPU the `cpu` back-end
-reads them in place (kernels/decode_cpu.py's listed_attention), elsewhere torch gathers them.
+finds them by a scan back from each query and reads them in place (kernels/decode_cpu.py's
+routed_keys and listed_attention), elsewhere torch gathers them.
 
 Legend: B batch, T queries, S keys (cached + new), H query heads, R routed heads, L local heads,
 G key/value heads, D head width, C clusters, W window, K = W + 1 key slots (itself + W earlier).
@@ -56,7 +57,7 @@ from attnlab.attention.base import (
     write_rows,
 )
 from attnlab.attention.kernels import check_backend, choose, choose_cached
-from attnlab.attention.kernels.decode_cpu import listed_attention
+from attnlab.attention.kernels.decode_cpu import listed_attention, routed_keys
 from attnlab.attention.kernels.flex_routing import flex_routed_attention
 from attnlab.attention.kernels.listed_cpu import routed_attention_cpu
 from attnlab.attention.local import cached_window_attention, local_attention
@@ -182,12 +183,14 @@ def cached_routed_attention(q: Tensor, keys: Tensor, values: Tensor, clusters: T
                             window: int, backend: str = "torch") -> Tensor:
     """Queries q [B, R, T, D] at positions [B, T] (each row's own) over a cache's storage keys, values
     [B, R, L, D] and clusters [B, R, L]: each attends to its routed_key_positions. backend: torch
-    gathers them; cpu reads them in place (kernels/decode_cpu.py's listed_attention, each key a
-    block of one), the same result up to rounding."""
-    picked = routed_key_positions(clusters, positions, window)  # [B, R, T, K]
-    if backend == "cpu":
+    finds them by a top-k and gathers them; cpu finds them by a scan back from each query
+    (kernels/decode_cpu.py's routed_keys: the same keys) and reads them in place (its
+    listed_attention, each key a block of one), the same result up to rounding."""
+    if backend == "cpu":  # the keys found by a scan back from each query, read in place
+        picked = routed_keys(clusters, positions, min(window + 1, clusters.shape[2]))  # [B, R, T, K]
         biases = torch.zeros(picked.shape, device=q.device).masked_fill(picked < 0, float("-inf"))
         return listed_attention(q, keys, values, picked, biases, 1, positions)
+    picked = routed_key_positions(clusters, positions, window)  # [B, R, T, K]
     index = picked.clamp(min=0)
     chosen_keys, chosen_values = select_rows(keys, index), select_rows(values, index)  # [B, R, T, K, D]
     scores = torch.einsum("brtd,brtkd->brtk", q, chosen_keys.to(q.dtype)).float() / math.sqrt(q.shape[-1])

@@ -600,6 +600,40 @@ at::Tensor listed_attention_cpu(const at::Tensor& q_in, const at::Tensor& keys, 
   return out.transpose(1, 2);  // [B, H, T, D]
 }
 
+// Routing's keys through a cache: for each query (row b, routed head r, position p), the last
+// `n_keys` positions at or before p whose cluster is the query's own (clusters[b, r, p]), latest
+// first, -1 past the ones there are: what a top-k of the matching positions gives, found by a scan
+// back from p that stops at the n_keys-th match (a step's cost follows the window, not the storage).
+// clusters [B, R, L] int64, positions [B, T] int64 -> [B, R, T, n_keys] int64
+at::Tensor routed_keys_cpu(const at::Tensor& clusters_in, const at::Tensor& positions_in, int64_t n_keys) {
+  const at::Tensor clusters = clusters_in.contiguous(), positions = positions_in.contiguous();
+  TORCH_CHECK(clusters.dim() == 3 && clusters.scalar_type() == at::kLong,
+              "routed_keys_cpu: clusters must be int64 [B, R, L]");
+  const int64_t batch = clusters.size(0), n_routed = clusters.size(1), length = clusters.size(2);
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.dim() == 2 && positions.size(0) == batch,
+              "routed_keys_cpu: positions must be int64 [B, T]");
+  TORCH_CHECK(n_keys >= 1, "routed_keys_cpu: n_keys must be at least 1, got ", n_keys);
+  const int64_t n_queries = positions.size(1);
+  at::Tensor picked = at::empty({batch, n_routed, n_queries, n_keys}, clusters.options());
+  const int64_t* cluster = clusters.data_ptr<int64_t>();
+  const int64_t* position = positions.data_ptr<int64_t>();
+  int64_t* out = picked.data_ptr<int64_t>();
+  at::parallel_for(0, batch * n_routed * n_queries, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t index = begin; index < end; ++index) {
+      const int64_t b = index / (n_routed * n_queries), r = index / n_queries % n_routed, t = index % n_queries;
+      const int64_t* row = cluster + (b * n_routed + r) * length;
+      const int64_t p = position[b * n_queries + t];
+      TORCH_CHECK(p >= 0 && p < length, "routed_keys_cpu: position ", p, " outside the storage of ", length);
+      int64_t* keys = out + index * n_keys;
+      int64_t found = 0;
+      for (int64_t j = p; j >= 0 && found < n_keys; --j)
+        if (row[j] == row[p]) keys[found++] = j;
+      std::fill(keys + found, keys + n_keys, int64_t{-1});
+    }
+  });
+  return picked;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(attnlab, m) {
@@ -607,9 +641,11 @@ TORCH_LIBRARY_FRAGMENT(attnlab, m) {
         "-> Tensor");
   m.def("listed_attention_cpu(Tensor q, Tensor keys, Tensor values, Tensor starts, Tensor biases, int block, "
         "Tensor positions) -> Tensor");
+  m.def("routed_keys_cpu(Tensor clusters, Tensor positions, int n_keys) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(attnlab, CPU, m) {
   m.impl("cached_attention_cpu", &cached_attention_cpu);
   m.impl("listed_attention_cpu", &listed_attention_cpu);
+  m.impl("routed_keys_cpu", &routed_keys_cpu);
 }

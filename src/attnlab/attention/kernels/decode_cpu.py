@@ -1,7 +1,8 @@
 """The `cpu` back-end of attention's cached calls: a decode step's or a speculative verification's
 few queries through a cache's storage, by decode_cpu.cpp (its header says how): over a range of
 positions for full and local attention (`cached_attention`), over listed blocks of positions for
-routing and sinkhorn attention and NSA's selected branch (`listed_attention`).
+routing and sinkhorn attention and NSA's selected branch (`listed_attention`), and routing's keys
+found by a scan back from each query (`routed_keys`).
 
 The operator attnlab::cached_attention_cpu is C++ through and through (built against torch's
 headers, registered with torch's dispatcher), so a compiled decode step calls it from inductor's
@@ -35,6 +36,8 @@ def _register_fake() -> None:
         lambda q, keys, values, positions, window, lanes=0: out_layout(q))
     torch.library.register_fake("attnlab::listed_attention_cpu")(
         lambda q, keys, values, starts, biases, block, positions: out_layout(q))
+    torch.library.register_fake("attnlab::routed_keys_cpu")(
+        lambda clusters, positions, n_keys: clusters.new_empty((*clusters.shape[:2], positions.shape[1], n_keys)))
 
 
 _library = OperatorLibrary("attnlab_decode", SOURCE, _register_fake, "using torch's attention")
@@ -74,6 +77,14 @@ def listed_attention(q: Tensor, keys: Tensor, values: Tensor, starts: Tensor, bi
     bias (biases [B, H, T, N] float32; -inf: no such block). -> [B, H, T, D] in q's dtype, laid out
     as out_layout's. The caller has checked that it can (kernels.choose_cached)."""
     return torch.ops.attnlab.listed_attention_cpu(q, keys, values, starts, biases, block, positions)
+
+
+def routed_keys(clusters: Tensor, positions: Tensor, n_keys: int) -> Tensor:
+    """Routing's keys of queries at positions [B, T] over a cache's clusters [B, R, L] (int64): the
+    last n_keys positions at or before each query in its own cluster, latest first, -1 past the ones
+    there are -> [B, R, T, n_keys] int64, what routing.routed_key_positions's top-k gives (found by a
+    scan back from the query instead of a comparison over every stored position)."""
+    return torch.ops.attnlab.routed_keys_cpu(clusters, positions, n_keys)
 
 
 def out_layout(q: Tensor) -> Tensor:
