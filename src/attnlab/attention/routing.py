@@ -188,8 +188,8 @@ def cached_routed_attention(q: Tensor, keys: Tensor, values: Tensor, clusters: T
     listed_attention, each key a block of one), the same result up to rounding."""
     if backend == "cpu":  # the keys found by a scan back from each query, read in place
         picked = routed_keys(clusters, positions, min(window + 1, clusters.shape[2]))  # [B, R, T, K]
-        biases = torch.zeros(picked.shape, device=q.device).masked_fill(picked < 0, float("-inf"))
-        return listed_attention(q, keys, values, picked, biases, 1, positions)
+        no_bias = torch.zeros(picked.shape, device=q.device)  # a start of -1 lies outside the storage: hidden
+        return listed_attention(q, keys, values, picked, no_bias, 1, positions)
     picked = routed_key_positions(clusters, positions, window)  # [B, R, T, K]
     index = picked.clamp(min=0)
     chosen_keys, chosen_values = select_rows(keys, index), select_rows(values, index)  # [B, R, T, K, D]
