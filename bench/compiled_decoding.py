@@ -11,10 +11,9 @@ revision 4b717ae the script timed the forward and a sample_from after it, outsid
 --also adds other compiled steps, side by side: `library` (the
 products with the weights through ATen's library calls instead of the packed kernels,
 compile_decoding(linear="library")), `python-wrapper` (the step called from inductor's Python
-wrapper instead of its C++ one, compile_decoding(cpp_wrapper=False)), `torch-attention` (full,
-local, routing and sinkhorn attention's cached calls by torch's attention, or its gathered keys,
-instead of the cpu back-end's operators, attention.<kind>.backend=torch; the same step as the
-default for NSA),
+wrapper instead of its C++ one, compile_decoding(cpp_wrapper=False)), `torch-attention` (every
+kind's cached calls by torch's attention, or its gathered keys, NSA's compressed branch over every
+slot of its storage, instead of the cpu back-end's operators, attention.<kind>.backend=torch),
 `bfloat16-cache` (the default step over a cache that stores its keys and values in bfloat16,
 new_cache(dtype=torch.bfloat16), beside the weights' dtype), `bfloat16` (the default step of the
 model cast to bfloat16, weights and cache: `attnlab sample --dtype bfloat16`), `dynamo-calls` (every
@@ -54,7 +53,7 @@ OTHER_STEPS = {"library": {"linear": "library"}, "python-wrapper": {"cpp_wrapper
                "torch-attention": {"backend": "torch"}, "bfloat16-cache": {"cache_dtype": torch.bfloat16},
                "bfloat16": {"model_dtype": torch.bfloat16}, "dynamo-calls": {"direct_calls": False},
                "separate-products": {"separate_products": True}}
-BACKEND_KINDS = ("full", "local", "routing", "sinkhorn")  # the kinds whose cached calls have a cpu back-end
+BACKEND_KINDS = ("full", "local", "routing", "sinkhorn", "nsa")  # the kinds whose cached calls have a cpu back-end
 
 
 def build(kind: str, max_len: int, variant: str, dtype: torch.dtype = torch.float32) -> Transformer:

@@ -1,6 +1,7 @@
 """The cpu back-end's operators for calls through a cache (kernels/decode_cpu.py): over a range of
-positions (full, local) and over listed blocks (routing, sinkhorn), each equal to the test oracle
-over per-row positions, windows or blocks, key/value groups, head widths, query counts and dtypes;
+positions (full, local), over listed blocks (routing, sinkhorn) and over NSA's compressed blocks
+with the block selection, each equal to the test oracle (NSA's: its reference path) over per-row
+positions, windows or blocks, key/value groups, head widths, query counts and dtypes;
 a full, local, routing, sinkhorn or NSA model decodes through them (the contract suite's *-cpu-decode
 variants check cache = no cache and compiled = eager on them); where they cannot serve, torch's
 attention does, or a named back-end says why in one line."""
@@ -12,10 +13,11 @@ import dataclasses
 import pytest
 import torch
 
-from attnlab.attention import full, local, routing, sinkhorn
+from attnlab.attention import full, local, nsa, routing, sinkhorn
 from attnlab.attention.base import naive_attention
 from attnlab.attention.kernels import choose_cached, decode_cpu
 from attnlab.attention.kernels.cpu import OperatorLibrary
+from attnlab.config import NSAAttentionConfig
 from attnlab.errors import ConfigError
 from attnlab.model import Transformer
 from variants import variant_config
@@ -248,6 +250,103 @@ def test_listed_opcheck_and_a_one_line_error():
         decode_cpu.listed_attention(q, keys, values, starts.int(), biases, 2, positions)
 
 
+NSA_SETTINGS = [  # (compress block, stride, selection block, blocks selected)
+    (4, 2, 6, 3),    # the contract suite's: overlapping compression, selection blocks of another size
+    (16, 8, 16, 4),  # the benchmark's
+    (8, 8, 8, 5),    # no overlap, more blocks selected than some queries have
+]
+
+
+def compressed_case(batch, heads, groups, queries, length, width, settings, dtype, storage_dtype, seed=0):
+    """Queries at each row's own consecutive positions (the first rows early: no block complete yet),
+    the memory slot, and a compressed storage with a slot for every block of `length` tokens."""
+    compress_block, stride, *_ = settings
+    generator = torch.Generator().manual_seed(seed)
+    n_slots = max(1, nsa.n_complete_blocks(length, compress_block, stride))
+    q = torch.randn(batch, heads, queries, width, generator=generator).to(dtype)
+    memory = torch.randn(2, groups, width, generator=generator)
+    keys, values = (torch.randn(batch, groups, n_slots, width, generator=generator).to(storage_dtype)
+                    for _ in range(2))
+    starts = torch.randint(0, length - queries + 1, (batch, 1), generator=generator)
+    starts[0] = 0
+    starts[-1] = length - queries
+    return q, memory, keys, values, starts + torch.arange(queries)
+
+
+def compressed_reference(q, memory, keys, values, positions, settings):
+    """NSA's reference path through a cache (nsa.compressed_attention_chunk over every slot, masked)."""
+    compress_block, stride, selection_block, n_select = settings
+    config = NSAAttentionConfig(compress_block_size=compress_block, compress_stride=stride,
+                                selection_block_size=selection_block, num_selected=n_select)
+    memory = memory.to(q.dtype)[:, None, :, None].expand(-1, q.shape[0], -1, -1, -1)
+    all_keys = torch.cat((memory[0], keys.to(q.dtype)), dim=2)
+    all_values = torch.cat((memory[1], values.to(q.dtype)), dim=2)
+    n_selection = -(-(int(positions.max()) + 1) // selection_block)
+    out, indices, valid, _ = nsa.compressed_attention_chunk(q, all_keys, all_values, positions, config, n_selection)
+    return out, indices, valid
+
+
+@pytest.mark.parametrize("batch, heads, groups, queries, length, width", [
+    (1, 4, 2, 1, 200, 64),   # a decode step
+    (2, 4, 2, 6, 77, 16),    # a verification of 6 at each row's own positions
+    (3, 2, 1, 4, 48, 128),
+    (2, 8, 2, 3, 40, 48),    # a width of three vectors of 16 (six of 8)
+])
+@pytest.mark.parametrize("settings", NSA_SETTINGS)
+@pytest.mark.parametrize("dtype, storage_dtype", [
+    (torch.float32, torch.float32),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float32, torch.bfloat16),  # a bfloat16 cache beside float32 weights
+])
+def test_compressed_selection_equals_the_reference(batch, heads, groups, queries, length, width, settings, dtype,
+                                                   storage_dtype):
+    """The compressed branch's output and the chosen blocks (ascending, then the empty slots) are the
+    reference's, from each query's complete blocks only."""
+    arguments = compressed_case(batch, heads, groups, queries, length, width, settings, dtype, storage_dtype)
+    out, chosen = decode_cpu.compressed_selection(*arguments, *settings)
+    expected_out, indices, valid = compressed_reference(*arguments, settings)
+    assert out.dtype == dtype and out.shape == arguments[0].shape
+    assert out.stride() == decode_cpu.out_layout(arguments[0]).stride()
+    assert chosen.shape == indices.shape and chosen.dtype == torch.int64
+    tolerance = dict(atol=2e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(out.float(), expected_out.float(), **tolerance)
+    if dtype == torch.float32:  # bfloat16's rounded scores may rank close blocks the other way
+        assert torch.equal(chosen >= 0, valid)
+        assert torch.equal(torch.where(valid, chosen, -1), torch.where(valid, indices, -1))
+
+
+def test_compressed_selection_reads_only_the_complete_blocks_in_place():
+    """A slice of a storage (its slot of the spare writes cut off, as the cache passes it) is read in
+    place; slots past every query's complete blocks change nothing, even where they are not numbers;
+    a query before the first complete block sees the memory slot alone."""
+    settings = (4, 2, 6, 3)
+    q, memory, keys, values, positions = compressed_case(2, 4, 2, 3, 40, 32, settings, torch.float32,
+                                                         torch.float32)
+    storage_keys, storage_values = (torch.cat((x, torch.randn(2, 2, 1, 32)), dim=2) for x in (keys, values))
+    sliced_keys, sliced_values = storage_keys[:, :, :-1], storage_values[:, :, :-1]
+    expected = decode_cpu.compressed_selection(q, memory, keys, values, positions, *settings)
+    result = decode_cpu.compressed_selection(q, memory, sliced_keys, sliced_values, positions, *settings)
+    assert all(torch.equal(a, b) for a, b in zip(result, expected))
+    last = nsa.n_complete_blocks(int(positions.max()) + 1, 4, 2)
+    sliced_keys[:, :, last:] = float("nan")
+    sliced_values[:, :, last:] = float("inf")
+    result = decode_cpu.compressed_selection(q, memory, sliced_keys, sliced_values, positions, *settings)
+    assert all(torch.equal(a, b) for a, b in zip(result, expected))
+    early = torch.zeros(2, 1, dtype=torch.int64)  # position 0: no block complete
+    out, chosen = decode_cpu.compressed_selection(q[:, :, :1], memory, keys, values, early, *settings)
+    torch.testing.assert_close(out, memory[1].repeat_interleave(2, dim=0)[None, :, None].expand_as(out))
+    assert chosen.tolist() == [[[[0, -1, -1]]] * 2] * 2
+
+
+def test_compressed_selection_opcheck_and_a_one_line_error():
+    settings = (4, 2, 6, 3)
+    arguments = compressed_case(2, 4, 2, 3, 40, 32, settings, torch.float32, torch.float32)
+    torch.library.opcheck(torch.ops.attnlab.compressed_selection_cpu, (*arguments, *settings),
+                          test_utils=("test_schema", "test_faketensor"))
+    with pytest.raises(RuntimeError, match="the blocks must be whole strides"):
+        decode_cpu.compressed_selection(*arguments, 5, 2, 6, 3)
+
+
 def counted(monkeypatch, module, operator_name: str) -> list[int]:
     """Calls of the operator `operator_name` from `module` (an attention variant's), counted."""
     calls = []
@@ -264,7 +363,8 @@ def counted(monkeypatch, module, operator_name: str) -> list[int]:
 @pytest.mark.parametrize("name, module, operator_name", [
     ("full-cpu-decode", full, "cached_attention"), ("local-cpu-decode", local, "cached_attention"),
     ("routing-cpu-decode", routing, "listed_attention"), ("sinkhorn-cpu-decode", sinkhorn, "listed_attention"),
-    ("nsa-cpu-decode", decode_cpu, "listed_attention")])  # NSA's selected branch (its sliding one: cached_attention)
+    ("nsa-cpu-decode", decode_cpu, "listed_attention"),  # NSA's selected branch (its sliding one: cached_attention)
+    ("nsa-cpu-decode", decode_cpu, "compressed_selection")])  # and its compressed branch
 def test_auto_decodes_through_it_and_equals_torch(name, module, operator_name, monkeypatch):
     """`auto` takes the operator for a cached call (not for the prefill), and decodes what the torch
     back-end does."""

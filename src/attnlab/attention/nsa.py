@@ -42,9 +42,11 @@ compressed pass also makes the selection); `flex`, FlexAttention block masks for
 sliding branches (kernels/nsa_flex.py, kernels/flex_local.py); `triton`, Triton kernels for the
 compressed branch with the selection (kernels/nsa_compressed_triton.py) and the selected branch
 (kernels/nsa_triton.py), the sliding branch on FlexAttention's window (on CUDA). Through a cache on
-the CPU, `cpu` also runs the selected branch (its blocks listed: kernels/decode_cpu.py's
-listed_attention) and the sliding one (kernels/decode_cpu.py's cached_attention with the window),
-each reading the storage in place. One semantics, tested against the reference.
+the CPU, `cpu` also runs all three branches: the compressed one with the block selection over the
+blocks complete at each query only (kernels/decode_cpu.py's compressed_selection; the reference
+scores every slot of the storage, masked), the selected one (its blocks listed: listed_attention)
+and the sliding one (cached_attention with the window), each reading the storage in place. One
+semantics, tested against the reference.
 
 Legend: B batch, T queries, S keys (cached + new), H query heads, G key/value heads, R = H / G query
 heads per group, D head width, C chunk of queries, N compressed blocks, M selection blocks,
@@ -516,13 +518,10 @@ class NativeSparseAttention(Attention):
         stored = cache.tensors
         k_cmp, v_cmp = self._branch(stored, "cmp")
         cache.compress(k_cmp, v_cmp, positions, self.compress_keys, self.compress_values, q.dtype)
-        n_blocks = cache.n_blocks  # the slot after them only takes writes
-        all_k, all_v = self._with_memory(cache.compressed_keys[:, :, :n_blocks].to(q.dtype),
-                                         cache.compressed_values[:, :, :n_blocks])
         n_selection = k_cmp.shape[2] // config.selection_block_size
-        out_cmp, indices, valid, _ = compressed_attention_chunk(q_plain, all_k, all_v, positions, config, n_selection)
         k_slc, v_slc = self._branch(stored, "slc")
         backend = choose_cached(config.backend, OFFERED, q, k_slc)
+        out_cmp, indices, valid = self._cached_compressed(q_plain, cache, positions, n_selection, backend)
         out_slc = self._cached_selected(q, k_slc, v_slc, indices, valid, positions, n_selection, backend)
         k_win, v_win = self._branch(stored, "win")
         out_win = cached_window_attention(q, k_win, v_win, positions, config.sliding_window_size, backend)
@@ -531,6 +530,22 @@ class NativeSparseAttention(Attention):
             cache.kv_tokens_loaded = kv_tokens_loaded(config, int(positions[0, 0]), n_visible, indices[0, 0, 0],
                                                       valid[0, 0, 0])
         return self._gated_sum(x, out_cmp, out_slc, out_win)
+
+    def _cached_compressed(self, q_plain, cache: NSACache, positions, n_selection: int, backend: str):
+        """The compressed branch and the block selection through a cache: queries q_plain [B, H, T, D]
+        (no rotary) at positions [B, T] over the cache's compressed blocks -> output [B, H, T, D],
+        indices and valid [B, G, T, n]. The cpu back-end reads the blocks complete at each query
+        only; the reference scores every slot of the storage, masked."""
+        config, n_blocks = self.config, cache.n_blocks  # the slot after them only takes writes
+        keys, values = cache.compressed_keys[:, :, :n_blocks], cache.compressed_values[:, :, :n_blocks]
+        if backend == "cpu":
+            out, chosen = decode_cpu.compressed_selection(
+                q_plain, self.memory, keys, values, positions, config.compress_block_size, config.compress_stride,
+                config.selection_block_size, config.num_selected)
+            return out, chosen.clamp(min=0), chosen >= 0
+        all_k, all_v = self._with_memory(keys.to(q_plain.dtype), values)
+        out, indices, valid, _ = compressed_attention_chunk(q_plain, all_k, all_v, positions, config, n_selection)
+        return out, indices, valid
 
     def _cached_selected(self, q, k_slc, v_slc, indices, valid, positions, n_selection: int, backend: str) -> Tensor:
         """The selected branch through a cache: queries q [B, H, T, D] over the storage k_slc, v_slc

@@ -29,7 +29,7 @@ from torch import Tensor
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 SOURCES = (HERE / "listed_cpu.cpp", HERE / "nsa_cpu.cpp")
-HEADERS = (HERE / "cpu_vec.h",)
+HEADERS = (HERE / "cpu_vec.h", HERE / "nsa_select.h")
 ABI_VERSION = 2
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None

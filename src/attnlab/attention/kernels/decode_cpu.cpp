@@ -1,6 +1,7 @@
 // Attention of a few queries through a cache, on the CPU: the `cpu` back-end of full and local
 // attention's cached calls (a decode step, a speculative verification; kernels/decode_cpu.py), and
-// of routing and sinkhorn attention's and NSA's selected branch's (listed_attention_cpu, at the end).
+// of routing and sinkhorn attention's and NSA's selected branch's (listed_attention_cpu, at the end),
+// and NSA's compressed branch with its block selection (compressed_selection_cpu).
 //
 // Query t of row b sees the keys at positions lo..positions[b, t] of the cache's storage
 // [B, G, L, D] (lo = position - window + 1 with a window, else 0). Each task, one (row, query head),
@@ -28,9 +29,11 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <tuple>
 #include <vector>
 
 #include "cpu_vec.h"
+#include "nsa_select.h"
 
 namespace {
 
@@ -600,6 +603,161 @@ at::Tensor listed_attention_cpu(const at::Tensor& q_in, const at::Tensor& keys, 
   return out.transpose(1, 2);  // [B, H, T, D]
 }
 
+// ---------------------------------------------------------------------------------------------
+// NSA's compressed branch and its block selection through a cache: the `cpu` back-end of native
+// sparse attention's cached calls (attention/nsa.py). The R query heads of key/value head g at query
+// t of row b see the memory slot, then the compressed blocks complete at the query's position
+// (block i: tokens i d .. i d + l - 1, complete once its last token is at or before the query), read
+// in place from the cache's compressed storage [B, G, N, D], float32 or bfloat16: only those, not
+// every slot of the storage, so a step's cost follows the position, not the cache's capacity. The
+// heads' probabilities, summed, choose the query's selection blocks by nsa_select.h's rule, as the
+// whole-sequence kernel (nsa_cpu.cpp) does.
+
+struct CompressedTask {
+  const float* queries;       // [R, D] float32, scaled by 1/sqrt(D)
+  const float* memory_key;    // [D] float32: the memory slot, seen by every query
+  const float* memory_value;
+  const void* keys;           // the compressed storage at this row's key/value head: [N, D]
+  const void* values;
+  bool bf16_storage;
+  int64_t n_heads;            // R
+  int64_t n_visible;          // compressed blocks the query sees
+  int64_t stride;             // of the probabilities: 1 + N rounded up to 16
+  float* probabilities;       // scratch [R, stride]
+  float* mass;                // [1 + n_visible]: the probabilities summed over the heads
+  float* out;                 // [R, D] float32
+};
+
+// each head's probabilities over the memory slot and the visible blocks, its output, and their mass
+template <int W, int DV>
+__attribute__((flatten)) void attend_compressed(const CompressedTask& task) {
+  using vf = floats<W>;
+  constexpr int64_t D = DV * W;
+  const int64_t n_keys = 1 + task.n_visible;
+  for (int64_t r = 0; r < task.n_heads; ++r) {
+    vf q[DV];
+    for (int d = 0; d < DV; ++d) q[d] = load<W>(task.queries + r * D + d * W);
+    float* p = task.probabilities + r * task.stride;
+    vf memory = q[0] * load<W>(task.memory_key);
+    for (int d = 1; d < DV; ++d) memory += q[d] * load<W>(task.memory_key + d * W);
+    p[0] = attnlab_cpu::sum_lanes(memory);
+    float top = p[0];
+    for (int64_t j = 0; j < task.n_visible; ++j) {
+      vf sum = q[0] * storage_row<W>(task.keys, task.bf16_storage, j * D);
+      for (int d = 1; d < DV; ++d) sum += q[d] * storage_row<W>(task.keys, task.bf16_storage, j * D + d * W);
+      p[1 + j] = attnlab_cpu::sum_lanes(sum);
+      top = std::max(top, p[1 + j]);
+    }
+    const int64_t padded = (n_keys + W - 1) / W * W;
+    std::fill(p + n_keys, p + padded, NEGATIVE_INFINITY);
+    vf sum = {};
+    for (int64_t j = 0; j < padded; j += W) {
+      const vf e = exp_nonpositive(load<W>(p + j) - top);  // -inf -> 0
+      store(p + j, e);
+      sum += e;
+    }
+    const vf inverse = vf{} + 1.0f / attnlab_cpu::sum_lanes(sum);
+    for (int64_t j = 0; j < padded; j += W) store(p + j, load<W>(p + j) * inverse);
+    vf acc[DV];
+    for (int d = 0; d < DV; ++d) acc[d] = (vf{} + p[0]) * load<W>(task.memory_value + d * W);
+    for (int64_t j = 0; j < task.n_visible; ++j) {
+      const vf weight = vf{} + p[1 + j];
+      for (int d = 0; d < DV; ++d) acc[d] += weight * storage_row<W>(task.values, task.bf16_storage, j * D + d * W);
+    }
+    for (int d = 0; d < DV; ++d) store(task.out + r * D + d * W, acc[d]);
+  }
+  for (int64_t j = 0; j < n_keys; ++j) {
+    float total = 0.0f;
+    for (int64_t r = 0; r < task.n_heads; ++r) total += task.probabilities[r * task.stride + j];
+    task.mass[j] = total;
+  }
+}
+
+// attend_compressed<W, DV> for a head width of head_vectors vectors of W (widths: multiples of 16)
+template <int W, int DV = 128 / W>
+void attend_compressed_any(const CompressedTask& task, int64_t head_vectors) {
+  if constexpr (DV > 16 / W) {
+    if (head_vectors < DV) return attend_compressed_any<W, DV - 16 / W>(task, head_vectors);
+  }
+  attend_compressed<W, DV>(task);
+}
+
+// q [B, H, T, D] (the queries without rotary; unit stride along D), memory [2, G, D] (the memory
+// slot's key and value), keys and values [B, G, N, D] (the compressed storage: each slot's row
+// contiguous, rows and heads by their strides), positions [B, T] int64, the compress block l, its
+// stride d, the selection block l' and n_select -> (out [B, H, T, D] laid out as [B, T, H, D] as
+// cached_attention_cpu's, the chosen selection blocks [B, G, T, n_select] int64: ascending, then -1
+// for slots left empty)
+std::tuple<at::Tensor, at::Tensor> compressed_selection_cpu(
+    const at::Tensor& q_in, const at::Tensor& memory_in, const at::Tensor& keys, const at::Tensor& values,
+    const at::Tensor& positions_in, int64_t compress_block, int64_t stride, int64_t selection_block,
+    int64_t n_select) {
+  const at::Tensor q = q_in.stride(3) == 1 ? q_in : q_in.contiguous();
+  const at::Tensor positions = positions_in.contiguous();
+  const int64_t batch = q.size(0), n_heads = q.size(1), n_queries = q.size(2), width = q.size(3);
+  const int64_t n_groups = keys.size(1), n_slots = keys.size(2);
+  TORCH_CHECK(width % 16 == 0 && width >= 16 && width <= 128,
+              "compressed_selection_cpu: head width must be 16 to 128 in steps of 16, got ", width);
+  TORCH_CHECK(n_heads % n_groups == 0 && keys.size(0) == batch && keys.size(3) == width &&
+                  values.sizes() == keys.sizes() && memory_in.sizes() == at::IntArrayRef({2, n_groups, width}),
+              "compressed_selection_cpu: shapes do not match");
+  TORCH_CHECK(keys.stride(3) == 1 && keys.stride(2) == width && values.strides() == keys.strides(),
+              "compressed_selection_cpu: each slot's key and value rows must be contiguous, with the same strides");
+  TORCH_CHECK(keys.scalar_type() == values.scalar_type(), "compressed_selection_cpu: keys and values differ in dtype");
+  for (const at::Tensor* x : {&q, &keys})
+    TORCH_CHECK(x->scalar_type() == at::kFloat || is_bf16(*x), "compressed_selection_cpu: float32 or bfloat16 only");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.sizes() == at::IntArrayRef({batch, n_queries}),
+              "compressed_selection_cpu: positions must be int64 [B, T]");
+  TORCH_CHECK(stride >= 1 && compress_block % stride == 0 && selection_block % stride == 0 && n_select >= 1,
+              "compressed_selection_cpu: the blocks must be whole strides and n_select at least 1");
+  // the memory slot as the reference sees it: in the queries' dtype
+  const at::Tensor memory = memory_in.to(q.scalar_type()).to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({batch, n_queries, n_heads, width}, q.options());  // [B, T, H, D]
+  at::Tensor chosen = at::empty({batch, n_groups, n_queries, n_select}, positions.options());
+  const bool bf16_queries = is_bf16(q), bf16_storage = is_bf16(keys);
+  const int64_t element = bf16_storage ? 2 : 4;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(width));
+  const int64_t per_group = n_heads / n_groups;
+  const int64_t probability_stride = (1 + n_slots + MAX_LANES - 1) / MAX_LANES * MAX_LANES;
+  const int64_t config[4] = {compress_block, stride, selection_block, n_select};
+  at::parallel_for(0, batch * n_groups * n_queries, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> queries(per_group * width), rows(per_group * width);
+    std::vector<float> probabilities(per_group * probability_stride), mass(1 + n_slots), importance;
+    std::vector<int64_t> order;
+    for (int64_t index = begin; index < end; ++index) {
+      const int64_t b = index / (n_groups * n_queries), g = index / n_queries % n_groups, t = index % n_queries;
+      const int64_t position = positions.data_ptr<int64_t>()[b * n_queries + t];
+      TORCH_CHECK(position >= 0, "compressed_selection_cpu: negative position ", position);
+      const int64_t complete = position + 1 < compress_block ? 0 : (position + 1 - compress_block) / stride + 1;
+      for (int64_t r = 0; r < per_group; ++r)
+        rows_to_float(q.data_ptr(), b * q.stride(0) + (g * per_group + r) * q.stride(1) + t * q.stride(2), 1, width,
+                      bf16_queries, queries.data() + r * width);
+      for (float& x : queries) x *= scale;
+      const int64_t storage_offset = (b * keys.stride(0) + g * keys.stride(1)) * element;
+      const float* memory_rows = memory.data_ptr<float>() + g * width;
+      const CompressedTask task{queries.data(), memory_rows, memory_rows + n_groups * width,
+                                static_cast<const char*>(keys.data_ptr()) + storage_offset,
+                                static_cast<const char*>(values.data_ptr()) + storage_offset,
+                                bf16_storage, per_group, std::min(complete, n_slots), probability_stride,
+                                probabilities.data(), mass.data(), rows.data()};
+      attend_compressed_any<NATIVE_LANES>(task, width / NATIVE_LANES);
+      attnlab_cpu::choose_blocks(mass.data(), 1 + task.n_visible, position, config, importance, order,
+                                 chosen.data_ptr<int64_t>() + index * n_select, nullptr);
+      for (int64_t r = 0; r < per_group; ++r) {  // head g * R + r of query t: out[b, t, h]
+        const int64_t out_offset = ((b * n_queries + t) * n_heads + g * per_group + r) * width;
+        const float* row = rows.data() + r * width;
+        if (bf16_queries) {
+          uint16_t* o = static_cast<uint16_t*>(out.data_ptr()) + out_offset;
+          for (int64_t i = 0; i < width; ++i) o[i] = to_bf16(row[i]);
+        } else {
+          std::memcpy(static_cast<float*>(out.data_ptr()) + out_offset, row, width * sizeof(float));
+        }
+      }
+    }
+  });
+  return {out.transpose(1, 2), chosen};  // [B, H, T, D], [B, G, T, n_select]
+}
+
 // Routing's keys through a cache: for each query (row b, routed head r, position p), the last
 // `n_keys` positions at or before p whose cluster is the query's own (clusters[b, r, p]), latest
 // first, -1 past the ones there are: what a top-k of the matching positions gives, found by a scan
@@ -642,10 +800,13 @@ TORCH_LIBRARY_FRAGMENT(attnlab, m) {
   m.def("listed_attention_cpu(Tensor q, Tensor keys, Tensor values, Tensor starts, Tensor biases, int block, "
         "Tensor positions) -> Tensor");
   m.def("routed_keys_cpu(Tensor clusters, Tensor positions, int n_keys) -> Tensor");
+  m.def("compressed_selection_cpu(Tensor q, Tensor memory, Tensor keys, Tensor values, Tensor positions, "
+        "int compress_block, int stride, int selection_block, int n_select) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(attnlab, CPU, m) {
   m.impl("cached_attention_cpu", &cached_attention_cpu);
   m.impl("listed_attention_cpu", &listed_attention_cpu);
   m.impl("routed_keys_cpu", &routed_keys_cpu);
+  m.impl("compressed_selection_cpu", &compressed_selection_cpu);
 }

@@ -1,8 +1,9 @@
 """The `cpu` back-end of attention's cached calls: a decode step's or a speculative verification's
 few queries through a cache's storage, by decode_cpu.cpp (its header says how): over a range of
 positions for full and local attention (`cached_attention`), over listed blocks of positions for
-routing and sinkhorn attention and NSA's selected branch (`listed_attention`), and routing's keys
-found by a scan back from each query (`routed_keys`).
+routing and sinkhorn attention and NSA's selected branch (`listed_attention`), NSA's compressed
+branch with its block selection over the blocks complete at each query (`compressed_selection`),
+and routing's keys found by a scan back from each query (`routed_keys`).
 
 The operator attnlab::cached_attention_cpu is C++ through and through (built against torch's
 headers, registered with torch's dispatcher), so a compiled decode step calls it from inductor's
@@ -38,6 +39,9 @@ def _register_fake() -> None:
         lambda q, keys, values, starts, biases, block, positions: out_layout(q))
     torch.library.register_fake("attnlab::routed_keys_cpu")(
         lambda clusters, positions, n_keys: clusters.new_empty((*clusters.shape[:2], positions.shape[1], n_keys)))
+    torch.library.register_fake("attnlab::compressed_selection_cpu")(
+        lambda q, memory, keys, values, positions, compress_block, stride, selection_block, n_select: (
+            out_layout(q), positions.new_empty((q.shape[0], keys.shape[1], q.shape[2], n_select))))
 
 
 _library = OperatorLibrary("attnlab_decode", SOURCE, _register_fake, "using torch's attention")
@@ -85,6 +89,21 @@ def routed_keys(clusters: Tensor, positions: Tensor, n_keys: int) -> Tensor:
     there are -> [B, R, T, n_keys] int64, what routing.routed_key_positions's top-k gives (found by a
     scan back from the query instead of a comparison over every stored position)."""
     return torch.ops.attnlab.routed_keys_cpu(clusters, positions, n_keys)
+
+
+def compressed_selection(q: Tensor, memory: Tensor, keys: Tensor, values: Tensor, positions: Tensor,
+                         compress_block: int, stride: int, selection_block: int, n_select: int
+                         ) -> tuple[Tensor, Tensor]:
+    """NSA's compressed branch and block selection for queries q [B, H, T, D] (no rotary) at
+    positions [B, T] through a cache's compressed storage keys, values [B, G, N, D] (block i:
+    tokens i * stride .. + compress_block - 1), the memory slot's key and value memory [2, G, D]
+    first: each query reads the memory slot and the blocks complete at its position only, and
+    chooses n_select selection blocks (attention/nsa.py's choose_blocks; ties: the lower block) from
+    its heads' summed probabilities. -> (output [B, H, T, D] in q's dtype, laid out as
+    out_layout's; the chosen blocks [B, G, T, n_select] int64, ascending, -1 for slots left empty).
+    The caller has checked that it can (kernels.choose_cached)."""
+    return torch.ops.attnlab.compressed_selection_cpu(q, memory, keys, values, positions, compress_block, stride,
+                                                      selection_block, n_select)
 
 
 def out_layout(q: Tensor) -> Tensor:
