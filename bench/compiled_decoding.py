@@ -21,9 +21,12 @@ step through dynamo's frame evaluation, most guards skipped, instead of the code
 called directly, compile_decoding(direct_calls=False)), `separate-products` (the default step with
 a layer's queries, keys and values made by three products, as before revision 0e8353d, instead of
 one over their weights concatenated: CONCATENATED_PRODUCTS off). --dtype: every
-model's weights and caches (float32 unless told).
+model's weights and caches (float32 unless told). --spare: each cache's storage holds that many
+positions beyond the prompt and the new tokens (a cache made for a longer text than the one
+decoded: a step whose cost follows the storage, not the position, shows it).
 
-    OMP_NUM_THREADS=2 python bench/compiled_decoding.py --context 256 4096 --new-tokens 128 --rounds 3 --also library
+    OMP_NUM_THREADS=2 python bench/compiled_decoding.py --context 256 4096 --new-tokens 128 --rounds 3 --also library \
+        [--spare 0]
 """
 
 from __future__ import annotations
@@ -89,11 +92,11 @@ def separate_products():
 
 @torch.inference_mode()
 def ms_per_token(model: Transformer, prompt: torch.Tensor, new_tokens: int, seed: int,
-                 cache_dtype: torch.dtype | None = None) -> float:
+                 cache_dtype: torch.dtype | None = None, spare: int = 0) -> float:
     """Median ms of one sampled token after the prompt: its uniform and one decode_then call, the
     forward of the last token and the draw of the next (generate.sampling.stream's step)."""
     generator = torch.Generator().manual_seed(seed)
-    cache = model.new_cache(prompt.shape[0], prompt.shape[1] + new_tokens, dtype=cache_dtype)
+    cache = model.new_cache(prompt.shape[0], prompt.shape[1] + new_tokens + spare, dtype=cache_dtype)
     uniform = torch.rand(prompt.shape[0], generator=generator)
     token, _ = model.decode_then(draw_last, prompt, cache, SAMPLING, uniform)  # the prefill, eager
     times = []
@@ -117,8 +120,8 @@ def rotated(models: dict, variants: tuple[str, ...], round_: int) -> list[tuple[
 
 
 def measure(kinds: list[str], contexts: list[int], new_tokens: int, rounds: int, variants: tuple[str, ...],
-            dtype: torch.dtype) -> dict:
-    models = {(kind, context, variant): build(kind, context + new_tokens, variant, dtype)
+            dtype: torch.dtype, spare: int = 0) -> dict:
+    models = {(kind, context, variant): build(kind, context + new_tokens + spare, variant, dtype)
               for kind in kinds for context in contexts for variant in variants}
     prompts = {context: torch.randint(0, 256, (1, context), generator=torch.Generator().manual_seed(context))
                for context in contexts}
@@ -127,7 +130,8 @@ def measure(kinds: list[str], contexts: list[int], new_tokens: int, rounds: int,
         for kind, context, variant in rotated(models, variants, round_):
             model = models[kind, context, variant]
             cache_dtype = OTHER_STEPS.get(variant, {}).get("cache_dtype")
-            elapsed = ms_per_token(model, prompts[context], new_tokens, seed=round_, cache_dtype=cache_dtype)
+            elapsed = ms_per_token(model, prompts[context], new_tokens, seed=round_, cache_dtype=cache_dtype,
+                                   spare=spare)
             if round_:
                 times[kind, context, variant].append(elapsed)
     return {f"{kind} {context} {variant}": statistics.median(values)
@@ -144,11 +148,13 @@ def main() -> None:
                         help="other compiled steps, side by side with the default one")
     parser.add_argument("--dtype", type=arguments.dtype, default="float32",
                         help="every model's weights and caches")
+    parser.add_argument("--spare", type=int, default=0, help="cache positions beyond the prompt and new tokens")
     args = parser.parse_args()
     variants = ("eager", "compiled", *args.also)
-    medians = measure(args.attention, args.context, args.new_tokens, args.rounds, variants, getattr(torch, args.dtype))
+    medians = measure(args.attention, args.context, args.new_tokens, args.rounds, variants, getattr(torch, args.dtype),
+                      args.spare)
     print(json.dumps({"threads": torch.get_num_threads(), "new_tokens": args.new_tokens, "rounds": args.rounds,
-                      "dtype": args.dtype, "ms_per_token": medians}), flush=True)
+                      "dtype": args.dtype, "spare": args.spare, "ms_per_token": medians}), flush=True)
     short, long = args.context[0], args.context[-1]
     print(f"\nms/token (tokens/s), top-k {SAMPLING.top_k}, median of {args.rounds} rounds")
     print(f"| attention | eager {short} | compiled {short} | speed-up | eager {long} | compiled {long} | speed-up "

@@ -7,7 +7,7 @@ its config (`model.attention.<kind>.backend`) names the faster path that serves 
     cpu     compiled C++ kernels (kernels/cpu.py): float32 on the CPU, no dropout or autocast, whole
             sequences (training, prefill); registered as torch custom ops, so torch.compile traces them.
             Calls through a cache too (a decode step, a speculative verification; kernels/decode_cpu.py),
-            float32 or bfloat16: full, local, routing and sinkhorn attention's, NSA's selected and sliding branches
+            float32 or bfloat16: full, local, routing and sinkhorn attention's, NSA's three branches
     flex    FlexAttention with block masks (kernels/flex*.py): whole sequences or long chunks, no
             dropout; compiled on CUDA, forward-only eager reference on the CPU (for checks)
     triton  Triton kernels (kernels/nsa_compressed_triton.py, nsa_triton.py): CUDA, or the CPU under
