@@ -197,3 +197,23 @@ def test_compiled_decoding_moves_the_order_of_the_steps_each_round(monkeypatch):
     assert all(order[:3] == [("full", 8, variant) for variant in order_of_variants]
                for order, order_of_variants in zip(orders, [variants, variants[1:] + variants[:1],
                                                             variants[2:] + variants[:2]], strict=True))
+
+
+def test_compiled_decoding_spare_positions_enlarge_each_cache(monkeypatch):
+    """--spare: the timed decoding's cache holds that many positions beyond the prompt and the new
+    tokens (a step whose cost follows the storage, not the position, shows it in the figures)."""
+    import torch
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    from compiled_decoding import ms_per_token
+
+    torch.manual_seed(0)
+    model = Transformer(variant_config("full")).eval()
+    sizes = []
+    new_cache = model.new_cache
+    monkeypatch.setattr(model, "new_cache", lambda batch, max_len, **options: sizes.append(max_len) or
+                        new_cache(batch, max_len, **options))
+    prompt = torch.randint(0, 61, (1, 5))
+    for spare in (0, 7):
+        assert ms_per_token(model, prompt, 3, seed=0, spare=spare) > 0
+    assert sizes == [5 + 3, 5 + 3 + 7]
