@@ -112,6 +112,16 @@ inline void rows_to_float(const void* base, int64_t offset, int64_t n, int64_t w
   for (int64_t i = 0; i < n * width; i += NATIVE_LANES) store(out + i, load_bf16<NATIVE_LANES>(p + i));
 }
 
+// a float32 row of width elements written at element `offset` of `base`, as float32 or bfloat16
+inline void write_row(void* base, int64_t offset, const float* row, int64_t width, bool bf16) {
+  if (!bf16) {
+    std::memcpy(static_cast<float*>(base) + offset, row, width * sizeof(float));
+    return;
+  }
+  uint16_t* out = static_cast<uint16_t*>(base) + offset;
+  for (int64_t i = 0; i < width; ++i) out[i] = to_bf16(row[i]);
+}
+
 // How a task reads its keys and values: float32 in place, or bfloat16 converted in registers as
 // it is loaded (AS_LOADED); bfloat16 in pairs of vectors (PAIRED: a head of an even number of
 // vectors); bfloat16 converted into a float32 block once, where several queries would each convert
@@ -439,14 +449,8 @@ at::Tensor cached_attention_cpu(const at::Tensor& q_in, const at::Tensor& keys_i
       else
         attend_any<8>(task, width / 8);
       for (int64_t t = 0; t < n_queries; ++t) {  // row t of this head: out[b, t, h]
-        const int64_t out_offset = ((b * n_queries + t) * n_heads + h) * width;
-        const float* row = rows.data() + t * width;
-        if (bf16_queries) {
-          uint16_t* o = static_cast<uint16_t*>(out.data_ptr()) + out_offset;
-          for (int64_t i = 0; i < width; ++i) o[i] = to_bf16(row[i]);
-        } else {
-          std::memcpy(static_cast<float*>(out.data_ptr()) + out_offset, row, width * sizeof(float));
-        }
+        write_row(out.data_ptr(), ((b * n_queries + t) * n_heads + h) * width, rows.data() + t * width, width,
+                  bf16_queries);
       }
     }
   });
@@ -591,13 +595,7 @@ at::Tensor listed_attention_cpu(const at::Tensor& q_in, const at::Tensor& keys, 
                             n_blocks, block, positions.data_ptr<int64_t>()[b * n_queries + t], length,
                             scores.data(), row.data()};
       attend_listed_any<NATIVE_LANES>(task, width / NATIVE_LANES);
-      const int64_t out_offset = ((b * n_queries + t) * n_heads + h) * width;
-      if (bf16_queries) {
-        uint16_t* o = static_cast<uint16_t*>(out.data_ptr()) + out_offset;
-        for (int64_t i = 0; i < width; ++i) o[i] = to_bf16(row[i]);
-      } else {
-        std::memcpy(static_cast<float*>(out.data_ptr()) + out_offset, row.data(), width * sizeof(float));
-      }
+      write_row(out.data_ptr(), ((b * n_queries + t) * n_heads + h) * width, row.data(), width, bf16_queries);
     }
   });
   return out.transpose(1, 2);  // [B, H, T, D]
@@ -744,14 +742,8 @@ std::tuple<at::Tensor, at::Tensor> compressed_selection_cpu(
       attnlab_cpu::choose_blocks(mass.data(), 1 + task.n_visible, position, config, importance, order,
                                  chosen.data_ptr<int64_t>() + index * n_select, nullptr);
       for (int64_t r = 0; r < per_group; ++r) {  // head g * R + r of query t: out[b, t, h]
-        const int64_t out_offset = ((b * n_queries + t) * n_heads + g * per_group + r) * width;
-        const float* row = rows.data() + r * width;
-        if (bf16_queries) {
-          uint16_t* o = static_cast<uint16_t*>(out.data_ptr()) + out_offset;
-          for (int64_t i = 0; i < width; ++i) o[i] = to_bf16(row[i]);
-        } else {
-          std::memcpy(static_cast<float*>(out.data_ptr()) + out_offset, row, width * sizeof(float));
-        }
+        write_row(out.data_ptr(), ((b * n_queries + t) * n_heads + g * per_group + r) * width,
+                  rows.data() + r * width, width, bf16_queries);
       }
     }
   });
