@@ -85,13 +85,15 @@ def test_compiled_decoding_over_a_bfloat16_cache_equals_eager(name, backend):
 
 
 @pytest.mark.parametrize("name, backend", [*((name, "aot_eager") for name in NAMES + LISTED), ("sinkhorn", "inductor"),
-                                           ("nsa", "inductor"), ("full-cpu-decode", "inductor")])
+                                           ("nsa-cpu-decode", "inductor"), ("full-cpu-decode", "inductor")])
 def test_compiled_decoding_of_one_row(name, backend):
     """At batch 1 (a size-1 dimension, whose stride any value leaves a tensor contiguous): a
     prefill, verification-sized chunks of 6 and one-token steps, around a rollback, give the eager
     logits, and the compiled step serves them all (none fell back to eager). Sinkhorn's and NSA's
-    steps branch (torch.cond), whose two sides must agree in layout: also through inductor, as is
-    the cpu back-end's C++ operator (called from inductor's C++ wrapper)."""
+    steps branch (torch.cond), whose two sides must agree in layout: also through inductor, as are
+    the cpu back-end's C++ operators (called from inductor's C++ wrapper; NSA's, all three of its
+    branches, the compressed one returning two tensors). NSA's reference path compiles through
+    aot_eager here and under CUDA graphs in tests/test_gpu.py."""
     eager, compiled = twins(name, backend=backend, **({"depth": 1} if backend == "inductor" else {}))
     tokens = torch.randint(0, 61, (1, 60), generator=torch.Generator().manual_seed(4))
 
