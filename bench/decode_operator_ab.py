@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from attnlab.attention.kernels import decode_cpu
-from attnlab.attention.kernels.cpu import OperatorLibrary
+from attnlab.attention.kernels.cpu import HEADERS, OperatorLibrary
 
 KERNELS = Path(decode_cpu.__file__).parent
 BATCHES = (1, 4)
@@ -36,8 +36,12 @@ def load_revision(revision: str) -> object:
     relative = KERNELS.relative_to(Path(subprocess.check_output(["git", "rev-parse", "--show-toplevel"],
                                                                 text=True).strip()))
     folder = Path(tempfile.mkdtemp(prefix="decode-against-"))
-    for name in ("decode_cpu.cpp", "cpu_vec.h"):
-        text = subprocess.check_output(["git", "show", f"{revision}:{relative / name}"], text=True)
+    for name in ("decode_cpu.cpp", *(header.name for header in HEADERS)):
+        shown = subprocess.run(["git", "show", f"{revision}:{relative / name}"], capture_output=True, text=True)
+        if shown.returncode != 0 and name != "decode_cpu.cpp":
+            continue  # a header the revision did not have yet
+        shown.check_returncode()
+        text = shown.stdout
         if name == "decode_cpu.cpp":
             text = text.replace("TORCH_LIBRARY_FRAGMENT(attnlab,", "TORCH_LIBRARY_FRAGMENT(attnlab_against,")
             text = text.replace("TORCH_LIBRARY_IMPL(attnlab,", "TORCH_LIBRARY_IMPL(attnlab_against,")

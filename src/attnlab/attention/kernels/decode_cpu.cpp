@@ -30,6 +30,7 @@
 #include <cmath>
 #include <limits>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_vec.h"
@@ -371,7 +372,20 @@ __attribute__((flatten)) void attend(const Task& task) {
   if constexpr (READING == Reading::PAIRED) reorder_pairs<W>(task.out, task.n_queries * DV * W, false);
 }
 
-// attend<W, DV> for a head width of head_vectors vectors of W (head widths: multiples of 16)
+// f(std::integral_constant<int, DV>{}) for a head width of head_vectors vectors of W floats (head
+// widths: multiples of 16, up to 128): the listed and compressed kernels take DV as a compile-time
+// constant
+template <int W, int DV = 128 / W, class F>
+void with_head_vectors(int64_t head_vectors, F f) {
+  if constexpr (DV > 16 / W) {
+    if (head_vectors < DV) return with_head_vectors<W, DV - 16 / W>(head_vectors, f);
+  }
+  f(std::integral_constant<int, DV>{});
+}
+
+// attend<W, DV> for a head width of head_vectors vectors of W (head widths: multiples of 16). Its
+// own recursion rather than with_head_vectors: through the lambda, the float32 kernel of 64-wide
+// heads took 1.03-1.07x the time on an AVX2 EPYC (bench/decode_operator_ab.py --against HEAD)
 template <int W, int DV = 128 / W>
 void attend_any(const Task& task, int64_t head_vectors) {
   if constexpr (DV > 16 / W) {
@@ -535,15 +549,6 @@ __attribute__((flatten)) void attend_listed(const ListedTask& task) {
   for (int d = 0; d < DV; ++d) store(task.out + d * W, acc[d] * inverse);
 }
 
-// attend_listed<W, DV> for a head width of head_vectors vectors of W (widths: multiples of 16)
-template <int W, int DV = 128 / W>
-void attend_listed_any(const ListedTask& task, int64_t head_vectors) {
-  if constexpr (DV > 16 / W) {
-    if (head_vectors < DV) return attend_listed_any<W, DV - 16 / W>(task, head_vectors);
-  }
-  attend_listed<W, DV>(task);
-}
-
 // q [B, H, T, D] (unit stride along D), keys and values [B, G, L, D] (each position's row
 // contiguous; rows and heads by their strides: a slice of a cache's heads is read in place), starts
 // [B, H, T, N] int64, biases [B, H, T, N] float32, block >= 1, positions [B, T] int64 ->
@@ -594,7 +599,9 @@ at::Tensor listed_attention_cpu(const at::Tensor& q_in, const at::Tensor& keys, 
                             biases.data_ptr<float>() + index * n_blocks,
                             n_blocks, block, positions.data_ptr<int64_t>()[b * n_queries + t], length,
                             scores.data(), row.data()};
-      attend_listed_any<NATIVE_LANES>(task, width / NATIVE_LANES);
+      with_head_vectors<NATIVE_LANES>(width / NATIVE_LANES, [&](auto vectors) {
+        attend_listed<NATIVE_LANES, decltype(vectors)::value>(task);
+      });
       write_row(out.data_ptr(), ((b * n_queries + t) * n_heads + h) * width, row.data(), width, bf16_queries);
     }
   });
@@ -671,15 +678,6 @@ __attribute__((flatten)) void attend_compressed(const CompressedTask& task) {
   }
 }
 
-// attend_compressed<W, DV> for a head width of head_vectors vectors of W (widths: multiples of 16)
-template <int W, int DV = 128 / W>
-void attend_compressed_any(const CompressedTask& task, int64_t head_vectors) {
-  if constexpr (DV > 16 / W) {
-    if (head_vectors < DV) return attend_compressed_any<W, DV - 16 / W>(task, head_vectors);
-  }
-  attend_compressed<W, DV>(task);
-}
-
 // q [B, H, T, D] (the queries without rotary; unit stride along D), memory [2, G, D] (the memory
 // slot's key and value), keys and values [B, G, N, D] (the compressed storage: each slot's row
 // contiguous, rows and heads by their strides), positions [B, T] int64, the compress block l, its
@@ -738,7 +736,9 @@ std::tuple<at::Tensor, at::Tensor> compressed_selection_cpu(
                                 static_cast<const char*>(values.data_ptr()) + storage_offset,
                                 bf16_storage, per_group, std::min(complete, n_slots), probability_stride,
                                 probabilities.data(), mass.data(), rows.data()};
-      attend_compressed_any<NATIVE_LANES>(task, width / NATIVE_LANES);
+      with_head_vectors<NATIVE_LANES>(width / NATIVE_LANES, [&](auto vectors) {
+        attend_compressed<NATIVE_LANES, decltype(vectors)::value>(task);
+      });
       attnlab_cpu::choose_blocks(mass.data(), 1 + task.n_visible, position, config, importance, order,
                                  chosen.data_ptr<int64_t>() + index * n_select, nullptr);
       for (int64_t r = 0; r < per_group; ++r) {  // head g * R + r of query t: out[b, t, h]
