@@ -471,3 +471,35 @@ def test_weights_made_under_inference_mode_compile_with_library_products(caplog)
     assert model._frozen_weights is None
     greedy = SamplingConfig(temperature=0)
     assert torch.equal(generate(model, prompt, 8, greedy), generate(reference, prompt, 8, greedy))
+
+
+def test_constants_of_equal_contents_are_found_by_their_fingerprints():
+    """constant_twin: among a graph's constants, the one whose dtype, shape, strides and values equal
+    a new one's (a transposed view too); none for other values, dtypes or strides, or for a tensor
+    whose values cannot be read (not strided)."""
+    from attnlab.model.transformer import constant_fingerprint, constant_twin
+
+    weight = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+    constants = {"ones": torch.ones(8, 4), "weight": weight, "transposed": weight.t()}
+    fingerprints = {}
+    assert constant_twin(constants, fingerprints, weight.clone()) == "weight"
+    assert constant_twin(constants, fingerprints, weight.clone().t()) == "transposed"  # a view, the same strides
+    assert constant_twin(constants, fingerprints, weight.t().contiguous()) is None  # equal values, other strides
+    assert constant_twin(constants, fingerprints, weight + 1) is None
+    assert constant_twin(constants, fingerprints, weight.double()) is None
+    assert constant_twin(constants, fingerprints, torch.ones(8, 4)) == "ones"
+    assert set(fingerprints) <= set(constants)  # each constant read once, when a candidate is compared
+    assert constant_fingerprint(weight.to_sparse()) is None and constant_twin(constants, {}, weight.to_sparse()) is None
+
+
+def test_constants_kept_apart_where_inductor_names_them_otherwise(monkeypatch, caplog):
+    """An inductor whose graphs lack the method that names constants: the context changes nothing and
+    says so in the log."""
+    from torch._inductor.graph import GraphLowering
+
+    from attnlab.model.transformer import constants_shared_by_contents
+
+    monkeypatch.delattr(GraphLowering, "allocate_non_dup_const_name")
+    with caplog.at_level("INFO", logger="attnlab.model.transformer"), constants_shared_by_contents():
+        assert not hasattr(GraphLowering, "allocate_non_dup_const_name")
+    assert "compiling without sharing equal ones" in caplog.text

@@ -125,6 +125,51 @@ def test_compiled_draw_equals_a_forward_per_token(name):
     assert compiled._compiled_draw is not None
 
 
+def test_a_packed_draw_keeps_one_copy_of_each_packed_weight(monkeypatch):
+    """A draw of n tokens runs the forward n times in one graph; compiled with the packed kernels
+    (inductor on the CPU) it holds one packed copy of each weight, not one per forward: no two
+    constants of a graph as compiled have equal contents (constants_shared_by_contents found the
+    twins), and it draws the eager model's distributions and tokens. Inductor's own naming of
+    constants is back in place afterwards."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.graph import GraphLowering
+
+    import attnlab.model.transformer as transformer
+
+    compiled_constants = []  # each graph's constants, as compiled
+    compile_to_module = GraphLowering.compile_to_module
+    monkeypatch.setattr(GraphLowering, "compile_to_module", lambda graph: compiled_constants.append(
+        dict(graph.constants)) or compile_to_module(graph))
+    naming = GraphLowering.allocate_non_dup_const_name
+    twins_found = []
+    constant_twin = transformer.constant_twin
+    monkeypatch.setattr(transformer, "constant_twin",
+                        lambda *arguments: twins_found.append(constant_twin(*arguments)) or twins_found[-1])
+    eager, compiled = twins("full", backend="inductor", depth=1)
+    assert compiled._frozen_weights is not None  # the packed kernels
+    generator = torch.Generator().manual_seed(8)
+    prompt = torch.randint(0, 61, (2, 12), generator=generator)
+    chunk = torch.randint(0, 61, (2, 1), generator=generator)
+    uniforms, forced = torch.rand(2, 2, generator=generator), torch.zeros(2, 2, dtype=torch.bool)  # 2 forwards
+    no_tokens, sampling = torch.zeros(2, 2, dtype=torch.long), SamplingConfig(temperature=0.9)
+    caches = [model.new_cache(2, 32) for model in (eager, compiled)]
+    for model, cache in zip((eager, compiled), caches):
+        model(prompt, cache=cache)
+    expected = drawn_one_by_one(eager, caches[0], chunk, uniforms, sampling, no_tokens, forced)
+    with inductor_config.patch(fx_graph_cache=False):  # lowered here, not read from a cache
+        probs, tokens = compiled.draw(chunk, caches[1], uniforms, sampling, no_tokens, forced)
+    torch.testing.assert_close(probs, expected[0], atol=1e-5, rtol=1e-5)
+    assert torch.equal(tokens, expected[1])
+    assert any(name is not None for name in twins_found)
+    assert compiled_constants
+    for constants in compiled_constants:
+        contents = [data for data in constants.values() if data.layout == torch.strided]
+        for index, first in enumerate(contents):
+            assert not any(first.shape == second.shape and first.dtype == second.dtype and torch.equal(first, second)
+                           for second in contents[index + 1 :])
+    assert GraphLowering.allocate_non_dup_const_name is naming
+
+
 def test_early_exit_draft_draws_through_the_compiled_graph(monkeypatch):
     """An early-exit draft (the target's first layers) of a compiled target proposes in one call of
     the target's compiled draw (n_layers in its graph): the distributions and tokens of the eager

@@ -13,6 +13,7 @@ Legend: B batch, T tokens, V vocabulary, dim model width.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import inspect
 import logging
 import math
@@ -249,11 +250,68 @@ def six_row_micro_kernels():
         configs[:] = [config for config in configs if not any(config is extra for extra in added)]
 
 
+def constant_fingerprint(tensor: Tensor) -> tuple | None:
+    """What two constants of equal contents share: dtype, shape, strides and a digest of the values;
+    None for a tensor whose values cannot be read here (not a strided tensor on the CPU, such as
+    oneDNN's packed weights)."""
+    if tensor.device.type != "cpu" or tensor.layout != torch.strided:
+        return None
+    values = tensor.contiguous().reshape(-1).view(torch.uint8)  # the bytes, in the tensor's order
+    digest = hashlib.blake2b(values.numpy().tobytes(), digest_size=16).hexdigest()
+    return tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), digest
+
+
+def constant_twin(constants: dict[str, Tensor], fingerprints: dict[str, tuple | None], data: Tensor) -> str | None:
+    """The name of a constant among `constants` whose contents equal data's (fingerprints: a cache
+    of theirs, by name, filled as needed); None if there is none."""
+    fingerprint = constant_fingerprint(data)
+    if fingerprint is None:
+        return None
+    for name, value in constants.items():
+        if value.dtype != data.dtype or value.shape != data.shape:
+            continue
+        if name not in fingerprints:
+            fingerprints[name] = constant_fingerprint(value)
+        if fingerprints[name] == fingerprint and torch.equal(value, data):
+            return name
+    return None
+
+
+@contextlib.contextmanager
+def constants_shared_by_contents():
+    """While a packed step compiles, a constant equal to one the graph holds already is that one.
+    Inductor packs a frozen weight for each product that reads it, each time as a new tensor, so a
+    graph that runs the model's forward several times (a draft's proposal of n tokens, an early
+    exit's) held n packed copies of every weight (n times the bytes a token reads from the caches;
+    docs/benchmarks.md "Compiled decoding"): it now holds one. Constants are never written, so
+    equal ones can share storage. A torch whose inductor names constants otherwise compiles without
+    it (logged)."""
+    try:
+        from torch._inductor.graph import GraphLowering
+
+        original = GraphLowering.allocate_non_dup_const_name
+    except (ImportError, AttributeError) as error:
+        log.info("inductor's constants are not as expected; compiling without sharing equal ones: %s", error)
+        yield
+        return
+
+    def allocate(graph, name, data):
+        fingerprints = graph.__dict__.setdefault("_attnlab_constant_fingerprints", {})
+        return constant_twin(graph.constants, fingerprints, data) or original(graph, name, data)
+
+    GraphLowering.allocate_non_dup_const_name = allocate
+    try:
+        yield
+    finally:
+        GraphLowering.allocate_non_dup_const_name = original
+
+
 @contextlib.contextmanager
 def packed_step_compiling():
     """Dynamo makes the weights constants only while inductor's freezing is on (compile_decoding's
     option reaches inductor alone); the choices of each product are the template's, its AVX2
-    micro-kernels include the six-row block."""
+    micro-kernels include the six-row block, and a graph keeps one copy of equal constants (one
+    packed weight for every forward of a draw)."""
     from torch._inductor import config as inductor_config
     from torch._inductor.select_algorithm import add_preprocessing_fn, get_algorithm_selector_cache
 
@@ -261,7 +319,7 @@ def packed_step_compiling():
         add_preprocessing_fn(template_choices_only)
     COMPILING_PACKED_STEP[0] = True
     try:
-        with inductor_config.patch(freezing=True), six_row_micro_kernels():
+        with inductor_config.patch(freezing=True), six_row_micro_kernels(), constants_shared_by_contents():
             yield
     finally:
         COMPILING_PACKED_STEP[0] = False
