@@ -282,10 +282,10 @@ def constants_shared_by_contents():
     """While a packed step compiles, a constant equal to one the graph holds already is that one.
     Inductor packs a frozen weight for each product that reads it, each time as a new tensor, so a
     graph that runs the model's forward several times (a draft's proposal of n tokens, an early
-    exit's) held n packed copies of every weight (n times the bytes a token reads from the caches;
-    docs/benchmarks.md "Compiled decoding"): it now holds one. Constants are never written, so
-    equal ones can share storage. A torch whose inductor names constants otherwise compiles without
-    it (logged)."""
+    exit's) held n packed copies of every weight (n times the bytes a token reads through the
+    processor's caches; docs/benchmarks.md "Speculative decoding" has the effect): it now holds
+    one. Constants are never written, so equal ones can share storage. A torch whose inductor names
+    constants otherwise compiles without it (logged)."""
     try:
         from torch._inductor.graph import GraphLowering
 
