@@ -283,7 +283,7 @@ def constants_shared_by_contents():
     Inductor packs a frozen weight for each product that reads it, each time as a new tensor, so a
     graph that runs the model's forward several times (a draft's proposal of n tokens, an early
     exit's) held n packed copies of every weight (n times the bytes a token reads through the
-    processor's caches; docs/benchmarks.md "Speculative decoding" has the effect): it now holds
+    processor's caches; docs/bench/speculative-compiled/README.md has the effect): it now holds
     one. Constants are never written, so equal ones can share storage. A torch whose inductor names
     constants otherwise compiles without it (logged)."""
     try:
