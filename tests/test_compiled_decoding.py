@@ -186,6 +186,22 @@ def test_each_model_keeps_its_graphs_apart():
     assert [len(_debug_get_cache_entry_list(code)) for code in codes] == [1] * len(models)
 
 
+def test_a_compiled_decodings_cache_is_a_power_of_two_long_within_the_model():
+    """decode_capacity: the next power of two, at least 64, but no more than max_seq_len where the
+    length fits in it (past it, the power of two); an eager model's cache is the length asked, and
+    so is that of a model without the rule (capacity_for)."""
+    from attnlab.model.transformer import capacity_for, decode_capacity
+
+    lengths = (1, 64, 65, 129, 600, 1024, 1025, 3000)
+    assert [decode_capacity(length, 1024) for length in lengths] == [64, 64, 128, 256, 1024, 1024, 2048, 4096]
+    assert decode_capacity(700, 768) == 768 and decode_capacity(40, 48) == 48
+    eager, compiled = twins("full")  # max_seq_len 512
+    assert eager.decoding_capacity(100) == 100 and eager.decoding_capacity(3) == 3
+    assert compiled.decoding_capacity(100) == 128 and compiled.decoding_capacity(300) == 512
+    assert capacity_for(compiled, 100) == 128 and capacity_for(eager, 100) == 100
+    assert capacity_for(torch.nn.Linear(2, 2), 37) == 37
+
+
 def test_decode_compile_options():
     """The C++ wrapper and the packed linear kernels: by default for inductor on the CPU without a
     mode; asked for where they cannot be, one error."""

@@ -73,6 +73,42 @@ def test_compiled_generate_draws_the_tokens_sample_from_draws():
     assert compiled._compiled_decode_then is not None
 
 
+def test_generations_of_other_lengths_reuse_the_compiled_step():
+    """generate() after compile_decoding() makes its cache a power of two long (decode_capacity):
+    generations whose prompt and new tokens round alike compile nothing after the first, and each
+    draws what the eager model draws from the same seed."""
+    eager, compiled = twins("full", depth=2)
+    sampling = SamplingConfig(temperature=0.9, top_k=20)
+    graphs = None
+    for prompt_length, n_new in ((7, 16), (9, 20), (30, 33)):  # 23, 29 and 63 tokens: caches of 64
+        prompt = torch.randint(0, 61, (2, prompt_length), generator=torch.Generator().manual_seed(prompt_length))
+        drawn = [generate(model, prompt, n_new, sampling, generator=torch.Generator().manual_seed(n_new))
+                 for model in (eager, compiled)]
+        assert torch.equal(drawn[1], drawn[0])
+        if graphs is None:
+            graphs = counters["stats"]["unique_graphs"]
+    assert counters["stats"]["unique_graphs"] == graphs, "a generation of another length compiled a step"
+    assert compiled._compiled_decode_then is not None
+
+
+def test_speculative_calls_of_other_lengths_reuse_the_compiled_step():
+    """speculative_generate with both models compiled makes their caches a power of two long: a
+    call whose prompt and new tokens round alike compiles nothing after the first (per-row
+    rollback, batch 2), and greedy decoding gives the target's greedy tokens."""
+    target, compiled_target = twins("full", depth=2)
+    _, compiled_draft = twins("local", depth=1)
+    greedy = SamplingConfig(temperature=0.0)
+    graphs = None
+    for prompt_length, n_new in ((9, 20), (12, 24)):  # with two windows of 5: 39 and 46 tokens, caches of 64
+        prompt = torch.randint(0, 61, (2, prompt_length), generator=torch.Generator().manual_seed(prompt_length))
+        result = speculative_generate(compiled_target, compiled_draft, prompt, n_new, gamma=4, sampling=greedy)
+        assert torch.equal(result.tokens, generate(target, prompt, n_new, greedy))
+        if graphs is None:
+            graphs = counters["stats"]["unique_graphs"]
+    assert counters["stats"]["unique_graphs"] == graphs, "a call of another length compiled a step"
+    assert compiled_target._compiled_draw_then_decode is not None
+
+
 def drawn_one_by_one(model: Transformer, cache, tokens, uniforms, sampling, forced_tokens, forced):
     """Transformer.draw's reference: a forward per token, the draws written out."""
     distributions, drawn = [], []

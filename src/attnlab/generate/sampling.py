@@ -24,7 +24,7 @@ from attnlab.generate.distribution import (  # noqa: F401  (filter_logits: re-ex
     sample_from,
 )
 from attnlab.model.modes import eval_mode
-from attnlab.model.transformer import Transformer
+from attnlab.model.transformer import Transformer, capacity_for
 
 if TYPE_CHECKING:
     from attnlab.data.tokenizer import Tokenizer
@@ -84,7 +84,9 @@ def stream(
     tensors, so it trains afterwards); what is yielded are ordinary tensors.
     compile: decode with the model's compiled step (Transformer.compile_decoding; made once), which
     also draws the token (draw_last inside the step's graph, at a uniform drawn before it: the
-    tokens sample_from would draw).
+    tokens sample_from would draw). Its cache's capacity is rounded up to a power of two
+    (Transformer.decoding_capacity), so a later generation of another length whose length rounds
+    alike reuses the compiled step instead of compiling one.
     cache_dtype: the dtype the cache stores keys and values in (default: the weights'); bfloat16
     beside float32 weights halves the bytes a long context's step reads, at bfloat16's rounding of
     what attention reads (the arithmetic stays in the weights' dtype).
@@ -97,8 +99,8 @@ def stream(
     with eval_mode(model):
         sequence = prompt
         with torch.inference_mode():  # the cache's tensors count no versions (a compiled step runs leaner)
-            cache = (model.new_cache(prompt.shape[0], prompt.shape[1] + max_new_tokens, dtype=cache_dtype)
-                     if use_cache else None)
+            capacity = capacity_for(model, prompt.shape[1] + max_new_tokens)  # rounded up when compiled
+            cache = model.new_cache(prompt.shape[0], capacity, dtype=cache_dtype) if use_cache else None
         next_input = prompt
         for _ in range(max_new_tokens):
             with torch.inference_mode():  # never around a yield: the caller's code runs outside it

@@ -64,7 +64,7 @@ from torch import Tensor, nn
 
 from attnlab.generate.distribution import SamplingConfig, draw_chain, probabilities, token_at
 from attnlab.model.modes import eval_mode
-from attnlab.model.transformer import ModelCache, ModelOutput, Transformer, new_model_cache
+from attnlab.model.transformer import ModelCache, ModelOutput, Transformer, capacity_for, new_model_cache
 
 log = logging.getLogger(__name__)
 # The draft's cache is kept DRAFT_LAG tokens behind each row's committed length, so a step's draft
@@ -78,8 +78,10 @@ DRAFT_LAG = 2
 class CachedLanguageModel(Protocol):
     """What speculative decoding needs of a draft or a target (Transformer, EarlyExitDraft). A
     draft may also have `draw` (Transformer.draw: its proposals in one compiled call; without
-    one, it is called once per token) and `drafting_blocks` (the Transformer blocks it draws
-    through, which a target's draw_then_decode runs in the same graph as its verification)."""
+    one, it is called once per token), `drafting_blocks` (the Transformer blocks it draws
+    through, which a target's draw_then_decode runs in the same graph as its verification) and
+    `decoding_capacity` (the capacity of the cache it decodes `length` tokens a row through:
+    Transformer.decoding_capacity; without one, length)."""
 
     def __call__(self, tokens: Tensor, cache: ModelCache | None = None) -> ModelOutput: ...
 
@@ -176,6 +178,10 @@ class EarlyExitDraft(nn.Module):
     def compiled_entries(self) -> list[str]:
         """The target's (Transformer.compiled_entries): the draft decodes through its graphs."""
         return self.target.compiled_entries()
+
+    def decoding_capacity(self, length: int) -> int:
+        """The target's (Transformer.decoding_capacity): the draft decodes through its graphs."""
+        return self.target.decoding_capacity(length)
 
     def new_cache(self, batch_size: int, max_len: int | None = None, device=None, dtype=None) -> ModelCache:
         layers = [block.attention for block in self.target.blocks[: self.n_layers]]
@@ -400,8 +406,8 @@ def speculative_generate(
     capacity = goal + 2 * width
     sequence = torch.zeros(batch, capacity, dtype=torch.long, device=device)  # [B, T + N + 2W]
     sequence[:, :prompt_length] = prompt
-    target_cache = target.new_cache(batch, capacity, dtype=cache_dtype)
-    draft_cache = draft.new_cache(batch, capacity, dtype=cache_dtype)
+    target_cache = target.new_cache(batch, capacity_for(target, capacity), dtype=cache_dtype)
+    draft_cache = draft.new_cache(batch, capacity_for(draft, capacity), dtype=cache_dtype)
     state = _Decoding(
         target=target, draft=draft, target_cache=target_cache, draft_cache=draft_cache, gamma=gamma,
         sampling=sampling, generator=generator, sequence=sequence,

@@ -38,6 +38,7 @@ from attnlab.registry import ATTENTION, FEED_FORWARD, NORM
 
 log = logging.getLogger(__name__)
 DECODE_GRAPH_LIMIT = 256  # compiled decode steps kept (one per model, cache layout and chunk length)
+DECODE_CAPACITY_FLOOR = 64  # the smallest cache a compiled decoding makes (decode_capacity)
 
 
 TENSOR_VERSION = operator.attrgetter("_version")
@@ -117,6 +118,27 @@ class ModelCache:
             raise ValueError(f"cannot truncate rows of lengths {self.lengths.tolist()} to {lengths.tolist()}")
         self.lengths.copy_(lengths)
         self.length, self.shortest = longest, shortest
+
+
+def decode_capacity(length: int, max_seq_len: int) -> int:
+    """The capacity of the cache a compiled decoding of `length` tokens a row makes: the next power
+    of two (at least DECODE_CAPACITY_FLOOR), but no more than max_seq_len where length fits in it
+    (past max_seq_len, the rotary tables grow to the bucket). A compiled step's graph is made for its
+    cache's capacity (static shapes), so generations whose lengths fall in one bucket share the
+    graphs the first made, where an exact capacity compiled anew for every length (20-30 s a time on
+    a CPU). The cost: up to twice the cache's memory, and, on a path that reads the whole storage
+    masked (torch's attention on a GPU), up to twice its reads; the cpu back-end reads only the
+    positions a query sees."""
+    bucket = max(DECODE_CAPACITY_FLOOR, 1 << (length - 1).bit_length())
+    return min(bucket, max_seq_len) if length <= max_seq_len else bucket
+
+
+def capacity_for(model: nn.Module, length: int) -> int:
+    """The capacity of the cache a decoding of `length` tokens a row makes for `model`: its
+    decoding_capacity (Transformer's: rounded up once its decoding is compiled), or length for a
+    model without one."""
+    rule = getattr(model, "decoding_capacity", None)
+    return length if rule is None else rule(length)
 
 
 def new_model_cache(model: nn.Module, attention_layers: list[nn.Module], batch_size: int, max_len: int, device=None,
@@ -810,6 +832,12 @@ class Transformer(nn.Module):
         """Every decode call counts as new again (the graphs or the modules changed)."""
         self._decode_calls.clear()
         self._direct_calls.clear()
+
+    def decoding_capacity(self, length: int) -> int:
+        """The capacity of the cache generate() and speculative decoding make for `length` tokens a
+        row: length itself when this model decodes eagerly, rounded up after compile_decoding() so
+        that generations of other lengths reuse the compiled graphs (decode_capacity)."""
+        return decode_capacity(length, self.config.max_seq_len) if self.compiled_entries() else length
 
     def compiled_entries(self) -> list[str]:
         """The compiled decode entries this model still runs: "step", "draw", "decode_then" and
