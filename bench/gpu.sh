@@ -8,6 +8,8 @@
 #                             greedy, then eagerly (trains the pair first where RUNS lacks it)
 #   bench/gpu.sh tests        pytest tests/test_gpu.py (Triton and FlexAttention at real sizes, every
 #                             variant, compiled decoding under CUDA graphs)
+#   bench/gpu.sh cached       full attention's call through a cache, triton kernels vs torch's masked
+#                             attention, over storages as long as the text and twice as long, 1k-128k
 #   bench/gpu.sh decode       per-token decoding with the cache at 8k-64k context, and a profile at 64k
 #   bench/gpu.sh train        a short training run (4 layers, 8k tokens, bf16): tokens/s and MFU, NSA on
 #                             triton and torch vs full attention
@@ -30,7 +32,7 @@ out=${OUT:-docs/bench/gpu}
 runs=${RUNS:-runs/gpu}
 budget=${BUDGET_S:-540}
 min_part=${MIN_PART_S:-60}
-all_parts=(pair speculative tests decode train layer kernels)
+all_parts=(pair speculative tests cached decode train layer kernels)
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
 stamp() { echo "{\"date\": \"$(date -u +%FT%TZ)\"}"; }  # (a copied tree's git metadata may be stale)
@@ -91,6 +93,7 @@ run_part() {
             || echo "tests/test_gpu.py failed or was stopped: see $out/tests.log"
         grep -E "FAILED|ERROR|passed|failed" "$out/tests.log" | grep -v DEBUG | tail -40
         ;;
+    cached) stamp; python3 bench/cached_attention_gpu.py --out "$out" ;;
     layer) stamp; python3 bench/nsa_gpu.py --out "$out" --context ;;
     kernels) stamp; python3 bench/nsa_gpu.py --out "$out" --seq-len --context --kernels 8192 16384 32768 65536 ;;
     decode) stamp; python3 bench/nsa_gpu.py --out "$out" --seq-len --profile ;;

@@ -45,9 +45,9 @@ def test_a_named_back_end_serves_its_calls_and_refuses_what_it_cannot_run():
     with pytest.raises(ConfigError, match="dropout"):
         choose("cpu", ALL, x, whole=True, dropout=0.1)
     with pytest.raises(ConfigError, match="not offered"):
-        check_backend("local", "triton", ("torch", "flex", "cpu"))
+        check_backend("routing", "triton", ("torch", "flex", "cpu"))
     with pytest.raises(ConfigError, match="is not one of"):  # the config itself refuses it
-        variant_config("local", attention={"kind": "local", "local": {"backend": "triton"}})
+        variant_config("routing", attention={"kind": "routing", "routing": {"backend": "triton"}})
 
 
 def twin(name: str, backend: str) -> tuple[Transformer, Transformer]:

@@ -54,6 +54,18 @@ def test_small_gemm_prints_each_shape_then_the_attainable_rate():
     assert attainable["attainable"] == [64, 64, 64] and attainable["gflop_per_s"] > 0
 
 
+def test_cached_attention_gpu_dry_run_times_both_back_ends(tmp_path):
+    """On the CPU (the triton kernels under TRITON_INTERPRET=1, which tests/conftest.py sets without
+    CUDA) the GPU script runs its cases and writes its table; both back-ends give one result."""
+    printed = run_script("cached_attention_gpu.py", "--device", "cpu", "--dtype", "fp32", "--contexts", "300",
+                         "--batch-sizes", "2", "--queries", "1", "6", "--heads", "4", "--kv-heads", "2",
+                         "--dim-head", "16", "--calls", "1", "--repeats", "1", "--out", str(tmp_path))
+    rows = [json.loads(line) for line in printed.splitlines() if line.startswith("{")]
+    assert [(row["queries"], row["storage"]) for row in rows] == [(1, 300), (1, 600), (6, 300), (6, 600)]
+    assert all(row["max_abs_difference"] < 1e-5 and row["torch_us"] > 0 and row["triton_us"] > 0 for row in rows)
+    assert "| 2 | 6 | 300 | 600 |" in (tmp_path / "cached_attention.md").read_text()
+
+
 def test_speculative_profile_splits_a_step():
     printed = run_script("speculative_profile.py", "--backend", "aot_eager", "--context", "16", "--new-tokens", "12",
                          "--warm-runs", "2")
@@ -153,9 +165,9 @@ def test_gpu_script_keeps_to_its_budget(tmp_path):
     result = run_gpu_script(tmp_path, BUDGET_S="0")
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[-1] == ("not done within the budget: bash bench/gpu.sh pair speculative tests "
-                                              "decode train layer kernels")
+                                              "cached decode train layer kernels")
     assert timings(tmp_path) == [(part, "skipped") for part in
-                                 ("pair", "speculative", "tests", "decode", "train", "layer", "kernels")]
+                                 ("pair", "speculative", "tests", "cached", "decode", "train", "layer", "kernels")]
 
     (tmp_path / "out" / "timings.jsonl").unlink()
     result = run_gpu_script(tmp_path, "tests", BUDGET_S="2", MIN_PART_S="1")  # pytest alone takes longer

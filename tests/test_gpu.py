@@ -1,5 +1,6 @@
 """Checks that need a CUDA GPU (skipped without one): the Triton NSA kernels (compressed branch with
-the selection importance, selection, selected branch) and the FlexAttention back-ends at real
+the selection importance, selection, selected branch), the Triton kernels of full and local
+attention's calls through a cache, and the FlexAttention back-ends at real
 sizes, forward and backward (flex has no backward on the CPU), against the torch path; training
 and the cache on the GPU for every variant.
 
@@ -195,6 +196,34 @@ def test_variant_trains_and_caches_on_gpu(name):
         cache = model.new_cache(2, 46)
         got = torch.cat([model(tokens[:, a:b], cache=cache).logits for a, b in [(0, 20), (20, 21), (21, 46)]], dim=1)
     assert relative_error(got, want) < 1e-4
+
+
+@pytest.mark.parametrize("dtype, storage_dtype", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                                                   (torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize("heads, kv_heads, queries, window", [(32, 2, 1, 0), (8, 8, 6, 0), (32, 2, 1, 512)])
+def test_triton_cached_attention_equals_torch(dtype, storage_dtype, heads, kv_heads, queries, window):
+    """The triton back-end's cached-call kernels (kernels/decode_triton.py) at real sizes: a storage
+    of 16k positions, each row's queries at its own positions, against torch's attention over the
+    whole storage with the mask; what lies past the positions is never read."""
+    from attnlab.attention.base import masked_attention
+    from attnlab.attention.kernels import decode_triton
+
+    torch.manual_seed(0)
+    length, width = 16384, 128
+    q = torch.randn(3, heads, queries, width, device=DEVICE, dtype=dtype)
+    keys, values = (torch.randn(3, kv_heads, length, width, device=DEVICE).to(storage_dtype) for _ in range(2))
+    starts = torch.tensor([[37], [9000], [length - queries]], device=DEVICE)
+    positions = starts + torch.arange(queries, device=DEVICE)
+    key_index = torch.arange(length, device=DEVICE)
+    visible = key_index <= positions[..., None]
+    if window:
+        visible &= key_index > positions[..., None] - window
+    want = masked_attention(q.float(), keys.float(), values.float(), visible[:, None])
+    got = decode_triton.cached_attention(q, keys, values, positions, window)
+    assert relative_error(got, want) < TOLERANCE[dtype]
+    keys[0, :, 37 + queries:] = float("nan")
+    values[1, :, 9000 + queries:] = float("inf")
+    assert torch.equal(decode_triton.cached_attention(q, keys, values, positions, window), got)
 
 
 # every type over caches in the weights' dtype, and two over caches of bfloat16 keys and values

@@ -111,14 +111,15 @@ Weight = Annotated[float, Range(0, 1, open_low=True)]  # a mixing weight: 0 woul
 
 @dataclass(kw_only=True)
 class FullAttentionConfig:
-    backend: Literal["auto", "torch", "cpu"] = "auto"  # attention/kernels/__init__.py; cpu: cached calls on the CPU
+    backend: Literal["auto", "torch", "cpu", "triton"] = "auto"  # attention/kernels/__init__.py; cpu, triton: cached
+    # calls (CPU; CUDA)
 
 
 @dataclass(kw_only=True)
 class LocalAttentionConfig:
     window_size: Size = 128  # keys visible to a query, itself included
-    backend: Literal["auto", "torch", "flex", "cpu"] = "auto"  # attention/kernels/__init__.py; flex: GPU (CPU: forward
-    # only); cpu: cached calls on the CPU
+    backend: Literal["auto", "torch", "flex", "cpu", "triton"] = "auto"  # attention/kernels/__init__.py; flex: GPU
+    # (CPU: forward only); cpu, triton: cached calls (CPU; CUDA)
 
 
 # ---- routing (owned by attention/routing.py)

@@ -2,8 +2,8 @@
 
 "Attention Is All You Need" (Vaswani et al., arXiv 1706.03762), computed by torch's
 scaled_dot_product_attention (flash / memory-efficient kernels where available); a call through a
-cache on the CPU by the `cpu` back-end's operator where it serves (kernels/decode_cpu.py: it reads
-only the keys its queries see).
+cache by the `cpu` back-end's operator on the CPU (kernels/decode_cpu.py) or the `triton` back-end's
+kernels on CUDA (kernels/decode_triton.py) where they serve: both read only the keys its queries see.
 
 Legend: B batch, T new tokens, H query heads, G key/value heads, D head width.
 """
@@ -14,12 +14,11 @@ import torch
 from torch import Tensor
 
 from attnlab.attention.base import Attention, AttentionSpec, KVCache, masked_attention, new_lengths, sdpa, write_rows
-from attnlab.attention.kernels import check_backend, choose_cached
-from attnlab.attention.kernels.decode_cpu import cached_attention
+from attnlab.attention.kernels import check_backend, choose_cached, decode_cpu, decode_triton
 from attnlab.config import FullAttentionConfig
 from attnlab.registry import ATTENTION
 
-OFFERED = ("torch", "cpu")
+OFFERED = ("torch", "cpu", "triton")  # cpu, triton: calls through a cache only
 
 
 class FullCache(KVCache):
@@ -67,8 +66,11 @@ class FullAttention(Attention):
         cache.append(k, v, positions)
         if cache.prefill:  # every row empty: the chunk is a whole sequence
             return self.heads.merge(sdpa(q, k, v, mask=None, causal=True, dropout=dropout))
-        if choose_cached(self.config.backend, OFFERED, q, cache.keys, dropout) == "cpu":
-            return self.heads.merge(cached_attention(q, cache.keys, cache.values, positions))
+        backend = choose_cached(self.config.backend, OFFERED, q, cache.keys, dropout)
+        if backend == "cpu":
+            return self.heads.merge(decode_cpu.cached_attention(q, cache.keys, cache.values, positions))
+        if backend == "triton":
+            return self.heads.merge(decode_triton.cached_attention(q, cache.keys, cache.values, positions))
         return self.heads.merge(masked_attention(q, cache.keys, cache.values, cache.visible(positions)))
 
     def new_cache(self, batch: int, max_len: int, device=None, dtype=None, lengths: Tensor | None = None) -> FullCache:

@@ -3,8 +3,9 @@ itself included.
 
 As used by the Longformer (Beltagy et al., arXiv 2004.05150) and as the local heads of the Routing
 and Sinkhorn Transformers. Computed in blocks of `window` queries, each attending to its own
-block and the one before, so memory is O(T * window), never T x T. A call through a cache on the
-CPU runs on the `cpu` back-end's operator where it serves (kernels/decode_cpu.py).
+block and the one before, so memory is O(T * window), never T x T. A call through a cache runs on
+the `cpu` back-end's operator on the CPU (kernels/decode_cpu.py) or the `triton` back-end's kernels
+on CUDA (kernels/decode_triton.py) where they serve.
 
 Legend: B batch, T queries, S keys, H query heads, G key/value heads, D head width,
 N query blocks, W window.
@@ -30,8 +31,7 @@ from attnlab.attention.base import (
     window_positions,
     write_rows,
 )
-from attnlab.attention.kernels import check_backend, choose, choose_cached
-from attnlab.attention.kernels.decode_cpu import cached_attention
+from attnlab.attention.kernels import check_backend, choose, choose_cached, decode_cpu, decode_triton
 from attnlab.attention.kernels.flex_local import flex_local_attention
 from attnlab.config import LocalAttentionConfig
 from attnlab.errors import ConfigError
@@ -58,10 +58,13 @@ def window_attention(q: Tensor, keys: Tensor, values: Tensor, positions: Tensor,
 
 def cached_window_attention(q: Tensor, keys: Tensor, values: Tensor, positions: Tensor, window: int,
                             backend: str, dropout: float = 0.0) -> Tensor:
-    """window_attention (backend torch), or the cpu back-end's operator with the window (backend cpu,
-    kernels/decode_cpu.py: the storage read in place, a slice of its heads too; no dropout)."""
+    """window_attention (backend torch), or with the window the cpu back-end's operator (backend cpu,
+    kernels/decode_cpu.py) or the triton back-end's kernels (backend triton, kernels/decode_triton.py):
+    the storage read in place, a slice of its heads too; no dropout."""
     if backend == "cpu":
-        return cached_attention(q, keys, values, positions, window)
+        return decode_cpu.cached_attention(q, keys, values, positions, window)
+    if backend == "triton":
+        return decode_triton.cached_attention(q, keys, values, positions, window)
     return window_attention(q, keys, values, positions, window, dropout)
 
 
@@ -123,7 +126,7 @@ class LocalCache(KVCache):
         self.values = torch.zeros(shape, device=lengths.device, dtype=dtype)
 
 
-OFFERED = ("torch", "flex", "cpu")  # cpu: calls through a cache only (choose_cached)
+OFFERED = ("torch", "flex", "cpu", "triton")  # cpu, triton: calls through a cache only (choose_cached)
 WHOLE_SEQUENCE = ("torch", "flex")  # the back-ends of a whole sequence (choose)
 
 
@@ -150,7 +153,7 @@ class LocalAttention(Attention):
             if cache is not None:
                 write_rows(cache.keys, k, positions)
                 write_rows(cache.values, v, positions)
-            backend = "torch" if self.config.backend == "cpu" else self.config.backend
+            backend = "torch" if self.config.backend in ("cpu", "triton") else self.config.backend
             if choose(backend, WHOLE_SEQUENCE, q, whole=True, dropout=dropout) == "flex":
                 return self.heads.merge(flex_local_attention(q, k, v, window))
             return self.heads.merge(local_attention(q, k, v, window, dropout))

@@ -92,6 +92,7 @@ from attnlab.errors import ConfigError
 from attnlab.registry import ATTENTION
 
 OFFERED = ("torch", "cpu", "flex", "triton")
+CACHED = ("torch", "cpu")  # the back-ends of calls through a cache (choose_cached)
 
 # ----------------------------------------------------------------------------------------------
 # Pure functions: the compressed branch and the selection (eq. 7-11)
@@ -520,7 +521,7 @@ class NativeSparseAttention(Attention):
         cache.compress(k_cmp, v_cmp, positions, self.compress_keys, self.compress_values, q.dtype)
         n_selection = k_cmp.shape[2] // config.selection_block_size
         k_slc, v_slc = self._branch(stored, "slc")
-        backend = choose_cached(config.backend, OFFERED, q, k_slc)
+        backend = choose_cached(config.backend, CACHED, q, k_slc)
         out_cmp, indices, valid = self._cached_compressed(q_plain, cache, positions, n_selection, backend)
         out_slc = self._cached_selected(q, k_slc, v_slc, indices, valid, positions, n_selection, backend)
         k_win, v_win = self._branch(stored, "win")

@@ -10,11 +10,12 @@ its config (`model.attention.<kind>.backend`) names the faster path that serves 
             float32 or bfloat16: full, local, routing and sinkhorn attention's, NSA's three branches
     flex    FlexAttention with block masks (kernels/flex*.py): whole sequences or long chunks, no
             dropout; compiled on CUDA, forward-only eager reference on the CPU (for checks)
-    triton  Triton kernels (kernels/nsa_compressed_triton.py, nsa_triton.py): CUDA, or the CPU under
-            TRITON_INTERPRET=1
+    triton  Triton kernels: CUDA, or the CPU under TRITON_INTERPRET=1. NSA's whole sequences
+            (kernels/nsa_compressed_triton.py, nsa_triton.py); full and local attention's calls
+            through a cache (kernels/decode_triton.py: only the keys each query sees)
     auto    the fastest back-end that serves the call: cpu where it serves it, else on CUDA for whole
-            sequences triton (NSA) or flex (local, routing, sinkhorn), else torch (choose; a call
-            through a cache: choose_cached)
+            sequences triton (NSA) or flex (local, routing, sinkhorn), else torch (choose); a call
+            through a cache: cpu on the CPU, triton on CUDA, where offered and served (choose_cached)
 
 A call a back-end does not serve (a cached chunk for `cpu`, a short chunk for `flex`) runs on the
 reference path: every back-end has one semantics, tested against the reference
@@ -119,16 +120,57 @@ def choose(backend: str, offered: tuple[str, ...], x: Tensor, whole: bool, dropo
     return "torch"
 
 
-def choose_cached(backend: str, offered: tuple[str, ...], q: Tensor, keys: Tensor, dropout: float = 0.0) -> str:
-    """The back-end of an attention's call through a cache, queries q [B, H, T, D] over its storage
-    keys [B, G, L, D]: cpu (kernels/decode_cpu.py) where offered, named or auto, and it serves the
-    call, else torch. A named cpu that cannot run here at all is a one-line error, as in
-    `choose`; a call it does not take (a head width or query count it has no block for) runs on torch."""
-    if "cpu" not in offered or backend not in ("auto", "cpu"):
-        return "torch"
+def decode_triton_refusal(q: Tensor, keys: Tensor, dropout: float) -> str | None:
+    """Why the triton back-end's cached-call kernels (kernels/decode_triton.py) cannot run here at
+    all (None: they can): triton installed, CUDA tensors (or the CPU under TRITON_INTERPRET=1), no
+    dropout or gradient."""
+    refusal = triton_refusal(q, dropout)
+    if refusal is not None:
+        return refusal
+    if dropout:
+        return "has no attention dropout"
+    if torch.is_grad_enabled() and (q.requires_grad or keys.requires_grad):
+        return "has no backward (it decodes)"
+    return None
+
+
+def _decode_cpu_serves(q: Tensor, keys: Tensor) -> bool:
     from attnlab.attention.kernels.decode_cpu import serves
 
-    refusal = decode_cpu_refusal(q, keys, dropout)
-    if refusal is not None and backend == "cpu":
-        raise ConfigError(f"attention back-end cpu {refusal}; choose backend=auto or torch")
-    return "cpu" if refusal is None and serves(q) else "torch"
+    return serves(q)
+
+
+def _decode_triton_serves(q: Tensor, keys: Tensor) -> bool:
+    from attnlab.attention.kernels.decode_triton import serves
+
+    return serves(q, keys)
+
+
+# the back-ends of calls through a cache: why one cannot run here, whether it takes a call
+CACHED_BACKENDS = {
+    "cpu": (decode_cpu_refusal, _decode_cpu_serves),
+    "triton": (decode_triton_refusal, _decode_triton_serves),
+}
+
+
+def choose_cached(backend: str, offered: tuple[str, ...], q: Tensor, keys: Tensor, dropout: float = 0.0) -> str:
+    """The back-end of an attention's call through a cache, queries q [B, H, T, D] over its storage
+    keys [B, G, L, D]: cpu (kernels/decode_cpu.py) or triton (kernels/decode_triton.py) where the
+    variant offers it for cached calls (`offered`), named or auto, and it serves the call, else
+    torch. `auto` takes cpu for CPU tensors and triton for CUDA ones (never the interpreter). A named
+    back-end that cannot run here at all is a one-line error, as in `choose`; a call it does not
+    take (a head width or query count it has no block for) runs on torch."""
+    if backend == "auto":
+        candidates = ["cpu"] if q.device.type == "cpu" else ["triton"] if q.device.type == "cuda" else []
+    else:
+        candidates = [backend]
+    for name in candidates:
+        if name not in offered or name not in CACHED_BACKENDS:
+            continue
+        refused, serves = CACHED_BACKENDS[name]
+        refusal = refused(q, keys, dropout)
+        if refusal is not None and backend != "auto":
+            raise ConfigError(f"attention back-end {name} {refusal}; choose backend=auto or torch")
+        if refusal is None and serves(q, keys):
+            return name
+    return "torch"
