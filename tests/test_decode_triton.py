@@ -57,7 +57,8 @@ def case(batch, heads, groups, queries, length, width, dtype, storage_dtype=None
     (2, 8, 2, 5, SPLIT + 40, 48, 6),    # a window (local attention), a width that is no power of two
     (2, 4, 2, 4, 3 * SPLIT, 80, SPLIT + 30),  # a window across splits
     (2, 6, 3, 3, 100, 128, 0),          # three heads per group: rows padded
-    (1, 16, 1, 8, SPLIT + 1, 32, 0),    # 128 rows, the most a program holds; a split of one key
+    (1, 16, 1, 8, SPLIT + 1, 32, 0),    # 128 rows; a split of one key
+    (2, 2, 1, 3, 90, 256, 20),          # the widest head: keys scored 32 at a time
 ])
 @pytest.mark.parametrize("dtype, storage_dtype", [
     (torch.float32, torch.float32),
@@ -146,6 +147,8 @@ def test_a_model_decodes_through_it_as_through_torch(name, monkeypatch):
 
 
 def test_auto_never_takes_it_on_the_cpu_and_a_named_one_says_why(monkeypatch):
+    """auto never takes the interpreter (on CUDA it leaves cached calls to torch for now:
+    tests/test_gpu.py)."""
     from attnlab.attention import full, local, nsa
 
     q, keys, _, _ = case(1, 2, 2, 1, 20, 32, torch.float32)
@@ -154,6 +157,8 @@ def test_auto_never_takes_it_on_the_cpu_and_a_named_one_says_why(monkeypatch):
     assert choose_cached("triton", local.OFFERED, q, keys) == "triton"
     assert choose_cached("triton", nsa.CACHED, q, keys) == "torch"  # NSA's cached calls: cpu or torch
     assert choose_cached("triton", full.OFFERED, q.double(), keys.double()) == "torch"  # a dtype it lacks
+    many_rows = torch.zeros(1, 64, 3, 128)  # 192 rows (padded: 256) by 128: more than a program holds
+    assert choose_cached("triton", full.OFFERED, many_rows, torch.zeros(1, 1, 20, 128)) == "torch"
     with pytest.raises(ConfigError, match="^attention back-end triton has no attention dropout; choose"):
         choose_cached("triton", full.OFFERED, q, keys, dropout=0.1)
     monkeypatch.delenv("TRITON_INTERPRET")

@@ -205,8 +205,9 @@ def test_triton_cached_attention_equals_torch(dtype, storage_dtype, heads, kv_he
     """The triton back-end's cached-call kernels (kernels/decode_triton.py) at real sizes: a storage
     of 16k positions, each row's queries at its own positions, against torch's attention over the
     whole storage with the mask; what lies past the positions is never read."""
+    from attnlab.attention import full
     from attnlab.attention.base import masked_attention
-    from attnlab.attention.kernels import decode_triton
+    from attnlab.attention.kernels import choose_cached, decode_triton
 
     torch.manual_seed(0)
     length, width = 16384, 128
@@ -221,29 +222,36 @@ def test_triton_cached_attention_equals_torch(dtype, storage_dtype, heads, kv_he
     want = masked_attention(q.float(), keys.float(), values.float(), visible[:, None])
     got = decode_triton.cached_attention(q, keys, values, positions, window)
     assert relative_error(got, want) < TOLERANCE[dtype]
+    assert choose_cached("triton", full.OFFERED, q, keys) == "triton"
+    assert choose_cached("auto", full.OFFERED, q, keys) == "torch"  # until timed on a GPU (gpu.sh cached)
     keys[0, :, 37 + queries:] = float("nan")
     values[1, :, 9000 + queries:] = float("inf")
     assert torch.equal(decode_triton.cached_attention(q, keys, values, positions, window), got)
 
 
-# every type over caches in the weights' dtype, and two over caches of bfloat16 keys and values
-CUDA_GRAPH_CASES = [*((name, None) for name in ("full", "local", "routing", "sinkhorn", "nsa")),
-                    ("full", torch.bfloat16), ("nsa", torch.bfloat16)]
+# every type over caches in the weights' dtype, two over caches of bfloat16 keys and values, and
+# full and local attention's cached calls on the triton back-end's kernels (the eager model: auto)
+CUDA_GRAPH_CASES = [*((name, None, "auto") for name in ("full", "local", "routing", "sinkhorn", "nsa")),
+                    ("full", torch.bfloat16, "auto"), ("nsa", torch.bfloat16, "auto"),
+                    ("full", None, "triton"), ("local", None, "triton"), ("full", torch.bfloat16, "triton")]
 
 
-@pytest.mark.parametrize("name, cache_dtype", CUDA_GRAPH_CASES)
-def test_compiled_decoding_replays_cuda_graphs(name, cache_dtype):
+@pytest.mark.parametrize("name, cache_dtype, backend", CUDA_GRAPH_CASES)
+def test_compiled_decoding_replays_cuda_graphs(name, cache_dtype, backend):
     """compile_decoding() on the GPU (inductor, CUDA graphs): the eager logits over a prefill,
     one-token steps, a chunk, a level and a per-row rollback, with every logit kept across steps;
     no step skips CUDA graphs (the caches' tensors are static inputs); a second cache, at other
-    addresses, too. Also over caches of bfloat16 keys and values beside float32 weights."""
+    addresses, too. Also over caches of bfloat16 keys and values beside float32 weights, and with
+    the compiled model's attention on another back-end than the eager one's."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
     eager = Transformer(variant_config(name, depth=2, max_seq_len=512)).to(DEVICE).eval()
-    compiled = Transformer(variant_config(name, depth=2, max_seq_len=512)).to(DEVICE).eval()
+    compiled_config = variant_config(name, depth=2, max_seq_len=512)
+    getattr(compiled_config.attention, name).backend = backend
+    compiled = Transformer(compiled_config).to(DEVICE).eval()
     compiled.load_state_dict(eager.state_dict())
     assert compiled.compile_decoding() and compiled._cuda_graphs
     tokens = torch.randint(0, 61, (2, 80), device=DEVICE)

@@ -127,8 +127,9 @@ def decode_capacity(length: int, max_seq_len: int) -> int:
     cache's capacity (static shapes), so generations whose lengths fall in one bucket share the
     graphs the first made, where an exact capacity compiled anew for every length (20-30 s a time on
     a CPU). The cost: up to twice the cache's memory, and, on a path that reads the whole storage
-    masked (the torch back-end's attention), up to twice its reads; the cpu back-end (CPU) and the
-    triton back-end (CUDA: full and local attention) read only the positions a query sees."""
+    masked (the torch back-end's attention, which `auto` takes on CUDA), up to twice its reads; the
+    cpu back-end (CPU) and the triton back-end (CUDA, when named: full and local attention) read only
+    the positions a query sees."""
     bucket = max(DECODE_CAPACITY_FLOOR, 1 << (length - 1).bit_length())
     return min(bucket, max_seq_len) if length <= max_seq_len else bucket
 

@@ -15,7 +15,7 @@ its config (`model.attention.<kind>.backend`) names the faster path that serves 
             through a cache (kernels/decode_triton.py: only the keys each query sees)
     auto    the fastest back-end that serves the call: cpu where it serves it, else on CUDA for whole
             sequences triton (NSA) or flex (local, routing, sinkhorn), else torch (choose); a call
-            through a cache: cpu on the CPU, triton on CUDA, where offered and served (choose_cached)
+            through a cache: cpu on the CPU where offered and served, else torch (choose_cached)
 
 A call a back-end does not serve (a cached chunk for `cpu`, a short chunk for `flex`) runs on the
 reference path: every back-end has one semantics, tested against the reference
@@ -157,11 +157,12 @@ def choose_cached(backend: str, offered: tuple[str, ...], q: Tensor, keys: Tenso
     """The back-end of an attention's call through a cache, queries q [B, H, T, D] over its storage
     keys [B, G, L, D]: cpu (kernels/decode_cpu.py) or triton (kernels/decode_triton.py) where the
     variant offers it for cached calls (`offered`), named or auto, and it serves the call, else
-    torch. `auto` takes cpu for CPU tensors and triton for CUDA ones (never the interpreter). A named
-    back-end that cannot run here at all is a one-line error, as in `choose`; a call it does not
-    take (a head width or query count it has no block for) runs on torch."""
+    torch. `auto` takes cpu for CPU tensors; triton serves CUDA tensors when named, and `auto` leaves
+    CUDA to torch until the kernels have been run and timed on a GPU (tests/test_gpu.py, `bash
+    bench/gpu.sh cached`). A named back-end that cannot run here at all is a one-line error, as in
+    `choose`; a call it does not take (a head width or query count it has no block for) runs on torch."""
     if backend == "auto":
-        candidates = ["cpu"] if q.device.type == "cpu" else ["triton"] if q.device.type == "cuda" else []
+        candidates = ["cpu"] if q.device.type == "cpu" else []
     else:
         candidates = [backend]
     for name in candidates:

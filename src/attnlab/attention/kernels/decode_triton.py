@@ -37,17 +37,20 @@ from attnlab.attention.kernels.decode_cpu import out_layout
 from attnlab.attention.kernels.nsa_triton import interpreting
 
 SPLIT_KEYS = 256  # storage positions per program: a 4096-token context is 16 splits per (row, group)
-KEY_TILE = 64  # keys scored together within a split
-MAX_ROWS = 128  # queries x heads per group one program holds
 MAX_WIDTH = 256  # head width
+# a program's float32 accumulator, rows (queries x heads per group) by head width, both padded to
+# powers of two: at most 128 x 128 (or 64 x 256), as a flash-attention program of 8 warps holds
+MAX_ACCUMULATOR = 128 * 128
 
 
 def serves(q: Tensor, keys: Tensor) -> bool:
     """Whether the kernels take queries q [B, H, T, D] over storage keys [B, G, L, D]: head widths up
-    to MAX_WIDTH, at most MAX_ROWS queries x heads per group, float32, bfloat16 or float16."""
+    to MAX_WIDTH, queries x heads per group by width within MAX_ACCUMULATOR (padded), float32,
+    bfloat16 or float16."""
     dtypes = (torch.float32, torch.bfloat16, torch.float16)
     rows = q.shape[2] * (q.shape[1] // keys.shape[1])
-    return q.shape[-1] <= MAX_WIDTH and rows <= MAX_ROWS and q.dtype in dtypes and keys.dtype in dtypes
+    return (q.shape[-1] <= MAX_WIDTH and _padded(rows) * _padded(q.shape[-1]) <= MAX_ACCUMULATOR
+            and q.dtype in dtypes and keys.dtype in dtypes)
 
 
 def _padded(size: int) -> int:
@@ -71,8 +74,8 @@ def _kernels(interpreted: bool) -> tuple:
     ):
         # program = (b g, split); q [B, H, T, D] (last dimension contiguous); k, v [B, G, L, D];
         # partial [B G, S, ROWS_PAD, DIM_PAD], maximum and total [B G, S, ROWS_PAD] (float32)
-        batch_group = tl.program_id(0)
-        split = tl.program_id(1)
+        batch_group = tl.program_id(0).to(tl.int64)  # 64-bit offsets: a storage may pass 2**31 elements
+        split = tl.program_id(1).to(tl.int64)
         batch = batch_group // n_groups
         group = batch_group % n_groups
         rows = tl.arange(0, ROWS_PAD)  # row = query * R + head within the group
@@ -125,7 +128,7 @@ def _kernels(interpreted: bool) -> tuple:
         DIM_PAD: tl.constexpr, SPLIT: tl.constexpr,
     ):
         # program = b g: the splits its queries saw, merged; out [B, H, T, D] (last dimension contiguous)
-        batch_group = tl.program_id(0)
+        batch_group = tl.program_id(0).to(tl.int64)
         batch = batch_group // n_groups
         group = batch_group % n_groups
         rows = tl.arange(0, ROWS_PAD)
@@ -174,17 +177,19 @@ def _launch(q: Tensor, keys: Tensor, values: Tensor, positions: Tensor, window: 
     out = out_layout(q)
     sizes = dict(QUERIES=n_queries, HEADS_PER_GROUP=heads_per_group, ROWS_PAD=rows_padded, DIM=width,
                  DIM_PAD=width_padded)
+    warps = 8 if rows_padded * width_padded > 64 * 128 else 4
+    key_tile = 64 if width_padded <= 128 else 32  # keys scored together: a tile of keys and one of values
     split_kernel, merge_kernel = _kernels(interpreting())
     split_kernel[(batch * n_groups, n_splits)](
         q, keys, values, positions, partial, maximum, total,
         q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2),
         n_groups, n_keys, n_splits, window, 1 / math.sqrt(width),
-        **sizes, SPLIT=SPLIT_KEYS, KEYS=KEY_TILE,
+        **sizes, SPLIT=SPLIT_KEYS, KEYS=key_tile, num_warps=warps,
     )
     merge_kernel[(batch * n_groups,)](
         partial, maximum, total, positions, out, out.stride(0), out.stride(1), out.stride(2),
-        n_groups, n_splits, window, **sizes, SPLIT=SPLIT_KEYS,
+        n_groups, n_splits, window, **sizes, SPLIT=SPLIT_KEYS, num_warps=warps,
     )
     return out
 
