@@ -77,6 +77,25 @@ def test_sample_decodes_in_the_dtype_asked_for(run_dir, capsys, monkeypatch, opt
     assert capsys.readouterr().out == bytes(expected[0].tolist()).decode("utf-8", "replace") + "\n"
 
 
+def test_sample_decodes_on_the_attention_backend_asked_for(run_dir, capsys, monkeypatch):
+    """--attention-backend torch: every layer's attention on the reference, the same greedy text as
+    the run's own back-end (auto)."""
+    from attnlab.train import checkpoint
+
+    loaded = []
+    load_model = checkpoint.load_model
+    monkeypatch.setattr(checkpoint, "load_model", lambda *args, **kwargs: loaded.append(load_model(*args, **kwargs))
+                        or loaded[-1])
+    args = ["sample", str(run_dir), "--prompt", "def ", "--max-new-tokens", "20", "--temperature", "0"]
+    capsys.readouterr()
+    assert main(args) == 0
+    own = capsys.readouterr().out
+    assert main([*args, "--attention-backend", "torch"]) == 0
+    assert capsys.readouterr().out == own
+    assert [block.attention.config.backend for block in loaded[-1].blocks] == ["torch"]
+    assert loaded[-1].config.attention.full.backend == "torch" and loaded[0].config.attention.full.backend == "auto"
+
+
 def test_sample_compiles_the_step_inductor_caches(run_dir, capsys, monkeypatch):
     """--compile on a CPU asks for the step with ATen's products (the one inductor's cache keeps for
     the next process; aot_eager here, for speed), and its greedy text is the eager command's."""

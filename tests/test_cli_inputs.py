@@ -100,7 +100,7 @@ ARGUMENTS = [
     ["speculative", "--target", "RUN", "--draft", "RUN", "--device", "tpu"],
     ["speculative", "--target", "RUN", "--draft", "RUN", "--dtype", "int8"],
     ["speculative", "--target", "RUN", "--draft", "RUN", "--cache-dtype", "float8"],
-    ["sample", "RUN", "--cache-dtype", "int8"],
+    ["sample", "RUN", "--cache-dtype", "int8"], ["sample", "RUN", "--attention-backend", "cuda"],
     ["speculative", "--target", "RUN", "--draft", "RUN", "--draft-quantize", "int4"],
     ["speculative", "train", "--target-preset", "demo", "--draft-preset", "demo", "--distill", "1.5"],
     ["speculative", "train", "--target", "RUN", "--draft-preset", "demo", "--draft-steps", "0"],
@@ -185,6 +185,10 @@ def test_sample_eval_speculative_refuse_in_one_line(runs, tmp_path, capsys):
         (["speculative", "--target", runs["learned"], "--draft", runs["learned"], "--max-new-tokens", "40"],
          "learned positions end"),
         (["speculative", "--target", runs["bytes"]], "give --target RUN and --draft RUN"),
+        (["sample", runs["bytes"], "--attention-backend", "flex"],
+         "attention.full.backend=flex is not offered; full offers: auto, torch, cpu, triton"),
+        (["speculative", "--target", runs["bytes"], "--draft", runs["bytes"], "--attention-backend", "flex"],
+         "attention.full.backend=flex is not offered"),
     ]
     if not torch.cuda.is_available():
         cases.append((["sample", runs["bytes"], "--device", "cuda:0"], "CUDA is not available"))

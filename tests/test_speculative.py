@@ -644,6 +644,7 @@ def test_speculative_command_reports_both_decodings(trained_pair, draft_argument
     assert report["speculative"]["batch_scheme"] == "per-row"  # full attention: auto rolls back per row
     assert report["products"] == {"target": "F.linear", "draft": "F.linear"}  # models far below 8 MB
     assert report["compiled_entries"] == {"target": [], "draft": []} and report["cudagraph_skips"] is None
+    assert report["attention_backend"] == {"target": "auto", "draft": "auto"}  # the runs' own
     code = main([
         "speculative", "--target", str(root / "target"), *draft_arguments, "--gamma", "3", "--prompt", "def ",
         "--max-new-tokens", "12", "--batch-size", "2", "--temperature", "0", "--batch-scheme", "shared", "--json",
@@ -682,6 +683,10 @@ def test_speculative_command_with_an_int8_draft(trained_pair, capsys):
     assert main([*arguments, "--draft", str(root / "draft"), "--cache-dtype", "bf16", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)  # float32 weights over bfloat16 caches, the base's too
     assert report["dtype"] == "float32" and report["cache_dtype"] == "bfloat16"
+    assert main([*arguments, "--draft", str(root / "draft"), "--attention-backend", "torch", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)  # both models on the reference attention
+    assert report["attention_backend"] == {"target": "torch", "draft": "torch"}
+    assert report["speculative"]["text"] == report["base"]["text"]
 
 
 def test_decoding_past_the_training_length_warns(trained_pair, caplog):

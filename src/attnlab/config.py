@@ -84,6 +84,8 @@ class PlainName:
 
 
 DEVICE_NAME = re.compile(r"auto|cpu|mps|(cuda|xpu)(:[0-9]+)?")
+# every attention back-end a variant may offer (attention/kernels/__init__.py says what each runs)
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "flex", "triton")
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,7 @@ class SpeculativeBench:
     dtype: str = "float32"  # both models' weights and caches (torch's name): the base decodes in it too
     cache_dtype: str | None = None  # both models' and the base's caches' keys and values, if not dtype
     compile: bool = False  # both models decode with compiled steps (Transformer.compile_decoding)
+    attention_backend: str | None = None  # both models' attention back-end (load_model); None: each run's
 
     def __post_init__(self) -> None:  # worded for `attnlab speculative`, whose flags these fields are
         if self.target is None or (self.draft is None and self.early_exit is None):
@@ -80,7 +81,8 @@ def timed(function: Callable[[], object], device: torch.device) -> tuple[object,
 
 def load_pair(bench: SpeculativeBench, device: torch.device) -> tuple[Transformer, CachedLanguageModel, str]:
     """(target, draft, the draft's name for the report)."""
-    target = load_model(bench.target, device=device, weights=bench.weights, dtype=getattr(torch, bench.dtype))
+    target = load_model(bench.target, device=device, weights=bench.weights, dtype=getattr(torch, bench.dtype),
+                        attention_backend=bench.attention_backend)
     if bench.compile:
         target.compile_decoding()
     if bench.early_exit is not None:
@@ -89,7 +91,8 @@ def load_pair(bench: SpeculativeBench, device: torch.device) -> tuple[Transforme
                                f"1 to {target.config.depth}")
         draft_name = f"early exit after layer {bench.early_exit} of the target"
         return target, EarlyExitDraft(target, bench.early_exit), draft_name
-    draft = load_model(bench.draft, device=device, weights=bench.weights, dtype=getattr(torch, bench.dtype))
+    draft = load_model(bench.draft, device=device, weights=bench.weights, dtype=getattr(torch, bench.dtype),
+                       attention_backend=bench.attention_backend)
     draft_name = str(bench.draft)
     if draft.config.num_tokens != target.config.num_tokens:
         raise AttnlabError("draft and target must share a vocabulary (model.num_tokens)")
@@ -98,6 +101,12 @@ def load_pair(bench: SpeculativeBench, device: torch.device) -> tuple[Transforme
     if bench.compile:
         draft.compile_decoding()
     return target, draft, draft_name
+
+
+def attention_backend(model) -> str:
+    """The attention back-end a model (or an early-exit draft's target) is configured with."""
+    config = getattr(model, "target", model).config.attention
+    return getattr(config, config.kind).backend
 
 
 def cudagraph_skips() -> int:
@@ -219,6 +228,8 @@ def run_speculative_bench(bench: SpeculativeBench) -> dict[str, Any]:
         # what the models decode in, read off them (both cast alike: the base decodes in it too)
         "dtype": str(next(target.parameters()).dtype).removeprefix("torch."),
         "cache_dtype": bench.cache_dtype or str(next(target.parameters()).dtype).removeprefix("torch."),
+        # read off the models: each one's attention back-end as configured (auto: chosen per call)
+        "attention_backend": {role: attention_backend(model) for role, model in (("target", target), ("draft", draft))},
         "gamma": bench.gamma,
         "batch_size": bench.batch_size,
         "max_new_tokens": bench.max_new_tokens,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from attnlab.config import DEVICE_NAME, MAX_INT
+from attnlab.config import ATTENTION_BACKENDS, DEVICE_NAME, MAX_INT
 from attnlab.errors import AttnlabError
 
 MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes 64 bits; numpy's default_rng any non-negative int
@@ -112,6 +112,14 @@ def add_cache_dtype(parser) -> None:
     parser.add_argument("--cache-dtype", type=dtype, default=None,
                         help="the caches' keys and values in this dtype (default: --dtype's): bfloat16 beside float32 "
                         "weights halves the bytes a long context's step reads")
+
+
+def add_attention_backend(parser) -> None:
+    """--attention-backend of the decoding commands: every layer's attention back-end."""
+    parser.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=None,
+                        help="the attention's back-end (model.attention.<kind>.backend; default: the run's): "
+                        "triton takes full and local attention's cached calls on CUDA, torch the reference "
+                        "(docs/attention.md, Back-ends)")
 
 
 def add_sampling(parser) -> None:

@@ -1,5 +1,5 @@
 """`attnlab sample RUN --prompt TEXT --max-new-tokens N [--temperature T --top-k K --top-p P --min-p M]
-[--dtype bfloat16] [--cache-dtype bfloat16] [--compile]`"""
+[--dtype bfloat16] [--cache-dtype bfloat16] [--attention-backend NAME] [--compile]`"""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ def register(subparsers) -> None:
     parser.add_argument("--device", type=arguments.device, default="cpu")
     arguments.add_decoding_dtype(parser)
     arguments.add_cache_dtype(parser)
+    arguments.add_attention_backend(parser)
     parser.add_argument("--compile", action="store_true",
                         help="decode with a compiled step (torch.compile; CUDA graphs on a GPU; on a CPU the step "
                         "inductor stores in its cache, so later runs compile in seconds)")
@@ -37,7 +38,8 @@ def run(args: argparse.Namespace) -> int:
     from attnlab.train.portable import run_directory
 
     device = arguments.usable_device(args.device)
-    model = load_model(args.run, device=device, weights=args.weights, dtype=getattr(torch, args.dtype))
+    model = load_model(args.run, device=device, weights=args.weights, dtype=getattr(torch, args.dtype),
+                       attention_backend=args.attention_backend)
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
     tokenizer = tokenizer_for(model.run_config.data, run_directory(args.run))  # None: a byte-level run
     prompt = torch.tensor([encode_prompt(tokenizer, args.prompt)], device=device)

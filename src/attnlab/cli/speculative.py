@@ -68,6 +68,7 @@ def register(subparsers) -> None:
     parser.add_argument("--device", type=arguments.device, default="cpu")
     arguments.add_decoding_dtype(parser)
     arguments.add_cache_dtype(parser)
+    arguments.add_attention_backend(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(func=run)
 
@@ -113,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
         sampling=SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p),
         seed=args.seed, batch_scheme=args.batch_scheme, repeats=args.repeats, weights=args.weights,
         device=arguments.usable_device(args.device), dtype=args.dtype, cache_dtype=args.cache_dtype,
-        compile=args.compile,
+        compile=args.compile, attention_backend=args.attention_backend,
     )
     report = run_speculative_bench(bench)
     if args.json:

@@ -183,17 +183,22 @@ def describe_corruption(path: Path, error: CheckpointError) -> CheckpointError:
 
 def load_model(
     run_or_checkpoint: str | Path, device: str | torch.device = "cpu", weights: str = "auto",
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | None = None, attention_backend: str | None = None,
 ) -> Transformer:
     """A trained model in eval mode from a run directory (its latest checkpoint) or a checkpoint.
 
     weights: "model", "ema" (the moving average, if the run kept one) or "auto" (ema when present).
     dtype: cast the weights (and so the caches decoding makes) to it, e.g. torch.bfloat16 to decode
     in half the bytes; None keeps the checkpoint's float32.
+    attention_backend: the back-end of every layer's attention (model.attention.<kind>.backend,
+    attention/kernels/__init__.py), e.g. "triton" for full attention's cached calls on CUDA; None
+    keeps the run's. One the attention type does not offer is a one-line ConfigError.
     """
     path = resolve_checkpoint(run_or_checkpoint)
     state = read_checkpoint(path)
     config: RunConfig = config_from_dict(state["config"])
+    if attention_backend is not None:
+        getattr(config.model.attention, config.model.attention.kind).backend = attention_backend
     model = Transformer(config.model)
     use_ema = weights == "ema" or (weights == "auto" and state.get("ema") is not None)
     if use_ema and state.get("ema") is None:

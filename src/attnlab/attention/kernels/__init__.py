@@ -29,9 +29,10 @@ import torch
 from torch import Tensor
 
 from attnlab.attention.kernels.flex import LENGTH_BUCKET
+from attnlab.config import ATTENTION_BACKENDS
 from attnlab.errors import ConfigError
 
-BACKENDS = ("auto", "torch", "cpu", "flex", "triton")
+BACKENDS = ATTENTION_BACKENDS
 
 
 def check_backend(kind: str, backend: str, offered: tuple[str, ...]) -> None:
