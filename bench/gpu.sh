@@ -54,9 +54,12 @@ speculative_runs() {
     train_pair
     : > "$out/speculative.jsonl"
     # issue 24's goals first: both models compiled (CUDA graphs), the target's compiled decoding as
-    # the base; greedy shows the output equals the target's. Then eagerly, batch 4 both ways (each
-    # row's caches rolled back to its own length, and all rows to the shortest).
+    # the base; greedy shows the output equals the target's; then batch 1 again with the attention's
+    # cached calls on the triton back-end's kernels (auto leaves them to torch on CUDA). Then
+    # eagerly, batch 4 both ways (each row's caches rolled back to its own length, and all rows to
+    # the shortest).
     for run in "1 auto 1 --compile" "1 auto 0 --compile" "4 per-row 1 --compile" \
+               "1 auto 1 --compile --attention-backend=triton" \
                "1 auto 1" "4 per-row 1" "4 shared 1" "1 auto 0"; do
         read -r batch scheme temperature compile <<< "$run"
         attnlab speculative --target "$runs/spec-target" --draft "$runs/spec-draft" --gamma 5 --prime-from-val \
@@ -69,7 +72,7 @@ import json, sys
 r = json.load(open(sys.argv[1]))
 s = r["speculative"]
 line = (f"batch {r['batch_size']} ({s['batch_scheme']}), temperature {r['sampling']['temperature']}, "
-        f"{'compiled ' + str(r['compiled_entries']) if r['compile'] else 'eager'}: base {r['base']['ms']:.0f} ms "
+        f"{'compiled ' + str(r['compiled_entries']) if r['compile'] else 'eager'}, attention {r['attention_backend']}: base {r['base']['ms']:.0f} ms "
         f"({r['base']['ms'] / r['max_new_tokens']:.2f} ms/token, prefill included), speculative {s['ms']:.0f} ms, speedup "
         f"{r['speedup']:.2f}x (paired median {r['speedup_paired_median']:.2f}x), {s['mean_accepted']:.2f} of "
         f"{r['gamma']} accepted a step, cudagraph skips {r['cudagraph_skips']}")
