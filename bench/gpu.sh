@@ -5,7 +5,8 @@
 #                             built-in corpus, the draft distilled from the target (kept in RUNS)
 #   bench/gpu.sh speculative  speculative decoding of that pair against the target's own decoding,
 #                             gamma 5, both compiled (CUDA graphs) at temperature 1 batch 1 and 4 and
-#                             greedy, then eagerly (trains the pair first where RUNS lacks it)
+#                             greedy, batch 1 with the triton decode kernels, then eagerly (trains the
+#                             pair first where RUNS lacks it)
 #   bench/gpu.sh tests        pytest tests/test_gpu.py (Triton and FlexAttention at real sizes, every
 #                             variant, compiled decoding under CUDA graphs)
 #   bench/gpu.sh cached       full attention's call through a cache, triton kernels vs torch's masked
