@@ -9,13 +9,18 @@ reads the whole storage.
 Split keys, as flash decoding does (Dao, Haziza, Massa, Sizov 2023): the storage's positions are cut
 into splits of SPLIT_KEYS; one program per (batch row, key/value head, split) scores its split's
 keys for every query of the call and every query head of the group together (rows = queries x heads
-per group, padded to tl.dot's 16) in float32 whatever the storage's dtype (the cpu operator's
-arithmetic; a decode step is bound by reading the keys, not by the products), keeping an online
-softmax (flash attention), and writes its
+per group, padded to tl.dot's 16), keeping an online softmax (flash attention), and writes its
 unnormalised sum with its running maximum and total; a split past every query's position, or before
 every query's window, writes an empty sum without reading a key. A second kernel merges the splits
 each (row, group) used. The grids depend on the storage's shape alone, never on the positions, so a
 CUDA graph captures a step once and replays it at every length.
+
+Arithmetic: queries and storage of one 16-bit dtype are multiplied in it with float32 sums (the
+tensor cores; what torch's attention does with them, the probabilities rounded to the values' dtype
+before their product); a float32 call, or a mixed one (a bfloat16 cache beside float32 weights), in
+float32 throughout (not tf32), as the cpu operator computes. The Triton interpreter multiplies
+bfloat16 tiles wrongly (triton 3.9), so the CPU tests run that path in float16; tests/test_gpu.py
+runs it in bfloat16.
 
 Registered as a torch custom op (attnlab::cached_attention_triton), so torch.compile traces a step
 through it. Triton is imported lazily: attnlab imports without it. Runs on CUDA, or on CPU tensors
@@ -53,6 +58,14 @@ def serves(q: Tensor, keys: Tensor) -> bool:
             and q.dtype in dtypes and keys.dtype in dtypes)
 
 
+def native(q: Tensor, keys: Tensor) -> bool:
+    """Whether the kernel multiplies in the queries' own dtype: queries and storage of one 16-bit
+    dtype (what torch's attention does with them: products in that dtype, float32 sums, the
+    probabilities rounded to it before the values' product). Else, a float32 call or a mixed one (a
+    bfloat16 cache beside float32 weights), in float32 throughout, as the cpu operator computes."""
+    return q.dtype == keys.dtype and q.dtype in (torch.bfloat16, torch.float16)
+
+
 def _padded(size: int) -> int:
     return max(16, 1 << (size - 1).bit_length())
 
@@ -70,8 +83,9 @@ def _kernels(interpreted: bool) -> tuple:
         q_batch, q_head, q_query, k_batch, k_group, k_position, v_batch, v_group, v_position,
         n_groups, n_keys, n_splits, window, scale,
         QUERIES: tl.constexpr, HEADS_PER_GROUP: tl.constexpr, ROWS_PAD: tl.constexpr, DIM: tl.constexpr,
-        DIM_PAD: tl.constexpr, SPLIT: tl.constexpr, KEYS: tl.constexpr,
+        DIM_PAD: tl.constexpr, SPLIT: tl.constexpr, KEYS: tl.constexpr, NATIVE: tl.constexpr,
     ):
+        # NATIVE: queries and storage of one 16-bit dtype, multiplied in it (float32 sums); else in float32
         # program = (b g, split); q [B, H, T, D] (last dimension contiguous); k, v [B, G, L, D];
         # partial [B G, S, ROWS_PAD, DIM_PAD], maximum and total [B G, S, ROWS_PAD] (float32)
         batch_group = tl.program_id(0).to(tl.int64)  # 64-bit offsets: a storage may pass 2**31 elements
@@ -94,7 +108,9 @@ def _kernels(interpreted: bool) -> tuple:
         start = split * SPLIT
         if (start <= last_seen) & (start + SPLIT > first_seen):  # a split some query sees
             q = tl.load(q_ptr + batch * q_batch + head[:, None] * q_head + query[:, None] * q_query + dims[None, :],
-                        mask=row_ok[:, None] & dim_ok[None, :], other=0.0).to(tl.float32)  # [ROWS, D]
+                        mask=row_ok[:, None] & dim_ok[None, :], other=0.0)  # [ROWS, D]
+            if not NATIVE:
+                q = q.to(tl.float32)
             for offset in range(0, SPLIT, KEYS):
                 keys = start + offset + tl.arange(0, KEYS)
                 if (start + offset <= last_seen) & (start + offset + KEYS > first_seen):
@@ -102,10 +118,13 @@ def _kernels(interpreted: bool) -> tuple:
                     read = (keys < n_keys) & (keys <= last_seen) & (keys >= first_seen)
                     key_ok = read[:, None] & dim_ok[None, :]
                     k = tl.load(k_ptr + batch * k_batch + group * k_group + keys[:, None] * k_position + dims[None, :],
-                                mask=key_ok, other=0.0).to(tl.float32)  # [KEYS, D]
+                                mask=key_ok, other=0.0)  # [KEYS, D]
                     v = tl.load(v_ptr + batch * v_batch + group * v_group + keys[:, None] * v_position + dims[None, :],
-                                mask=key_ok, other=0.0).to(tl.float32)
-                    scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [ROWS, KEYS]
+                                mask=key_ok, other=0.0)
+                    if NATIVE:  # the tensor cores' products, exact in float32
+                        scores = tl.dot(q, tl.trans(k)) * scale  # [ROWS, KEYS]
+                    else:
+                        scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
                     seen = (keys[None, :] <= position[:, None]) & (keys[None, :] >= lowest[:, None]) & row_ok[:, None]
                     scores = tl.where(seen, scores, float("-inf"))
                     new_max = tl.maximum(running_max, tl.max(scores, axis=1))
@@ -113,7 +132,11 @@ def _kernels(interpreted: bool) -> tuple:
                     correction = tl.exp(running_max - safe_max)
                     probs = tl.exp(scores - safe_max[:, None])
                     running_sum = running_sum * correction + tl.sum(probs, axis=1)
-                    accumulator = accumulator * correction[:, None] + tl.dot(probs, v, input_precision="ieee")
+                    if NATIVE:  # the probabilities rounded to the values' dtype, as flash attention does
+                        weighed = tl.dot(probs.to(v.dtype), v)
+                    else:
+                        weighed = tl.dot(probs, v.to(tl.float32), input_precision="ieee")
+                    accumulator = accumulator * correction[:, None] + weighed
                     running_max = new_max
         slot = batch_group * n_splits + split
         tl.store(partial_ptr + (slot * ROWS_PAD + rows)[:, None] * DIM_PAD + dims[None, :], accumulator)
@@ -185,7 +208,7 @@ def _launch(q: Tensor, keys: Tensor, values: Tensor, positions: Tensor, window: 
         q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2),
         n_groups, n_keys, n_splits, window, 1 / math.sqrt(width),
-        **sizes, SPLIT=SPLIT_KEYS, KEYS=key_tile, num_warps=warps,
+        **sizes, SPLIT=SPLIT_KEYS, KEYS=key_tile, NATIVE=native(q, keys), num_warps=warps,
     )
     merge_kernel[(batch * n_groups,)](
         partial, maximum, total, positions, out, out.stride(0), out.stride(1), out.stride(2),
