@@ -113,16 +113,16 @@ def median_ms(step, repeats: int) -> float:
 
 
 @torch.inference_mode()
-def measure(context: int, rounds: int, repeats: int) -> dict:
+def measure(context: int, rounds: int, repeats: int, backend: str = "inductor") -> dict:
     max_len = context + 128
     torch.manual_seed(0)
     reference = ReferenceModel(max_len).eval()
-    options = decode_compile_options(torch.device("cpu"), None, "inductor", None, "library")  # as attnlab's step
-    reference_step = torch.compile(reference, fullgraph=True, dynamic=False, options=options)
+    options = decode_compile_options(torch.device("cpu"), None, backend, None, "library")  # as attnlab's step
+    reference_step = torch.compile(reference, fullgraph=True, dynamic=False, backend=backend, options=options)
     values = dict(dim=DIM, depth=DEPTH, heads=HEADS, dim_head=DIM // HEADS, max_seq_len=max_len,
                   attention={"kind": "full"})
     model = Transformer(model_config(values)).eval()
-    model.compile_decoding(linear="library")
+    model.compile_decoding(linear="library", backend=backend)
     token, position = torch.zeros(1, 1, dtype=torch.long), torch.tensor([context])
     cache = model.new_cache(1, max_len)
     model(torch.zeros(1, context, dtype=torch.long), cache=cache)
@@ -158,9 +158,11 @@ def main() -> None:
     parser.add_argument("--context", type=int, nargs="+", default=[256, 4096])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--repeats", type=int, default=100, help="one-token forwards a round")
+    parser.add_argument("--backend", default="inductor", help="torch.compile back-end of both steps (aot_eager: a "
+                        "quick check of the script)")
     args = parser.parse_args()
     for context in args.context:
-        result = measure(context, args.rounds, args.repeats)
+        result = measure(context, args.rounds, args.repeats, args.backend)
         print(json.dumps({"threads": torch.get_num_threads(), **result}), flush=True)
         print(f"context {context}: attnlab compiled step {result['attnlab_ms']:.3f} ms, static-cache reference "
               f"{result['reference_ms']:.3f} ms ({result['reference_ms'] / result['attnlab_ms']:.2f}x attnlab's time); "

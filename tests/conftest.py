@@ -20,12 +20,27 @@ if not torch.cuda.is_available():
 
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path_factory, monkeypatch):
-    """Prepared corpora go to one temporary cache per test session, never to the home directory."""
+    """Prepared corpora go to one temporary cache per test session, never to the home directory;
+    the C++ kernels built into it are shared by the session's workers (pytest -n)."""
     cache = os.environ.get("ATTNLAB_TEST_CACHE")
     if cache is None:
-        cache = str(tmp_path_factory.getbasetemp() / "attnlab-cache")
+        base = tmp_path_factory.getbasetemp()
+        cache = str(base / "attnlab-cache")
         os.environ["ATTNLAB_TEST_CACHE"] = cache
+        _share_kernels(base, Path(cache))
     monkeypatch.setenv("ATTNLAB_CACHE", cache)
+
+
+def _share_kernels(base: Path, cache: Path) -> None:
+    """Under pytest-xdist each worker's temporary folder lies in the session's: its cache's kernels
+    folder links to one there, so a kernel is built once for the session (kernels/cpu.py locks each
+    build), not once per worker (half a minute each for the decode and sampling operators)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    shared = base.parent / "attnlab-kernels"
+    shared.mkdir(exist_ok=True)
+    cache.mkdir(parents=True, exist_ok=True)
+    (cache / "kernels").symlink_to(shared, target_is_directory=True)
 
 
 @pytest.fixture(params=["cpu", "torch"])

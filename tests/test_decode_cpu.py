@@ -423,3 +423,36 @@ def test_an_operator_library_that_does_not_build_says_so_once(tmp_path, monkeypa
     assert len(caplog.records) == 1 and "attnlab_broken unavailable, using torch's path" in caplog.text
     monkeypatch.setenv("ATTNLAB_CPU_KERNELS", "0")
     assert not OperatorLibrary("attnlab_off", broken, lambda: None, "").loaded() and len(caplog.records) == 1
+
+
+def test_concurrent_builds_of_one_library_compile_it_once(tmp_path, monkeypatch):
+    """Two builds of one library at once (the ranks of a job started together, test workers): the
+    second waits for the first's (kernels/cpu.py's build lock) and loads it; the compiler runs once."""
+    import ctypes
+    import subprocess
+    import threading
+    import time
+
+    from attnlab.attention.kernels import cpu
+
+    monkeypatch.setenv("ATTNLAB_CACHE", str(tmp_path))
+    source = tmp_path / "tiny.cpp"
+    source.write_text('extern "C" int attnlab_tiny() { return 7; }\n')
+    compiles, paths = [], []
+    run = subprocess.run
+
+    def counted(command, *arguments, **options):
+        if "-o" in command:  # a build, not the compiler's version
+            compiles.append(1)
+            time.sleep(0.5)  # the other build asks meanwhile
+        return run(command, *arguments, **options)
+
+    monkeypatch.setattr(cpu.subprocess, "run", counted)
+    builds = [threading.Thread(target=lambda: paths.append(cpu.compile_library("attnlab_tiny", (source,), [])))
+              for _ in range(2)]
+    for build in builds:
+        build.start()
+    for build in builds:
+        build.join()
+    assert len(compiles) == 1 and len(paths) == 2 and paths[0] == paths[1]
+    assert ctypes.CDLL(str(paths[0])).attnlab_tiny() == 7

@@ -11,7 +11,9 @@ build is logged once) and `auto` back-ends run the variants' reference paths.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import hashlib
 import logging
 import os
@@ -57,7 +59,9 @@ def _torch_openmp_dir() -> Path | None:
 def compile_library(name: str, sources: tuple[Path, ...], flags: list[str], link: tuple[str, ...] = ()) -> Path:
     """The shared library `name` built from sources (and HEADERS) with the system's C++ compiler and
     `flags`, linked to `link` (libraries, after the sources), in the cache directory under a key of
-    everything the build depends on; built once per key."""
+    everything the build depends on; built once per key, by one process at a time (the ranks of a
+    job started together, or test workers, wait for the first one's build instead of each making
+    its own: build_lock)."""
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if compiler is None:
         raise RuntimeError("no C++ compiler found (set CXX)")
@@ -74,16 +78,32 @@ def compile_library(name: str, sources: tuple[Path, ...], flags: list[str], link
     ).hexdigest()[:16]
     cache = Path(os.environ.get("ATTNLAB_CACHE") or Path.home() / ".cache" / "attnlab") / "kernels"
     target = cache / f"{name}-{key}.so"
-    if not target.exists():
-        cache.mkdir(parents=True, exist_ok=True)
+    if target.exists():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    with build_lock(target.with_suffix(".lock")):
+        if target.exists():  # another process built it while this one waited
+            return target
         with tempfile.TemporaryDirectory(dir=cache) as scratch:
             built = Path(scratch) / target.name
             command = [compiler, *flags, *map(str, sources), *link, "-o", str(built)]
             result = subprocess.run(command, capture_output=True, text=True)
             if result.returncode != 0:
                 raise RuntimeError(f"compiling {name} failed:\n{result.stderr[-2000:]}")
-            os.replace(built, target)  # atomic: a concurrent build of the same key writes the same file
+            os.replace(built, target)  # atomic: a process that loads it never sees half a file
     return target
+
+
+@contextlib.contextmanager
+def build_lock(path: Path):
+    """An exclusive lock (flock) on the file `path` while a library is built; where the file system
+    has no flock, none (concurrent builds then each write the same file, atomically)."""
+    with open(path, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError as error:
+            log.debug("no build lock on %s (%s): building unlocked", path, error)
+        yield  # closing the file releases the lock
 
 
 def _build() -> ctypes.CDLL:
