@@ -162,17 +162,13 @@ def choose_cached(backend: str, offered: tuple[str, ...], q: Tensor, keys: Tenso
     CUDA to torch until the kernels have been run and timed on a GPU (tests/test_gpu.py, `bash
     bench/gpu.sh cached`). A named back-end that cannot run here at all is a one-line error, as in
     `choose`; a call it does not take (a head width or query count it has no block for) runs on torch."""
-    if backend == "auto":
-        candidates = ["cpu"] if q.device.type == "cpu" else []
-    else:
-        candidates = [backend]
-    for name in candidates:
-        if name not in offered or name not in CACHED_BACKENDS:
-            continue
-        refused, serves = CACHED_BACKENDS[name]
-        refusal = refused(q, keys, dropout)
-        if refusal is not None and backend != "auto":
+    name = backend if backend != "auto" else "cpu" if q.device.type == "cpu" else None
+    if name not in offered or name not in CACHED_BACKENDS:
+        return "torch"
+    refused, serves = CACHED_BACKENDS[name]
+    refusal = refused(q, keys, dropout)
+    if refusal is not None:
+        if backend != "auto":
             raise ConfigError(f"attention back-end {name} {refusal}; choose backend=auto or torch")
-        if refusal is None and serves(q, keys):
-            return name
-    return "torch"
+        return "torch"
+    return name if serves(q, keys) else "torch"
