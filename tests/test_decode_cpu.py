@@ -20,29 +20,9 @@ from attnlab.attention.kernels.cpu import OperatorLibrary
 from attnlab.config import NSAAttentionConfig
 from attnlab.errors import ConfigError
 from attnlab.model import Transformer
-from variants import variant_config
+from variants import decode_case, decode_with_rollback, variant_config, visible_keys
 
 pytestmark = pytest.mark.skipif(not decode_cpu.available(), reason="no C++ compiler for the CPU kernels")
-
-
-def visible_keys(positions: torch.Tensor, length: int, window: int) -> torch.Tensor:
-    """[B, 1, T, L]: key j is seen by the query at position p when p - window < j <= p (no window: j <= p)."""
-    keys = torch.arange(length)
-    seen = keys <= positions[..., None]
-    if window:
-        seen &= keys > positions[..., None] - window
-    return seen[:, None]
-
-
-def case(batch, heads, groups, queries, length, width, dtype, seed=0, storage_dtype=None):
-    generator = torch.Generator().manual_seed(seed)
-    q = torch.randn(batch, heads, queries, width, generator=generator).to(dtype)
-    keys, values = (torch.randn(batch, groups, length, width, generator=generator).to(storage_dtype or dtype)
-                    for _ in range(2))
-    # each row's own positions, consecutive (a verification window), one row at the storage's end
-    starts = torch.randint(0, length - queries + 1, (batch, 1), generator=generator)
-    starts[-1] = length - queries
-    return q, keys, values, starts + torch.arange(queries)
 
 
 @pytest.mark.parametrize("batch, heads, groups, queries, length, width, window", [
@@ -63,7 +43,7 @@ def case(batch, heads, groups, queries, length, width, dtype, seed=0, storage_dt
 ])
 @pytest.mark.parametrize("lanes", [8, 16])  # keys scored together: either width on any CPU
 def test_equals_the_oracle(batch, heads, groups, queries, length, width, window, dtype, storage_dtype, lanes):
-    q, keys, values, positions = case(batch, heads, groups, queries, length, width, dtype,
+    q, keys, values, positions = decode_case(batch, heads, groups, queries, length, width, dtype,
                                       storage_dtype=storage_dtype)
     expected = naive_attention(q.float(), keys.float(), values.float(), visible_keys(positions, length, window))
     out = decode_cpu.cached_attention(q, keys, values, positions, window, lanes)
@@ -76,7 +56,7 @@ def test_equals_the_oracle(batch, heads, groups, queries, length, width, window,
 def test_the_cpus_own_width_is_one_of_the_two():
     """lanes 0 (the default) scores keys by the CPU's vector width: 16 or 8, bit for bit; any other
     width is a one-line error."""
-    q, keys, values, positions = case(2, 4, 2, 5, 90, 64, torch.float32)
+    q, keys, values, positions = decode_case(2, 4, 2, 5, 90, 64, torch.float32)
     native = decode_cpu.cached_attention(q, keys, values, positions)
     assert any(torch.equal(native, decode_cpu.cached_attention(q, keys, values, positions, 0, lanes))
                for lanes in (8, 16))
@@ -94,7 +74,7 @@ def test_the_cpus_own_width_is_one_of_the_two():
 def test_reads_only_the_keys_its_queries_see(queries, storage_dtype, width, lanes):
     """What lies past every query's position (rejected draft tokens, a storage never written) or
     before every query's window changes nothing, even where it is not a number."""
-    q, keys, values, _ = case(2, 4, 2, queries, 64, width, torch.float32, storage_dtype=storage_dtype)
+    q, keys, values, _ = decode_case(2, 4, 2, queries, 64, width, torch.float32, storage_dtype=storage_dtype)
     positions = torch.tensor([[20, 21, 22], [40, 41, 42]])[:, 3 - queries:]
     expected = decode_cpu.cached_attention(q, keys, values, positions, 8, lanes)
     for cut in (slice(0, 13), slice(23, 64)):  # the windows start at 13 at the earliest
@@ -109,7 +89,7 @@ def test_reads_only_the_keys_its_queries_see(queries, storage_dtype, width, lane
 def test_reads_a_slice_in_place_and_lays_rows_out_for_the_merge(dtype):
     """Queries that are a slice of the projections (heads spaced wider than a head's rows) give what
     their contiguous copy gives; the output is [B, T, H, D] in memory, so merging the heads is a view."""
-    q, keys, values, positions = case(2, 4, 2, 6, 40, 32, dtype)
+    q, keys, values, positions = decode_case(2, 4, 2, 6, 40, 32, dtype)
     projections = torch.randn(2, 6, 4 + 2, 32).to(dtype)  # [B, T, queries and keys, D], as a step makes them
     projections[:, :, :4] = q.transpose(1, 2)
     sliced = projections.transpose(1, 2)[:, :4]  # [B, H, T, D], strides of the projections
@@ -123,7 +103,7 @@ def test_reads_a_slice_in_place_and_lays_rows_out_for_the_merge(dtype):
 def test_reads_a_slice_of_the_storages_heads_in_place(storage_dtype):
     """A slice of a cache's heads (routing's or sinkhorn's local heads before their routed or sorted
     ones: not contiguous over rows) gives what its contiguous copy gives."""
-    q, keys, values, positions = case(2, 4, 2, 3, 40, 32, torch.float32, storage_dtype=storage_dtype)
+    q, keys, values, positions = decode_case(2, 4, 2, 3, 40, 32, torch.float32, storage_dtype=storage_dtype)
     storage_keys, storage_values = (torch.cat((x, torch.randn(2, 3, 40, 32).to(storage_dtype)), dim=1)
                                     for x in (keys, values))  # these two heads, then three others
     sliced_keys, sliced_values = storage_keys[:, :2], storage_values[:, :2]
@@ -135,14 +115,14 @@ def test_reads_a_slice_of_the_storages_heads_in_place(storage_dtype):
 def test_a_compiled_call_equals_the_eager_one():
     """Traced whole as one operator (its fake gives the shape; the compiled-decoding tests run it
     through inductor's C++ wrapper)."""
-    q, keys, values, positions = case(2, 4, 2, 6, 40, 32, torch.float32)
+    q, keys, values, positions = decode_case(2, 4, 2, 6, 40, 32, torch.float32)
     compiled = torch.compile(decode_cpu.cached_attention, fullgraph=True, backend="aot_eager")
     assert torch.equal(compiled(q, keys, values, positions, 0), decode_cpu.cached_attention(q, keys, values,
                                                                                                positions, 0))
 
 
 def test_opcheck():
-    q, keys, values, positions = case(2, 4, 2, 3, 40, 32, torch.float32)
+    q, keys, values, positions = decode_case(2, 4, 2, 3, 40, 32, torch.float32)
     torch.library.opcheck(torch.ops.attnlab.cached_attention_cpu, (q, keys, values, positions, 0),
                           test_utils=("test_schema", "test_faketensor"))
 
@@ -150,7 +130,7 @@ def test_opcheck():
 def listed_case(batch, heads, groups, queries, length, width, n_blocks, block, dtype, storage_dtype, seed=0):
     """Queries at consecutive positions of each row, and blocks listed for each (row, head, query):
     starts anywhere from before the storage to past it (hidden), some blocks absent (bias -inf)."""
-    q, keys, values, positions = case(batch, heads, groups, queries, length, width, dtype, seed,
+    q, keys, values, positions = decode_case(batch, heads, groups, queries, length, width, dtype, seed,
                                       storage_dtype=storage_dtype)
     generator = torch.Generator().manual_seed(seed + 1)
     starts = torch.randint(-block, length + 2, (batch, heads, queries, n_blocks), generator=generator)
@@ -378,21 +358,15 @@ def test_auto_decodes_through_it_and_equals_torch(name, module, operator_name, m
     tokens = torch.randint(0, 61, (2, 30), generator=torch.Generator().manual_seed(2))
     calls = counted(monkeypatch, module, operator_name)
 
-    def decode(model):
-        cache = model.new_cache(2, 40)
-        chunks = [model(tokens[:, :20], cache=cache).logits, model(tokens[:, 20:26], cache=cache).logits]
-        cache.truncate_rows(torch.tensor([23, 21]))
-        return torch.cat([*chunks, model(tokens[:, 26:27], cache=cache).logits], dim=1)
-
     with torch.no_grad():
-        expected = decode(reference)
+        expected = decode_with_rollback(reference, tokens)
         assert not calls
-        torch.testing.assert_close(decode(auto), expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(decode_with_rollback(auto, tokens), expected, atol=1e-5, rtol=1e-5)
     assert len(calls) == 2 * auto.config.depth  # the two chunks after the prefill, in every layer
 
 
 def test_where_it_cannot_serve_torch_does_or_a_named_backend_says_why(monkeypatch):
-    q, keys, values, positions = case(1, 2, 2, 1, 20, 8, torch.float32)  # a head width of 8: no block for it
+    q, keys, values, positions = decode_case(1, 2, 2, 1, 20, 8, torch.float32)  # a head width of 8: no block for it
     assert choose_cached("cpu", full.OFFERED, q, keys) == "torch"
     wide = torch.randn(1, 2, 1, 32)
     assert choose_cached("auto", full.OFFERED, wide, keys) == "cpu"

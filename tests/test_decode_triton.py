@@ -18,7 +18,7 @@ from attnlab.attention.base import naive_attention
 from attnlab.attention.kernels import choose_cached, decode_triton
 from attnlab.errors import ConfigError
 from attnlab.model import Transformer
-from variants import variant_config
+from variants import decode_case, decode_with_rollback, variant_config, visible_keys
 
 SPLIT = decode_triton.SPLIT_KEYS
 
@@ -28,27 +28,6 @@ def interpreted():
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("runs under TRITON_INTERPRET=1 (tests/conftest.py sets it without CUDA; GPU: tests/test_gpu.py)")
-
-
-def visible_keys(positions: torch.Tensor, length: int, window: int) -> torch.Tensor:
-    """[B, 1, T, L]: key j is seen by the query at position p when p - window < j <= p (no window: j <= p)."""
-    keys = torch.arange(length)
-    seen = keys <= positions[..., None]
-    if window:
-        seen &= keys > positions[..., None] - window
-    return seen[:, None]
-
-
-def case(batch, heads, groups, queries, length, width, dtype, storage_dtype=None, seed=0):
-    """Queries, a storage and each row's own consecutive positions (a verification window), the last
-    row's at the storage's end."""
-    generator = torch.Generator().manual_seed(seed)
-    q = torch.randn(batch, heads, queries, width, generator=generator).to(dtype)
-    keys, values = (torch.randn(batch, groups, length, width, generator=generator).to(storage_dtype or dtype)
-                    for _ in range(2))
-    starts = torch.randint(0, length - queries + 1, (batch, 1), generator=generator)
-    starts[-1] = length - queries
-    return q, keys, values, starts + torch.arange(queries)
 
 
 @pytest.mark.parametrize("batch, heads, groups, queries, length, width, window", [
@@ -66,7 +45,8 @@ def case(batch, heads, groups, queries, length, width, dtype, storage_dtype=None
     (torch.float16, torch.float16),  # 16-bit products (the interpreter's bfloat16 ones are wrong; GPU: bfloat16)
 ])
 def test_equals_the_oracle(batch, heads, groups, queries, length, width, window, dtype, storage_dtype):
-    q, keys, values, positions = case(batch, heads, groups, queries, length, width, dtype, storage_dtype)
+    q, keys, values, positions = decode_case(batch, heads, groups, queries, length, width, dtype,
+                                             storage_dtype=storage_dtype)
     expected = naive_attention(q.float(), keys.to(dtype).float(), values.to(dtype).float(),
                                visible_keys(positions, length, window))
     out = decode_triton.cached_attention(q, keys, values, positions, window)
@@ -80,7 +60,7 @@ def test_reads_only_the_keys_its_queries_see(window):
     """What lies past every query's position (rejected draft tokens, a storage never written: a
     compiled model's cache longer than its text) or before every window changes nothing, even where
     it is not a number."""
-    q, keys, values, _ = case(2, 4, 2, 3, 3 * SPLIT, 32, torch.float32)
+    q, keys, values, _ = decode_case(2, 4, 2, 3, 3 * SPLIT, 32, torch.float32)
     positions = torch.tensor([[SPLIT + 20, SPLIT + 21, SPLIT + 22], [90, 91, 92]])
     expected = decode_triton.cached_attention(q, keys, values, positions, window)
     spoiled_keys, spoiled_values = keys.clone(), values.clone()
@@ -95,7 +75,7 @@ def test_reads_only_the_keys_its_queries_see(window):
 def test_reads_a_slice_in_place_and_lays_rows_out_for_the_merge():
     """Queries that are a slice of the projections give what their contiguous copy gives; so do keys
     and values that are a slice of a storage's heads; the output is [B, T, H, D] in memory."""
-    q, keys, values, positions = case(2, 4, 2, 6, 40, 32, torch.float32)
+    q, keys, values, positions = decode_case(2, 4, 2, 6, 40, 32, torch.float32)
     projections = torch.randn(2, 6, 4 + 2, 32)  # [B, T, queries and keys, D], as a step makes them
     projections[:, :, :4] = q.transpose(1, 2)
     sliced = projections.transpose(1, 2)[:, :4]  # [B, H, T, D], strides of the projections
@@ -107,7 +87,7 @@ def test_reads_a_slice_in_place_and_lays_rows_out_for_the_merge():
 
 
 def test_opcheck_and_one_graph_under_torch_compile():
-    q, keys, values, positions = case(2, 4, 2, 3, 300, 32, torch.float32)
+    q, keys, values, positions = decode_case(2, 4, 2, 3, 300, 32, torch.float32)
     torch.library.opcheck(torch.ops.attnlab.cached_attention_triton, (q, keys, values, positions, 0),
                           test_utils=("test_schema", "test_faketensor"))
     compiled = torch.compile(decode_triton.cached_attention, fullgraph=True, backend="aot_eager")
@@ -133,16 +113,10 @@ def test_a_model_decodes_through_it_as_through_torch(name, monkeypatch):
     kernel = decode_triton.cached_attention
     monkeypatch.setattr(decode_triton, "cached_attention", lambda *arguments: calls.append(1) or kernel(*arguments))
 
-    def decode(model):
-        cache = model.new_cache(2, 40)
-        chunks = [model(tokens[:, :20], cache=cache).logits, model(tokens[:, 20:26], cache=cache).logits]
-        cache.truncate_rows(torch.tensor([23, 21]))
-        return torch.cat([*chunks, model(tokens[:, 26:27], cache=cache).logits], dim=1)
-
     with torch.no_grad():
-        expected = decode(reference)
+        expected = decode_with_rollback(reference, tokens)
         assert not calls
-        torch.testing.assert_close(decode(triton_model), expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(decode_with_rollback(triton_model, tokens), expected, atol=1e-5, rtol=1e-5)
     assert len(calls) == 2 * config.depth  # the two chunks after the prefill, in every layer
 
 
@@ -151,7 +125,7 @@ def test_auto_never_takes_it_on_the_cpu_and_a_named_one_says_why(monkeypatch):
     tests/test_gpu.py)."""
     from attnlab.attention import full, local, nsa
 
-    q, keys, _, _ = case(1, 2, 2, 1, 20, 32, torch.float32)
+    q, keys, _, _ = decode_case(1, 2, 2, 1, 20, 32, torch.float32)
     assert choose_cached("auto", full.OFFERED, q, keys) in ("cpu", "torch")
     assert choose_cached("triton", full.OFFERED, q, keys) == "triton"
     assert choose_cached("triton", local.OFFERED, q, keys) == "triton"

@@ -95,3 +95,41 @@ def flex_twin(name: str, section: str):
     flex = Transformer(flex_config).eval()
     flex.load_state_dict(reference.state_dict())
     return reference, flex
+
+
+def visible_keys(positions, length: int, window: int):
+    """[B, 1, T, L]: key j is seen by the query at position p when p - window < j <= p (no window: j <= p);
+    the mask the decode kernels' oracle (naive_attention) takes."""
+    import torch
+
+    keys = torch.arange(length)
+    seen = keys <= positions[..., None]
+    if window:
+        seen &= keys > positions[..., None] - window
+    return seen[:, None]
+
+
+def decode_case(batch, heads, groups, queries, length, width, dtype, seed=0, storage_dtype=None):
+    """A decode kernel's inputs: queries [B, H, T, D], a storage's keys and values [B, G, L, D] and
+    each row's own consecutive positions [B, T] (a verification window), the last row's at the
+    storage's end."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, queries, width, generator=generator).to(dtype)
+    keys, values = (torch.randn(batch, groups, length, width, generator=generator).to(storage_dtype or dtype)
+                    for _ in range(2))
+    starts = torch.randint(0, length - queries + 1, (batch, 1), generator=generator)
+    starts[-1] = length - queries
+    return q, keys, values, starts + torch.arange(queries)
+
+
+def decode_with_rollback(model, tokens):
+    """A model's logits over tokens [2, 30] through its cache: a prefill of 20, a chunk of 6, each
+    row rolled back to its own length (23, 21), then one token -> [2, 27, V]."""
+    import torch
+
+    cache = model.new_cache(2, 40)
+    chunks = [model(tokens[:, :20], cache=cache).logits, model(tokens[:, 20:26], cache=cache).logits]
+    cache.truncate_rows(torch.tensor([23, 21]))
+    return torch.cat([*chunks, model(tokens[:, 26:27], cache=cache).logits], dim=1)
