@@ -4,7 +4,9 @@ each query sees) against the torch back-end (torch's attention over the cache's 
 the mask, the mask made as the cache makes it), over a storage as long as the text and over one
 twice as long (a compiled model's caches are a power of two long, so up to twice the text:
 transformer.decode_capacity). bf16 keys, values and queries; microseconds a call, the median of
-`--repeats` timings of `--calls` calls each, both back-ends timed in turn in one process.
+`--repeats` timings of `--calls` calls each, both back-ends timed in turn in one process: launched
+one by one from Python, and on CUDA also replayed from a CUDA graph of the calls, as a compiled
+decode step runs them (no launch cost: the kernels' own time).
 
     python bench/cached_attention_gpu.py --out docs/bench/gpu        # bench/gpu.sh cached
 
@@ -46,6 +48,21 @@ def call_microseconds(function, device: torch.device, calls: int, repeats: int) 
     return statistics.median(timings[1:])
 
 
+def graphed_microseconds(function, calls: int, repeats: int) -> float:
+    """One call's time replayed from a CUDA graph of `calls` calls (median of `repeats` replays)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up outside the capture (triton compiles, allocator settles)
+        for _ in range(3):
+            function()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            function()
+    return call_microseconds(graph.replay, torch.device("cuda"), 1, repeats) / calls
+
+
 def case(args, batch: int, queries: int, context: int, storage: int, device: torch.device) -> dict:
     """Both back-ends' time for one shape: queries at the last `queries` positions of `context`."""
     dtype = DTYPES[args.dtype]
@@ -63,19 +80,33 @@ def case(args, batch: int, queries: int, context: int, storage: int, device: tor
         difference = (backends["triton"]().float() - backends["torch"]().float()).abs().max().item()
         times = {name: call_microseconds(function, device, args.calls, args.repeats)
                  for name, function in backends.items()}
+        graphed = {}
+        if device.type == "cuda":
+            for name, function in backends.items():
+                try:
+                    graphed[f"{name}_graphed_us"] = graphed_microseconds(function, args.calls, args.repeats)
+                except Exception as error:  # noqa: BLE001 - the launched figures stand; the row says why
+                    graphed[f"{name}_graphed_error"] = f"{type(error).__name__}: {error}"[:200]
     read_mib = 2 * batch * args.kv_heads * context * args.dim_head * cache.keys.element_size() / 2**20
     return {"batch": batch, "queries": queries, "context": context, "storage": storage,
             "torch_us": times["torch"], "triton_us": times["triton"],
-            "torch_over_triton": times["torch"] / times["triton"], "keys_values_seen_mib": read_mib,
+            "torch_over_triton": times["torch"] / times["triton"], **graphed, "keys_values_seen_mib": read_mib,
             "max_abs_difference": difference}
 
 
 def markdown(rows: list[dict], header: str) -> str:
     lines = [header, "", "| batch | queries | context | storage | torch (us) | triton (us) | torch / triton "
-             "| keys and values seen (MiB) |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| graphed: torch (us) | triton (us) | torch / triton | keys and values seen (MiB) |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
+        if "torch_graphed_us" in r and "triton_graphed_us" in r:
+            graphed = (f"{r['torch_graphed_us']:.1f} | {r['triton_graphed_us']:.1f} | "
+                       f"{r['torch_graphed_us'] / r['triton_graphed_us']:.2f}x")
+        else:  # on the CPU, or a capture that failed (its error is in the JSON line)
+            graphed = "- | - | -"
         lines.append(f"| {r['batch']} | {r['queries']} | {r['context']} | {r['storage']} | {r['torch_us']:.1f} | "
-                     f"{r['triton_us']:.1f} | {r['torch_over_triton']:.2f}x | {r['keys_values_seen_mib']:.1f} |")
+                     f"{r['triton_us']:.1f} | {r['torch_over_triton']:.2f}x | {graphed} | "
+                     f"{r['keys_values_seen_mib']:.1f} |")
     return "\n".join(lines) + "\n"
 
 
