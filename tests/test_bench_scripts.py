@@ -165,10 +165,10 @@ def test_gpu_script_keeps_to_its_budget(tmp_path):
     named in the last line, to run in a next call, and recorded in timings.jsonl."""
     result = run_gpu_script(tmp_path, BUDGET_S="0")
     assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines()[-1] == ("not done within the budget: bash bench/gpu.sh pair speculative tests "
-                                              "cached decode train layer kernels")
+    assert result.stdout.splitlines()[-1] == ("not done within the budget: bash bench/gpu.sh cached pair speculative "
+                                              "tests decode train layer kernels")
     assert timings(tmp_path) == [(part, "skipped") for part in
-                                 ("pair", "speculative", "tests", "cached", "decode", "train", "layer", "kernels")]
+                                 ("cached", "pair", "speculative", "tests", "decode", "train", "layer", "kernels")]
 
     (tmp_path / "out" / "timings.jsonl").unlink()
     result = run_gpu_script(tmp_path, "tests", BUDGET_S="2", MIN_PART_S="1")  # pytest alone takes longer
