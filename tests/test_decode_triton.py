@@ -3,7 +3,7 @@
 tests/conftest.py sets without CUDA; small sizes; real sizes and CUDA graphs: tests/test_gpu.py):
 equal to the test oracle over per-row positions, windows, key/value groups, head widths, query
 counts, storages of several splits and dtypes; reading only the keys each query sees; a full or
-local model decodes through them as through torch's attention; traceable whole by torch.compile;
+local model decodes through them as through torch's attention, compiled as eagerly (inductor);
 `auto` never takes them on the CPU, and a named back-end that cannot run says why in one line."""
 
 from __future__ import annotations
@@ -118,6 +118,28 @@ def test_a_model_decodes_through_it_as_through_torch(name, monkeypatch):
         assert not calls
         torch.testing.assert_close(decode_with_rollback(triton_model, tokens), expected, atol=1e-5, rtol=1e-5)
     assert len(calls) == 2 * config.depth  # the two chunks after the prefill, in every layer
+
+
+def test_a_compiled_model_decodes_through_it_as_the_eager_one(monkeypatch):
+    """compile_decoding() (inductor) traces a step through the op whole and runs the kernels inside
+    it: a full model on backend=triton decodes, compiled, what it decodes eagerly (CUDA graphs:
+    tests/test_gpu.py)."""
+    torch.manual_seed(0)
+    config = variant_config("full-cpu-decode")
+    config.attention.full.backend = "triton"
+    eager, compiled = Transformer(config).eval(), Transformer(config).eval()
+    compiled.load_state_dict(eager.state_dict())
+    assert compiled.compile_decoding(cpp_wrapper=False, linear="library")  # the quicker compile
+    tokens = torch.randint(0, 61, (2, 30), generator=torch.Generator().manual_seed(2))
+    launches = []
+    launch = decode_triton._launch
+    monkeypatch.setattr(decode_triton, "_launch", lambda *arguments: launches.append(1) or launch(*arguments))
+    with torch.inference_mode():
+        expected = decode_with_rollback(eager, tokens)
+        launches.clear()
+        torch.testing.assert_close(decode_with_rollback(compiled, tokens), expected, atol=1e-5, rtol=1e-5)
+    assert compiled.compiled_entries() == ["step", "draw", "decode_then", "draw_then_decode"]
+    assert len(launches) == 2 * config.depth  # the chunk and the step after the prefill, every layer
 
 
 def test_auto_never_takes_it_on_the_cpu_and_a_named_one_says_why(monkeypatch):
