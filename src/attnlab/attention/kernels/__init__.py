@@ -29,10 +29,7 @@ import torch
 from torch import Tensor
 
 from attnlab.attention.kernels.flex import LENGTH_BUCKET
-from attnlab.config import ATTENTION_BACKENDS
 from attnlab.errors import ConfigError
-
-BACKENDS = ATTENTION_BACKENDS
 
 
 def check_backend(kind: str, backend: str, offered: tuple[str, ...]) -> None:
