@@ -20,7 +20,7 @@ from attnlab.attention.kernels.cpu import OperatorLibrary
 from attnlab.config import NSAAttentionConfig
 from attnlab.errors import ConfigError
 from attnlab.model import Transformer
-from variants import decode_case, decode_with_rollback, variant_config, visible_keys
+from variants import counted, decode_case, decode_with_rollback, variant_config, visible_keys
 
 pytestmark = pytest.mark.skipif(not decode_cpu.available(), reason="no C++ compiler for the CPU kernels")
 
@@ -327,19 +327,6 @@ def test_compressed_selection_opcheck_and_a_one_line_error():
         decode_cpu.compressed_selection(*arguments, 5, 2, 6, 3)
 
 
-def counted(monkeypatch, module, operator_name: str) -> list[int]:
-    """Calls of the operator `operator_name` from `module` (an attention variant's), counted."""
-    calls = []
-    operator = getattr(module, operator_name)
-
-    def counting(*arguments):
-        calls.append(1)
-        return operator(*arguments)
-
-    monkeypatch.setattr(module, operator_name, counting)
-    return calls
-
-
 @pytest.mark.parametrize("name, module, operator_name", [
     ("full-cpu-decode", decode_cpu, "cached_attention"), ("local-cpu-decode", decode_cpu, "cached_attention"),
     ("routing-cpu-decode", routing, "listed_attention"), ("sinkhorn-cpu-decode", sinkhorn, "listed_attention"),
@@ -415,13 +402,13 @@ def test_concurrent_builds_of_one_library_compile_it_once(tmp_path, monkeypatch)
     compiles, paths = [], []
     run = subprocess.run
 
-    def counted(command, *arguments, **options):
+    def counting_builds(command, *arguments, **options):
         if "-o" in command:  # a build, not the compiler's version
             compiles.append(1)
             time.sleep(0.5)  # the other build asks meanwhile
         return run(command, *arguments, **options)
 
-    monkeypatch.setattr(cpu.subprocess, "run", counted)
+    monkeypatch.setattr(cpu.subprocess, "run", counting_builds)
     builds = [threading.Thread(target=lambda: paths.append(cpu.compile_library("attnlab_tiny", (source,), [])))
               for _ in range(2)]
     for build in builds:

@@ -18,7 +18,7 @@ from attnlab.attention.base import naive_attention
 from attnlab.attention.kernels import choose_cached, decode_triton
 from attnlab.errors import ConfigError
 from attnlab.model import Transformer
-from variants import decode_case, decode_with_rollback, variant_config, visible_keys
+from variants import counted, decode_case, decode_with_rollback, variant_config, visible_keys
 
 SPLIT = decode_triton.SPLIT_KEYS
 
@@ -109,10 +109,7 @@ def test_a_model_decodes_through_it_as_through_torch(name, monkeypatch):
         block.attention.config = dataclasses.replace(block.attention.config, backend="torch")
     triton_model.load_state_dict(reference.state_dict())
     tokens = torch.randint(0, 61, (2, 30), generator=torch.Generator().manual_seed(2))
-    calls = []
-    kernel = decode_triton.cached_attention
-    monkeypatch.setattr(decode_triton, "cached_attention", lambda *arguments: calls.append(1) or kernel(*arguments))
-
+    calls = counted(monkeypatch, decode_triton, "cached_attention")
     with torch.no_grad():
         expected = decode_with_rollback(reference, tokens)
         assert not calls
@@ -131,9 +128,7 @@ def test_a_compiled_model_decodes_through_it_as_the_eager_one(monkeypatch):
     compiled.load_state_dict(eager.state_dict())
     assert compiled.compile_decoding(cpp_wrapper=False, linear="library")  # the quicker compile
     tokens = torch.randint(0, 61, (2, 30), generator=torch.Generator().manual_seed(2))
-    launches = []
-    launch = decode_triton._launch
-    monkeypatch.setattr(decode_triton, "_launch", lambda *arguments: launches.append(1) or launch(*arguments))
+    launches = counted(monkeypatch, decode_triton, "_launch")  # inside the compiled step too
     with torch.inference_mode():
         expected = decode_with_rollback(eager, tokens)
         launches.clear()

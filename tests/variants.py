@@ -133,3 +133,17 @@ def decode_with_rollback(model, tokens):
     chunks = [model(tokens[:, :20], cache=cache).logits, model(tokens[:, 20:26], cache=cache).logits]
     cache.truncate_rows(torch.tensor([23, 21]))
     return torch.cat([*chunks, model(tokens[:, 26:27], cache=cache).logits], dim=1)
+
+
+def counted(monkeypatch, module, function_name: str) -> list[int]:
+    """Calls of the function `function_name` of `module` (a kernel's entry, an attention variant's
+    operator), counted from now on: one entry a call."""
+    calls = []
+    function = getattr(module, function_name)
+
+    def counting(*arguments):
+        calls.append(1)
+        return function(*arguments)
+
+    monkeypatch.setattr(module, function_name, counting)
+    return calls
