@@ -42,7 +42,7 @@ import torch
 
 from attnlab.config import load_config
 from attnlab.generate.sampling import SamplingConfig, generate
-from attnlab.generate.speculative import speculative_generate, verification
+from attnlab.generate.speculative import VERIFICATIONS, speculative_generate
 from attnlab.model import Transformer
 from attnlab.model.quantize import quantize_weights
 
@@ -90,7 +90,7 @@ def timed_call(model: Transformer, cache, kind: str, batch: int, gamma: int):
     if kind == "verification":
         tokens, drafted = torch.randint(0, 256, (batch, gamma + 1)), torch.randint(0, 256, (batch, gamma))
         draft_probs, uniforms = torch.softmax(torch.randn(batch, gamma, 256), dim=-1), torch.rand(batch, gamma + 1)
-        return lambda: model.decode_then(verification, tokens, cache, draft_probs, drafted, SamplingConfig(),
+        return lambda: model.decode_then(VERIFICATIONS["block"], tokens, cache, draft_probs, drafted, SamplingConfig(),
                                          no_known, uniforms)
     tokens = torch.randint(0, 256, (batch, 1))
     return lambda: model(tokens, cache=cache)

@@ -7,11 +7,12 @@ the tokens committed per step). The drafts are interleaved, so they see the same
 
     python bench/speculative_ab.py TARGET_RUN NAME=DRAFT_RUN[:int8] [NAME=...] [--rounds 9]
         [--batch-size 1] [--batch-scheme auto] [--temperature 1] [--top-k K] [--gamma 5 [6 ...]]
-        [--max-new-tokens 256] [--compile] [--dtype bfloat16]
+        [--max-new-tokens 256] [--compile] [--dtype bfloat16] [--verification block [token]]
 
 --gamma with several values: each draft decodes at each of them, every (draft, gamma) pair a
 variant of its own in the rounds (named NAME, or NAME@GAMMA with several gammas), so draft lengths
-are compared side by side as drafts are.
+are compared side by side as drafts are. --verification with several rules (speculative.py's
+VERIFICATIONS) does the same for the rules (NAME/RULE).
 
 --compile: the target and every draft decode with compiled steps (Transformer.compile_decoding),
 the base decoding too; the warm-up round makes the graphs, so the timed rounds run them. --dtype:
@@ -24,6 +25,7 @@ one draft the same way (alternating base and speculative runs) and reports media
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import time
@@ -34,7 +36,7 @@ from attnlab.cli import arguments  # the decoding commands' --dtype names (bf16 
 from attnlab.data.corpus import load_corpus
 from attnlab.data.sampler import eval_windows
 from attnlab.generate.sampling import SamplingConfig, generate
-from attnlab.generate.speculative import speculative_generate
+from attnlab.generate.speculative import VERIFICATIONS, speculative_generate
 from attnlab.model.quantize import decoding_products, quantize_weights
 from attnlab.train.checkpoint import load_model
 
@@ -58,6 +60,8 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--gamma", type=int, nargs="+", default=[5], help="draft tokens a step; several: variants")
+    parser.add_argument("--verification", nargs="+", choices=list(VERIFICATIONS), default=["block"],
+                        help="the rule a step's draft tokens are kept by; several: variants")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--prime-length", type=int, default=128)
     parser.add_argument("--compile", action="store_true", help="compiled decoding for every model, the base's too")
@@ -90,24 +94,29 @@ def main() -> None:
             generate(target, prompt, args.max_new_tokens, sampling, generator=torch.Generator().manual_seed(seed))
         return time.perf_counter() - started
 
-    def speculative(draft, gamma: int, seed: int):
+    def speculative(draft, gamma: int, verification: str, seed: int):
         started = time.perf_counter()
         result = speculative_generate(target, draft, prompt, args.max_new_tokens, gamma, sampling,
-                                      generator=torch.Generator().manual_seed(seed), per_row=per_row)
+                                      generator=torch.Generator().manual_seed(seed), per_row=per_row,
+                                      verification=verification)
         return time.perf_counter() - started, result
 
-    # every (draft, gamma) pair is a variant timed in each round
-    variants = {name if len(args.gamma) == 1 else f"{name}@{gamma}": (name, gamma)
-                for name in drafts for gamma in args.gamma}
-    for name, gamma in variants.values():  # warm-up: allocator, first calls, the graphs of each window
+    # every (draft, gamma, rule) is a variant timed in each round
+    variants = {}
+    for name, gamma, verification in itertools.product(drafts, args.gamma, args.verification):
+        variant = name + (f"@{gamma}" if len(args.gamma) > 1 else "")
+        variant += f"/{verification}" if len(args.verification) > 1 else ""
+        variants[variant] = (name, gamma, verification)
+    for name, gamma, verification in variants.values():  # warm-up: allocator, first calls, each window's graphs
         base(0)
-        speculative(drafts[name], gamma, 0)
+        speculative(drafts[name], gamma, verification, 0)
     rows = {variant: [] for variant in variants}
     for round_index in range(args.rounds):
-        for variant, (name, gamma) in variants.items():
+        for variant, (name, gamma, verification) in variants.items():
             base_s = base(round_index)
-            speculative_s, result = speculative(drafts[name], gamma, round_index)
-            row = {"round": round_index, "draft": name, "gamma": gamma, "base_ms": round(1000 * base_s, 1),
+            speculative_s, result = speculative(drafts[name], gamma, verification, round_index)
+            row = {"round": round_index, "draft": name, "gamma": gamma, "verification": verification,
+                   "base_ms": round(1000 * base_s, 1),
                    "speculative_ms": round(1000 * speculative_s, 1), "speedup": round(base_s / speculative_s, 3),
                    "tokens_per_step": round(args.max_new_tokens / result.n_steps, 3)}
             rows[variant].append(row)
@@ -117,11 +126,12 @@ def main() -> None:
                 "rounds": args.rounds, "threads": torch.get_num_threads(), "compiled": args.compile,
                 "dtype": args.dtype, "direct_calls": args.compile and not args.dynamo_calls}
     for variant, collected in rows.items():
-        name, gamma = variants[variant]
+        name, gamma, verification = variants[variant]
         medians = {key: round(statistics.median(row[key] for row in collected), 3)
                    for key in ("speedup", "base_ms", "speculative_ms", "tokens_per_step")}
         products = {"target": decoding_products(target), "draft": decoding_products(drafts[name])}
-        print(json.dumps({"summary": variant, **settings, "gamma": gamma, **medians, "products": products,
+        print(json.dumps({"summary": variant, **settings, "gamma": gamma, "verification": verification, **medians,
+                          "products": products,
                           "speedups": [row["speedup"] for row in collected]}), flush=True)
 
 

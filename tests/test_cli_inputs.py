@@ -65,12 +65,14 @@ def test_the_parser_imports_no_torch():
 def test_lazy_names_still_resolve():
     import attnlab
     from attnlab.cli import export, speculative
+    from attnlab.generate.speculative import VERIFICATIONS
     from attnlab.hf import DTYPES
     from attnlab.model import Transformer
     from attnlab.model.quantize import QUANTIZATIONS
 
     assert attnlab.Transformer is Transformer and callable(attnlab.load_model)
     assert export.DTYPES == tuple(DTYPES) and speculative.QUANTIZATIONS == QUANTIZATIONS  # copies kept in step
+    assert speculative.VERIFICATIONS == tuple(VERIFICATIONS)
     with pytest.raises(AttributeError):
         attnlab.no_such_name  # noqa: B018
 
@@ -102,6 +104,7 @@ ARGUMENTS = [
     ["speculative", "--target", "RUN", "--draft", "RUN", "--cache-dtype", "float8"],
     ["sample", "RUN", "--cache-dtype", "int8"], ["sample", "RUN", "--attention-backend", "cuda"],
     ["speculative", "--target", "RUN", "--draft", "RUN", "--draft-quantize", "int4"],
+    ["speculative", "--target", "RUN", "--draft", "RUN", "--verification", "typical"],
     ["speculative", "train", "--target-preset", "demo", "--draft-preset", "demo", "--distill", "1.5"],
     ["speculative", "train", "--target", "RUN", "--draft-preset", "demo", "--draft-steps", "0"],
     ["data", "prepare", "--input", "x.jsonl", "--tokenizer", "T", "--out", "D", "--workers", "0"],

@@ -252,7 +252,7 @@ def test_compiled_decode_then_equals_the_forward_then_the_function():
     """Transformer.decode_then (a forward and a function of its logits in one compiled graph: the
     speculative verification) gives the eager forward's result, advances the cache as a forward
     does, and compiles nothing after its first calls."""
-    from attnlab.generate.speculative import verification
+    from attnlab.generate.speculative import block_verification
 
     eager, compiled = twins("full")
     generator = torch.Generator().manual_seed(4)
@@ -266,8 +266,8 @@ def test_compiled_decode_then_equals_the_forward_then_the_function():
         draft_probs = torch.softmax(torch.randn(2, 3, 61, generator=generator), dim=-1)
         known = torch.zeros(2, 3, dtype=torch.bool)
         arguments = (draft_probs, window[:, 1:], SamplingConfig(), known, torch.rand(2, 4, generator=generator))
-        expected = verification(eager(window, cache=caches[0]).logits, *arguments)
-        result = compiled.decode_then(verification, window, caches[1], *arguments)
+        expected = block_verification(eager(window, cache=caches[0]).logits, *arguments)
+        result = compiled.decode_then(block_verification, window, caches[1], *arguments)
         assert all(torch.equal(got, wanted) for got, wanted in zip(result, expected))
         assert torch.equal(caches[1].lengths, caches[0].lengths) and caches[1].length == caches[0].length
         for cache in caches:  # roll back as speculative decoding does
@@ -283,7 +283,7 @@ def test_draw_then_decode_is_one_compiled_call_of_the_draws_and_the_forward(monk
     proposals, acceptances and tokens of the draft's eager draws, then the eager forward and the
     verification; leaves both caches as long as they would; catch-up chunks of 1 and 2 tokens,
     forced slots; one compiled call a step, and nothing compiled after its first calls."""
-    from attnlab.generate.speculative import verification
+    from attnlab.generate.speculative import block_verification
 
     eager_target, target = twins("full", depth=1)
     eager_draft, draft = twins("local", depth=1)
@@ -311,10 +311,10 @@ def test_draw_then_decode_is_one_compiled_call_of_the_draws_and_the_forward(monk
         draft_cache, target_cache = caches[0]
         probs, expected_drafted = eager_draft.draw(chunk, draft_cache, uniforms, sampling, forced_tokens, forced)
         window = torch.cat((chunk[:, -1:], expected_drafted), dim=1)
-        expected = verification(eager_target(window, cache=target_cache).logits, probs, expected_drafted, sampling,
-                                forced, verify_uniforms)
+        expected = block_verification(eager_target(window, cache=target_cache).logits, probs, expected_drafted,
+                                      sampling, forced, verify_uniforms)
         drafted, *result = target.draw_then_decode(draft, chunk, *caches[1], uniforms, sampling, forced_tokens, forced,
-                                                   verification, sampling, forced, verify_uniforms)
+                                                   block_verification, sampling, forced, verify_uniforms)
         assert torch.equal(drafted, expected_drafted)
         assert all(torch.equal(got, wanted) for got, wanted in zip(result, expected))
         for eager_cache, compiled_cache in zip(caches[0], caches[1]):
@@ -349,7 +349,7 @@ def test_draw_then_decode_compiles_again_when_the_drafts_weights_change(monkeypa
     """The packed graphs of draw_then_decode hold the draft's weights too, with the compiled call
     stood in for by the eager one (so nothing compiles): calls on unchanged weights compile nothing
     again; an in-place write to a draft weight, and quantising the draft, each compile it once again."""
-    from attnlab.generate.speculative import verification
+    from attnlab.generate.speculative import block_verification
 
     torch.manual_seed(0)
     target = Transformer(variant_config("full", max_seq_len=64)).eval()
@@ -366,8 +366,8 @@ def test_draw_then_decode_compiles_again_when_the_drafts_weights_change(monkeypa
         target(tokens[:, :8], cache=cache)
         for position in range(8, 11):
             target.draw_then_decode(draft, tokens[:, position : position + 1], draft_cache, cache, torch.rand(1, 3),
-                                    SamplingConfig(), no_tokens, no_known, verification, SamplingConfig(), no_known,
-                                    torch.rand(1, 4))
+                                    SamplingConfig(), no_tokens, no_known, block_verification, SamplingConfig(),
+                                    no_known, torch.rand(1, 4))
             for each in (draft_cache, cache):
                 each.truncate(each.length - 3)
 

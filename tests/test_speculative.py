@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import itertools
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,13 @@ from torch import Tensor
 import attnlab.generate.speculative as speculative
 from attnlab.attention.full import FullCache
 from attnlab.generate.sampling import SamplingConfig, generate, probabilities
-from attnlab.generate.speculative import EarlyExitDraft, accept_reject, speculative_generate
+from attnlab.generate.speculative import (
+    EarlyExitDraft,
+    accept_reject,
+    block_accept_reject,
+    block_acceptance,
+    speculative_generate,
+)
 from attnlab.model import ModelCache, Transformer
 from attnlab.model.quantize import quantize_weights
 from variants import variant_config
@@ -173,7 +180,8 @@ def chi_square_p_value(counts: Tensor, expected_probs: Tensor) -> float:
 
 
 def sampled_counts(
-    target, draft, batch: int, n_samples: int, sampling: SamplingConfig, seed: int, per_row: bool | None = None
+    target, draft, batch: int, n_samples: int, sampling: SamplingConfig, seed: int, per_row: bool | None = None,
+    verification: str = "block",
 ) -> Tensor:
     generator = torch.Generator().manual_seed(seed)
     place = VOCABULARY ** torch.arange(HORIZON - 1, -1, -1)  # continuation -> its index
@@ -181,7 +189,7 @@ def sampled_counts(
     for _ in range(n_samples // batch):
         result = speculative_generate(
             target, draft, PROMPT.expand(batch, -1), HORIZON, gamma=GAMMA, sampling=sampling, generator=generator,
-            per_row=per_row,
+            per_row=per_row, verification=verification,
         )
         new = result.tokens[:, PROMPT.shape[1] :]  # [batch, H]
         counts += torch.bincount((new * place).sum(dim=1), minlength=len(counts)).double()
@@ -215,13 +223,16 @@ SAMPLINGS = {"plain": SamplingConfig(), "filtered": SamplingConfig(temperature=0
 
 
 @pytest.mark.parametrize(
-    "batch, n_samples, sampling",
-    [(1, 1000, "plain"), (4, 2000, "plain"), (4, 1200, "filtered"), (2000, 6000, "plain"), (2000, 6000, "filtered")],
+    "batch, n_samples, sampling, verification",
+    [(1, 1000, "plain", "block"), (4, 2000, "plain", "block"), (4, 1200, "filtered", "block"),
+     (2000, 6000, "plain", "block"), (2000, 6000, "filtered", "block"),
+     (1, 1000, "plain", "token"), (4, 2000, "plain", "token"), (2000, 6000, "filtered", "token")],
 )
-def test_sampled_continuations_follow_the_target(pair, batch, n_samples, sampling):
+def test_sampled_continuations_follow_the_target(pair, batch, n_samples, sampling, verification):
     target, draft = pair
     _, expected = exact_distribution(target, SAMPLINGS[sampling])
-    counts = sampled_counts(target, draft, batch, n_samples, SAMPLINGS[sampling], seed=batch, per_row=False)
+    counts = sampled_counts(target, draft, batch, n_samples, SAMPLINGS[sampling], seed=batch, per_row=False,
+                            verification=verification)
     assert chi_square_p_value(counts, expected) > 0.01
 
 
@@ -290,19 +301,24 @@ def test_bfloat16_pair_follows_the_bfloat16_target(full_pair):
     target, draft = (copy.deepcopy(model).to(torch.bfloat16) for model in full_pair)
     assert quantize_weights(draft, "int8") > 0
     _, expected = exact_distribution(target, SAMPLINGS["plain"])
-    counts = sampled_counts(target, draft, 4, 2000, SAMPLINGS["plain"], seed=8, per_row=True)
+    counts = sampled_counts(target, draft, 4, 2000, SAMPLINGS["plain"], seed=9, per_row=True)
     assert chi_square_p_value(counts, expected) > 0.01
 
 
-def test_accept_always_is_detected(pair, monkeypatch):
+RULES = {"block": block_accept_reject, "token": accept_reject}  # each verification's accept/reject step
+
+
+@pytest.mark.parametrize("verification", list(RULES))
+def test_accept_always_is_detected(pair, monkeypatch, verification):
     """Accepting every draft token samples the draft, not the target: the test must notice."""
     target, draft = pair
+    rule = RULES[verification]
     monkeypatch.setattr(
-        speculative, "accept_reject",
-        lambda p, q, tokens, known, uniforms: accept_reject(p, q, tokens, torch.ones_like(known), uniforms),
+        speculative, rule.__name__,
+        lambda p, q, tokens, known, uniforms: rule(p, q, tokens, torch.ones_like(known), uniforms),
     )
     _, expected = exact_distribution(target, SamplingConfig())
-    counts = sampled_counts(target, draft, 1, 600, SamplingConfig(), seed=1)
+    counts = sampled_counts(target, draft, 1, 600, SamplingConfig(), seed=1, verification=verification)
     assert chi_square_p_value(counts, expected) < 1e-6
 
 
@@ -311,8 +327,8 @@ def test_ragged_batch_bug_is_detected(pair, monkeypatch):
     (and verifies them again as if drafted) is exact at batch 1 but biased at batch > 1."""
     target, draft = pair
     monkeypatch.setattr(
-        speculative, "accept_reject",
-        lambda p, q, tokens, known, uniforms: accept_reject(p, q, tokens, torch.zeros_like(known), uniforms),
+        speculative, "block_accept_reject",
+        lambda p, q, tokens, known, uniforms: block_accept_reject(p, q, tokens, torch.zeros_like(known), uniforms),
     )
     _, expected = exact_distribution(target, SamplingConfig())
     counts = sampled_counts(target, draft, 4, 3200, SamplingConfig(), seed=4, per_row=False)  # few rows ahead
@@ -473,6 +489,123 @@ def test_accept_reject_single_slot_is_the_target_distribution():
                                          torch.rand(n_rows, 2, generator=generator))
     assert (accepted == 1).all()
     assert chi_square_p_value(torch.bincount(next_token, minlength=5).double(), p.double()) > 0.01
+
+
+def random_conditionals(n_tokens: int, length: int, seed: int) -> dict[tuple, Tensor]:
+    """A language model as a table: every prefix of up to `length` tokens -> its next token's
+    distribution [V] (float64), uniforms cubed and normalised (some tokens far likelier than others)."""
+    generator = torch.Generator().manual_seed(seed)
+    table = {}
+    for size in range(length + 1):
+        for prefix in itertools.product(range(n_tokens), repeat=size):
+            weights = torch.rand(n_tokens, generator=generator, dtype=torch.float64) ** 3
+            table[prefix] = weights / weights.sum()
+    return table
+
+
+def block_rule_outcome(target: dict, draft: dict, n_tokens: int, gamma: int, known: int, first_failure: bool = False
+                       ) -> tuple[Tensor, float]:
+    """The exact distribution of gamma + 1 tokens that block_acceptance's probabilities give when the
+    first `known` tokens are committed (the all-zero prefix) and the others drafted from `draft`:
+    every draft block enumerated, each number of kept tokens t weighed by h_t times (1 - h_j) for
+    every longer prefix j (uniforms are independent), the next token drawn from the weights, the
+    rest sampled from `target`. Returns (probability of each sequence [V^(gamma+1)] in
+    itertools.product order, expected tokens kept of the drafted ones). first_failure: keep the
+    prefix before the first failing test instead (a wrong rule, to show the enumeration can tell)."""
+    sequences = list(itertools.product(range(n_tokens), repeat=gamma + 1))
+    index = {sequence: number for number, sequence in enumerate(sequences)}
+    outcome = torch.zeros(len(sequences), dtype=torch.float64)
+    expected_kept = 0.0
+    for drafted in itertools.product(range(n_tokens), repeat=gamma - known):
+        block = (0,) * known + drafted
+        chance = float(torch.prod(torch.tensor([draft[block[:i]][block[i]] for i in range(known, gamma)],
+                                               dtype=torch.float64)))
+        target_probs = torch.stack([target[block[:i]] for i in range(gamma + 1)])[None]  # [1, W, V]
+        draft_probs = torch.stack([draft[block[:i]] for i in range(gamma)])[None]  # [1, W-1, V]
+        is_known = (torch.arange(gamma) < known)[None]
+        passes, next_weights = block_acceptance(target_probs, draft_probs, torch.tensor([block]), is_known)
+        passes = passes[0].tolist()
+        for kept in range(gamma + 1):
+            if first_failure:
+                weight = math.prod(passes[:kept]) * (1 - passes[kept] if kept < gamma else 1)
+            else:
+                weight = (passes[kept - 1] if kept else 1) * math.prod(1 - h for h in passes[kept:])
+            expected_kept += chance * weight * (kept - known)
+            nexts = next_weights[0, kept] / next_weights[0, kept].sum()
+            for token in range(n_tokens):
+                start = block[:kept] + (token,)
+                for rest in itertools.product(range(n_tokens), repeat=gamma - kept):
+                    sequence = start + rest
+                    tail = math.prod(float(target[sequence[:i]][sequence[i]]) for i in range(kept + 1, gamma + 1))
+                    outcome[index[sequence]] += chance * weight * float(nexts[token]) * tail
+    return outcome, expected_kept
+
+
+@pytest.mark.parametrize("known", [0, 1])
+def test_block_rule_keeps_the_target_distribution(known):
+    """Block verification, enumerated (block_rule_outcome, 3 tokens, gamma 3, distributions that
+    depend on the whole prefix): the sequences come out as the target's joint distribution given
+    the known token, to rounding; it keeps more draft tokens than the token rule (each prefix's
+    product of min(1, p/q)); and keeping the prefix before the first failed test instead is wrong."""
+    n_tokens, gamma = 3, 3
+    target, draft = (random_conditionals(n_tokens, gamma + 1, seed) for seed in (0, 1))
+    outcome, expected_kept = block_rule_outcome(target, draft, n_tokens, gamma, known)
+    sequences = list(itertools.product(range(n_tokens), repeat=gamma + 1))
+    joint = torch.tensor([math.prod(float(target[s[:i]][s[i]]) for i in range(known, gamma + 1))
+                          if s[:known] == (0,) * known else 0.0 for s in sequences], dtype=torch.float64)
+    assert torch.allclose(outcome, joint, atol=1e-12)
+    token_kept = 0.0
+    for drafted in itertools.product(range(n_tokens), repeat=gamma - known):
+        block = (0,) * known + drafted
+        chance = math.prod(float(draft[block[:i]][block[i]]) for i in range(known, gamma))
+        ratios = [min(1.0, float(target[block[:i]][block[i]] / draft[block[:i]][block[i]]))
+                  for i in range(known, gamma)]
+        token_kept += chance * sum(math.prod(ratios[:n]) for n in range(1, len(ratios) + 1))
+    assert expected_kept > token_kept + 1e-3  # strictly more here (never fewer: Sun et al.)
+    wrong, _ = block_rule_outcome(target, draft, n_tokens, gamma, known, first_failure=True)
+    assert (wrong - joint).abs().max() > 1e-3
+
+
+def test_bad_settings_are_one_line():
+    target, draft = model(depth=1), model(seed=1, depth=1)
+    prompt = torch.tensor([[1, 2, 3]])
+    for settings, message in ((dict(verification="typical"), "verification must be one of block, token, got "
+                                                               "'typical'"),
+                              (dict(gamma=0), "gamma must be >= 1")):
+        with pytest.raises(ValueError) as error:
+            speculative_generate(target, draft, prompt, 4, **settings)
+        assert str(error.value) == message
+    with pytest.raises(ValueError, match="the prompt needs at least one token"):
+        speculative_generate(target, draft, prompt[:, :0], 4)
+
+
+def test_block_rule_draws_what_its_probabilities_say():
+    """block_accept_reject's draws against block_acceptance's probabilities, 200,000 rows of one
+    window (gamma 2, 4 tokens): the number kept and the next token after none kept, by chi-square;
+    greedy one-hot distributions keep exactly the draft's leading agreement with the target."""
+    generator = torch.Generator().manual_seed(0)
+    n_rows = 200_000
+    target_probs = torch.softmax(torch.randn(1, 3, 4, generator=generator) * 2, dim=-1).expand(n_rows, -1, -1)
+    draft_probs = torch.softmax(torch.randn(1, 2, 4, generator=generator) * 2, dim=-1).expand(n_rows, -1, -1)
+    drafted = torch.tensor([[2, 1]]).expand(n_rows, -1)
+    no_known = torch.zeros(n_rows, 2, dtype=torch.bool)
+    kept, next_token = block_accept_reject(target_probs, draft_probs, drafted, no_known,
+                                           torch.rand(n_rows, 3, generator=generator))
+    passes, next_weights = block_acceptance(target_probs[:1].double(), draft_probs[:1].double(), drafted[:1],
+                                            no_known[:1])
+    h_1, h_2 = passes[0].tolist()
+    expected_kept = torch.tensor([(1 - h_1) * (1 - h_2), h_1 * (1 - h_2), h_2], dtype=torch.float64)
+    assert chi_square_p_value(torch.bincount(kept, minlength=3).double(), expected_kept) > 0.01
+    after_none = next_token[kept == 0]
+    assert chi_square_p_value(torch.bincount(after_none, minlength=4).double(),
+                              next_weights[0, 0] / next_weights[0, 0].sum()) > 0.01
+    one_hot = torch.nn.functional.one_hot
+    target_greedy = one_hot(torch.tensor([[2, 3, 0]]), 4).float()  # the target's argmax at each slot
+    for drafted, expected in (([2, 1], 1), ([2, 3], 2), ([1, 3], 0)):
+        draft_greedy = one_hot(torch.tensor([drafted]), 4).float()  # the draft's argmax: its tokens
+        kept, next_token = block_accept_reject(target_greedy, draft_greedy, torch.tensor([drafted]),
+                                               no_known[:1], torch.rand(1, 3, generator=generator))
+        assert int(kept) == expected and int(next_token) == [2, 3, 0][expected]
 
 
 # --------------------------------------------------------------------------------------------
@@ -648,9 +781,11 @@ def test_speculative_command_reports_both_decodings(trained_pair, draft_argument
     code = main([
         "speculative", "--target", str(root / "target"), *draft_arguments, "--gamma", "3", "--prompt", "def ",
         "--max-new-tokens", "12", "--batch-size", "2", "--temperature", "0", "--batch-scheme", "shared", "--json",
+        "--verification", "token",
     ])
     assert code == 0
     shared = json.loads(capsys.readouterr().out)
+    assert (report["verification"], shared["verification"]) == ("block", "token")
     assert shared["speculative"]["batch_scheme"] == "shared"
     assert shared["speculative"]["text"] == report["base"]["text"]
     code = main([
@@ -660,6 +795,7 @@ def test_speculative_command_reports_both_decodings(trained_pair, draft_argument
     assert code == 0
     printed = capsys.readouterr().out
     assert "speedup" in printed and "products: target F.linear, draft F.linear" in printed
+    assert "gamma 5 (block verification)" in printed
 
 
 def test_speculative_command_with_an_int8_draft(trained_pair, capsys):

@@ -24,7 +24,13 @@ from attnlab.data.sampler import eval_windows, prime_tokens
 from attnlab.data.tokenizer import Tokenizer
 from attnlab.errors import AttnlabError
 from attnlab.generate.sampling import SamplingConfig, check_finite, check_length, generate
-from attnlab.generate.speculative import CachedLanguageModel, EarlyExitDraft, SpeculativeResult, speculative_generate
+from attnlab.generate.speculative import (
+    VERIFICATIONS,
+    CachedLanguageModel,
+    EarlyExitDraft,
+    SpeculativeResult,
+    speculative_generate,
+)
 from attnlab.model.quantize import decoding_products, quantize_weights
 from attnlab.model.transformer import Transformer
 from attnlab.train.checkpoint import load_model
@@ -42,6 +48,7 @@ class SpeculativeBench:
     early_exit: int | None = None  # self-speculative: the target's first K layers are the draft
     draft_quantize: str = "none"  # model/quantize.py: the draft's linear layers keep int8 weights
     gamma: int = 5  # draft tokens per step
+    verification: str = "block"  # the rule they are kept by (generate/speculative.py's VERIFICATIONS)
     prompt: str | None = None  # text to continue, the same for every row ("" if None and not prime_from_val)
     prime_from_val: bool = False  # continue windows (documents) of the target's validation data instead
     prime_length: int = 128  # tokens of each validation prime
@@ -66,6 +73,8 @@ class SpeculativeBench:
         if self.early_exit is not None and self.draft_quantize != "none":
             raise AttnlabError("--draft-quantize needs a draft of its own (--draft RUN): an early-exit draft's "
                                "layers are the target's")
+        if self.verification not in VERIFICATIONS:
+            raise AttnlabError(f"--verification {self.verification}: choose from {', '.join(VERIFICATIONS)}")
 
 
 def timed(function: Callable[[], object], device: torch.device) -> tuple[object, float]:
@@ -179,7 +188,7 @@ def time_decoders(bench: SpeculativeBench, target: Transformer, draft: CachedLan
         generator = torch.Generator(device=device).manual_seed(seed)
         return speculative_generate(
             target, draft, prompt, bench.max_new_tokens, bench.gamma, bench.sampling, generator=generator,
-            per_row=per_row, cache_dtype=cache_dtype,
+            per_row=per_row, cache_dtype=cache_dtype, verification=bench.verification,
         )
 
     base(bench.seed)
@@ -231,6 +240,7 @@ def run_speculative_bench(bench: SpeculativeBench) -> dict[str, Any]:
         # read off the models: each one's attention back-end as configured (auto: chosen per call)
         "attention_backend": {role: attention_backend(model) for role, model in (("target", target), ("draft", draft))},
         "gamma": bench.gamma,
+        "verification": bench.verification,
         "batch_size": bench.batch_size,
         "max_new_tokens": bench.max_new_tokens,
         "prompt_tokens": prompt_length,

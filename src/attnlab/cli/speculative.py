@@ -23,6 +23,7 @@ from attnlab.cli import arguments
 from attnlab.config import known_presets, load_config
 
 QUANTIZATIONS = ("none", "int8")  # model/quantize.py's, here without importing torch
+VERIFICATIONS = ("block", "token")  # generate/speculative.py's rules, here without importing torch
 
 
 def register(subparsers) -> None:
@@ -40,6 +41,11 @@ def register(subparsers) -> None:
         help="self-speculative: the target's first K layers are the draft",
     )
     parser.add_argument("--gamma", type=arguments.positive, default=5, help="draft tokens per step")
+    parser.add_argument(
+        "--verification", choices=list(VERIFICATIONS), default="block",
+        help="the rule a step's draft tokens are kept by: block (its prefixes tested as wholes, the longest kept) "
+        "or token (each token in turn); the same output distribution, block keeps at least as many",
+    )
     prompts = parser.add_mutually_exclusive_group()
     prompts.add_argument("--prompt", default=None, help="text to continue (the same for every row)")
     prompts.add_argument(
@@ -109,7 +115,8 @@ def run(args: argparse.Namespace) -> int:
 
     bench = SpeculativeBench(
         target=args.target, draft=args.draft, early_exit=args.early_exit, draft_quantize=args.draft_quantize,
-        gamma=args.gamma, prompt=args.prompt, prime_from_val=args.prime_from_val, prime_length=args.prime_length,
+        gamma=args.gamma, verification=args.verification, prompt=args.prompt, prime_from_val=args.prime_from_val,
+        prime_length=args.prime_length,
         max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
         sampling=SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p),
         seed=args.seed, batch_scheme=args.batch_scheme, repeats=args.repeats, weights=args.weights,
@@ -121,7 +128,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report))
         return 0
     spec = report["speculative"]
-    print(f"target {report['target']}, draft {report['draft']}, gamma {report['gamma']}, batch {report['batch_size']} "
+    print(f"target {report['target']}, draft {report['draft']}, gamma {report['gamma']} ({report['verification']} "
+          f"verification), batch {report['batch_size']} "
           f"({spec['batch_scheme']}), {report['max_new_tokens']} new tokens, {report['repeats']} repeat(s) on "
           f"{report['device']} in {report['dtype']}")
     print(f"--- prompt (row 0) ---\n{report['prompt']}")

@@ -10,12 +10,17 @@ et al., "LayerSkip" (arXiv 2404.16710).
 One step, for one row whose committed tokens end at position L - 1:
   1. the draft samples x_L .. x_{L+gamma-1}, each from its distribution q given the tokens before;
   2. the target scores all gamma + 1 positions L .. L + gamma in one cached forward (p);
-  3. draft token x_j is accepted with probability min(1, p(x_j) / q(x_j)), left to right
-     (Leviathan et al., Algorithm 1); at the first rejection a token is drawn from
-     normalise(max(0, p - q)) instead and the step ends; when all are accepted, a bonus token is
-     drawn from p at position L + gamma.
+  3. by the token rule (`verification="token"`, accept_reject), draft token x_j is accepted with
+     probability min(1, p(x_j) / q(x_j)), left to right (Leviathan et al., Algorithm 1); at the
+     first rejection a token is drawn from normalise(max(0, p - q)) instead and the step ends; when
+     all are accepted, a bonus token is drawn from p at position L + gamma. By the block rule (the
+     default, block_accept_reject: Sun et al., "Block Verification Accelerates Speculative
+     Decoding", arXiv 2403.10444), the draft's prefixes are tested as wholes and the longest that
+     passes is kept, then the next token is drawn from a residual of the same kind: the same forwards,
+     at least as many tokens kept in expectation.
 Every committed token is then distributed as the target's conditional given the tokens before it
-(Leviathan et al., Appendix A.1), whatever happens to the randomness after it. The same filters
+(Leviathan et al., Appendix A.1; Sun et al. for the block rule), whatever happens to the
+randomness after it. The same filters
 (temperature, top-k, top-p, min-p) shape p and q, so the output follows the filtered target.
 Temperature 0 makes p and q one-hot: a draft token is accepted iff it is the target's argmax, and
 the output equals greedy decoding of the target.
@@ -56,6 +61,7 @@ Positions are absolute indices into the sequence; slot s of a step is position s
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -130,12 +136,73 @@ def accept_reject(
     return n_accepted, token_at(residual, uniforms[:, -1])
 
 
-def verification(logits: Tensor, draft_probs: Tensor, draft_tokens: Tensor, sampling: SamplingConfig, known: Tensor,
-                 uniforms: Tensor) -> tuple[Tensor, Tensor]:
+def block_acceptance(target_probs: Tensor, draft_probs: Tensor, draft_tokens: Tensor, known: Tensor
+                     ) -> tuple[Tensor, Tensor]:
+    """Block verification's probabilities for one window of draft tokens per row (Sun et al., "Block
+    Verification Accelerates Speculative Decoding", arXiv 2403.10444, Algorithm 2); shapes as
+    accept_reject's. Returns (passes [B, W-1], next_weights [B, W, V]):
+
+    passes[:, i - 1] = h_i, the probability that the draft's first i tokens pass their test; the
+        tokens kept are those of the longest prefix that passes (a prefix may pass where a shorter
+        one failed), none if none does. Known slots always pass.
+    next_weights[:, i]: the unnormalised distribution of the next token when i are kept: after
+        fewer than W - 1, max(0, p_i * p(. | X_1..X_i) - q(. | X_1..X_i)); after all of them, p.
+
+    p_i = min(1, p_{i-1} * p(X_i) / q(X_i)), p_0 = 1, is the prefix's target-to-draft odds, capped
+    (1 through known slots: a row's known prefix is committed, its drafted suffix a window of its
+    own); h_i = r_i / (r_i + 1 - p_i) with r_i the mass of next_weights[:, i], and h_gamma = p_gamma.
+    Token by token (accept_reject) is the same with a prefix kept only if every shorter one passed;
+    judging the draft's block as a whole keeps at least as many tokens in expectation (the paper
+    shows it optimal among exact rules), and the output is still the target's distribution (tests/test_speculative.py
+    enumerates it)."""
+    width = target_probs.shape[1]
+    p_token = target_probs[:, :-1].gather(-1, draft_tokens[..., None]).squeeze(-1)  # [B, W-1]
+    q_token = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)  # [B, W-1] > 0 where drafted
+    ratio = torch.where(known, 1.0, p_token / q_token)  # [B, W-1]
+    odds = [torch.ones_like(ratio[:, 0])]  # p_0 .. p_gamma, each [B]
+    for slot in range(width - 1):
+        odds.append(torch.clamp(odds[-1] * ratio[:, slot], max=1.0))
+    odds = torch.stack(odds, dim=1)  # [B, W]
+    residuals = (odds[:, :-1, None] * target_probs[:, :-1] - draft_probs).clamp_min(0)  # [B, W-1, V]
+    mass = residuals[:, 1:].sum(dim=-1)  # [B, W-2]: r_1 .. r_{gamma-1}
+    denominator = mass + 1 - odds[:, 1:-1]
+    # 0 / 0 where p_i = 1 and nothing is left (the models agree after X_1..X_i): that prefix passes
+    passes = torch.where(denominator > 0, mass / denominator.clamp_min(torch.finfo(mass.dtype).tiny), 1.0)
+    passes = torch.cat((passes, odds[:, -1:]), dim=1)  # [B, W-1]: h_1 .. h_gamma
+    next_weights = torch.cat((residuals, target_probs[:, -1:]), dim=1)  # [B, W, V]
+    # a residual with no mass left (rounding, or the agreement above): the target's distribution
+    next_weights = torch.where(next_weights.sum(dim=-1, keepdim=True) > 0, next_weights, target_probs)
+    return passes.masked_fill(known, 1.0), next_weights
+
+
+def block_accept_reject(target_probs: Tensor, draft_probs: Tensor, draft_tokens: Tensor, known: Tensor,
+                        uniforms: Tensor) -> tuple[Tensor, Tensor]:
+    """accept_reject's step by block verification (block_acceptance): the same arguments and
+    returns. uniforms[:, i - 1] tests the prefix of i tokens, the last column draws the next token."""
+    passes, next_weights = block_acceptance(target_probs, draft_probs, draft_tokens, known)
+    batch, width, n_tokens = next_weights.shape
+    lengths = torch.arange(1, width, device=passes.device)  # [W-1] the prefix each slot's test is of
+    n_accepted = ((uniforms[:, :-1] < passes) * lengths).amax(dim=1)  # [B] the longest passing prefix
+    index = n_accepted[:, None, None].expand(batch, 1, n_tokens)  # [B, 1, V]
+    return n_accepted, token_at(next_weights.gather(1, index).squeeze(1), uniforms[:, -1])
+
+
+def token_verification(logits: Tensor, draft_probs: Tensor, draft_tokens: Tensor, sampling: SamplingConfig,
+                       known: Tensor, uniforms: Tensor) -> tuple[Tensor, Tensor]:
     """The target's logits over a window [B, W, V] -> accept_reject's (n_accepted [B], next_token
     [B]) under `sampling`: what follows the target's forward in one step (Transformer.decode_then
     and draw_then_decode compile them together)."""
     return accept_reject(probabilities(logits, sampling), draft_probs, draft_tokens, known, uniforms)
+
+
+def block_verification(logits: Tensor, draft_probs: Tensor, draft_tokens: Tensor, sampling: SamplingConfig,
+                       known: Tensor, uniforms: Tensor) -> tuple[Tensor, Tensor]:
+    """token_verification by block_accept_reject."""
+    return block_accept_reject(probabilities(logits, sampling), draft_probs, draft_tokens, known, uniforms)
+
+
+# the rules speculative_generate verifies a step's draft tokens by (`attnlab speculative --verification`)
+VERIFICATIONS = {"block": block_verification, "token": token_verification}
 
 
 # --------------------------------------------------------------------------------------------
@@ -226,7 +293,7 @@ def _propose_and_verify(state: _Decoding, tokens: Tensor, draft_uniforms: Tensor
     target, draft, sampling = state.target, state.draft, state.sampling
     if hasattr(target, "draw_then_decode"):
         return target.draw_then_decode(draft, tokens, state.draft_cache, state.target_cache, draft_uniforms, sampling,
-                                       forced_tokens, forced, verification, sampling, known, uniforms)
+                                       forced_tokens, forced, state.verify, sampling, known, uniforms)
     if hasattr(draft, "draw"):
         draft_probs, drafted = draft.draw(tokens, state.draft_cache, draft_uniforms, sampling, forced_tokens, forced)
     else:
@@ -235,8 +302,8 @@ def _propose_and_verify(state: _Decoding, tokens: Tensor, draft_uniforms: Tensor
     window = torch.cat((tokens[:, -1:], drafted), dim=1)  # [B, W]
     arguments = (draft_probs, drafted, sampling, known, uniforms)
     if hasattr(target, "decode_then"):
-        return drafted, *target.decode_then(verification, window, state.target_cache, *arguments)
-    return drafted, *verification(target(window, cache=state.target_cache).logits, *arguments)
+        return drafted, *target.decode_then(state.verify, window, state.target_cache, *arguments)
+    return drafted, *state.verify(target(window, cache=state.target_cache).logits, *arguments)
 
 
 @dataclass
@@ -250,6 +317,7 @@ class _Decoding:
     draft_cache: ModelCache
     gamma: int
     sampling: SamplingConfig
+    verify: Callable  # VERIFICATIONS': the target's logits over a window -> (n_accepted [B], next_token [B])
     generator: torch.Generator | None
     sequence: Tensor  # [B, T + N + 2W] committed tokens of row b: sequence[b, :lengths[b]]
     lengths: Tensor  # [B]
@@ -382,6 +450,7 @@ def speculative_generate(
     generator: torch.Generator | None = None,
     per_row: bool | None = None,
     cache_dtype: torch.dtype | None = None,
+    verification: str = "block",
 ) -> SpeculativeResult:
     """prompt [B, T] -> T + max_new_tokens tokens per row, distributed as sampling from `target`.
 
@@ -390,10 +459,13 @@ def speculative_generate(
     per_row: roll each row's caches back to its own length (when both models' caches can: every
     built-in attention type), else the shared-window scheme; None picks per-row for batches > 1
     where possible. cache_dtype: both models' caches' (default: each one's weights'; as in
-    generate.sampling.stream).
+    generate.sampling.stream). verification: the rule a step's draft tokens are kept by, "block"
+    or "token" (VERIFICATIONS; the module docstring): the same output distribution.
     """
     if gamma < 1:
         raise ValueError("gamma must be >= 1")
+    if verification not in VERIFICATIONS:
+        raise ValueError(f"verification must be one of {', '.join(VERIFICATIONS)}, got {verification!r}")
     if prompt.shape[1] < 1:
         raise ValueError("the prompt needs at least one token")
     sampling = sampling or SamplingConfig()
@@ -410,7 +482,7 @@ def speculative_generate(
     draft_cache = draft.new_cache(batch, capacity_for(draft, capacity), dtype=cache_dtype)
     state = _Decoding(
         target=target, draft=draft, target_cache=target_cache, draft_cache=draft_cache, gamma=gamma,
-        sampling=sampling, generator=generator, sequence=sequence,
+        sampling=sampling, verify=VERIFICATIONS[verification], generator=generator, sequence=sequence,
         lengths=torch.full((batch,), prompt_length, dtype=torch.long, device=device),
         goal=goal, prompt_length=prompt_length, end_token=end_token,
     )
