@@ -7,8 +7,8 @@
 #                             built-in corpus, the draft distilled from the target (kept in RUNS)
 #   bench/gpu.sh speculative  speculative decoding of that pair against the target's own decoding,
 #                             gamma 5, both compiled (CUDA graphs) at temperature 1 batch 1 and 4 and
-#                             greedy, batch 1 with the triton decode kernels, then eagerly (trains the
-#                             pair first where RUNS lacks it)
+#                             greedy, batch 1 with the triton decode kernels, by the token rule and
+#                             at gamma 8, then eagerly (trains the pair first where RUNS lacks it)
 #   bench/gpu.sh tests        pytest tests/test_gpu.py (Triton and FlexAttention at real sizes, every
 #                             variant, compiled decoding under CUDA graphs)
 #   bench/gpu.sh decode       per-token decoding with the cache at 8k-64k context, and a profile at 64k
@@ -57,11 +57,14 @@ speculative_runs() {
     : > "$out/speculative.jsonl"
     # issue 24's goals first: both models compiled (CUDA graphs), the target's compiled decoding as
     # the base; greedy shows the output equals the target's; then batch 1 again with the attention's
-    # cached calls on the triton back-end's kernels (auto leaves them to torch on CUDA). Then
-    # eagerly, batch 4 both ways (each row's caches rolled back to its own length, and all rows to
-    # the shortest).
+    # cached calls on the triton back-end's kernels (auto leaves them to torch on CUDA), with the
+    # token rule instead of block verification, and at gamma 8 (a verification of 9 rows costs a GPU
+    # about what one of 6 does; the block rule gains more the longer the draft). Then eagerly,
+    # batch 4 both ways (each row's caches rolled back to its own length, and all rows to the
+    # shortest). A later --gamma overrides the first.
     for run in "1 auto 1 --compile" "1 auto 0 --compile" "4 per-row 1 --compile" \
-               "1 auto 1 --compile --attention-backend=triton" \
+               "1 auto 1 --compile --attention-backend=triton" "1 auto 1 --compile --verification=token" \
+               "1 auto 1 --compile --gamma=8" \
                "1 auto 1" "4 per-row 1" "4 shared 1" "1 auto 0"; do
         read -r batch scheme temperature compile <<< "$run"
         attnlab speculative --target "$runs/spec-target" --draft "$runs/spec-draft" --gamma 5 --prime-from-val \
@@ -77,7 +80,7 @@ line = (f"batch {r['batch_size']} ({s['batch_scheme']}), temperature {r['samplin
         f"{'compiled ' + str(r['compiled_entries']) if r['compile'] else 'eager'}, attention {r['attention_backend']}: base {r['base']['ms']:.0f} ms "
         f"({r['base']['ms'] / r['max_new_tokens']:.2f} ms/token, prefill included), speculative {s['ms']:.0f} ms, speedup "
         f"{r['speedup']:.2f}x (paired median {r['speedup_paired_median']:.2f}x), {s['mean_accepted']:.2f} of "
-        f"{r['gamma']} accepted a step, cudagraph skips {r['cudagraph_skips']}")
+        f"{r['gamma']} accepted a step ({r['verification']} verification), cudagraph skips {r['cudagraph_skips']}")
 if r["sampling"]["temperature"] == 0:
     line += f", greedy text equals the target's: {s['text'] == r['base']['text']}"
 print(line)
