@@ -566,6 +566,19 @@ def test_block_rule_keeps_the_target_distribution(known):
     assert (wrong - joint).abs().max() > 1e-3
 
 
+def test_block_rule_past_float32s_range():
+    """A proposal the target cannot make, then one the draft gave 1e-44 (p / q overflows to inf):
+    nothing is kept, the next token comes from the residual, nothing is NaN."""
+    target_probs = torch.tensor([[[0.0, 0.5, 0.5], [0.5, 0.5, 0.0], [0.2, 0.3, 0.5]]])
+    draft_probs = torch.tensor([[[1.0, 0.0, 0.0], [1e-44, 0.0, 1.0]]])
+    drafted, no_known = torch.tensor([[0, 0]]), torch.zeros(1, 2, dtype=torch.bool)
+    passes, next_weights = block_acceptance(target_probs, draft_probs, drafted, no_known)
+    assert torch.isfinite(passes).all() and torch.isfinite(next_weights).all()
+    for uniform in (0.0, 0.5, 0.99):
+        kept, token = block_accept_reject(target_probs, draft_probs, drafted, no_known, torch.full((1, 3), uniform))
+        assert int(kept) == 0 and int(token) in (1, 2)  # max(0, p - q) after nothing: tokens 1 and 2
+
+
 def test_bad_settings_are_one_line():
     target, draft = model(depth=1), model(seed=1, depth=1)
     prompt = torch.tensor([[1, 2, 3]])

@@ -160,8 +160,8 @@ def block_acceptance(target_probs: Tensor, draft_probs: Tensor, draft_tokens: Te
     q_token = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)  # [B, W-1] > 0 where drafted
     ratio = torch.where(known, 1.0, p_token / q_token)  # [B, W-1]
     odds = [torch.ones_like(ratio[:, 0])]  # p_0 .. p_gamma, each [B]
-    for slot in range(width - 1):
-        odds.append(torch.clamp(odds[-1] * ratio[:, slot], max=1.0))
+    for slot in range(width - 1):  # once 0, always 0 (a ratio past float32's range must not make 0 x inf)
+        odds.append(torch.where(odds[-1] > 0, torch.clamp(odds[-1] * ratio[:, slot], max=1.0), 0.0))
     odds = torch.stack(odds, dim=1)  # [B, W]
     residuals = (odds[:, :-1, None] * target_probs[:, :-1] - draft_probs).clamp_min(0)  # [B, W-1, V]
     mass = residuals[:, 1:].sum(dim=-1)  # [B, W-2]: r_1 .. r_{gamma-1}
