@@ -151,10 +151,10 @@ def block_acceptance(target_probs: Tensor, draft_probs: Tensor, draft_tokens: Te
     p_i = min(1, p_{i-1} * p(X_i) / q(X_i)), p_0 = 1, is the prefix's target-to-draft odds, capped
     (1 through known slots: a row's known prefix is committed, its drafted suffix a window of its
     own); h_i = r_i / (r_i + 1 - p_i) with r_i the mass of next_weights[:, i], and h_gamma = p_gamma.
-    Token by token (accept_reject) is the same with a prefix kept only if every shorter one passed;
-    judging the draft's block as a whole keeps at least as many tokens in expectation (the paper
-    shows it optimal among exact rules), and the output is still the target's distribution (tests/test_speculative.py
-    enumerates it)."""
+    The token rule (accept_reject) tests each token alone, min(1, p / q), and keeps a prefix only if
+    every shorter one passed; judging the draft's block as a whole keeps at least as many tokens in
+    expectation (the paper shows it optimal among exact rules), and the output is still the
+    target's distribution (tests/test_speculative.py enumerates it)."""
     width = target_probs.shape[1]
     p_token = target_probs[:, :-1].gather(-1, draft_tokens[..., None]).squeeze(-1)  # [B, W-1]
     q_token = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)  # [B, W-1] > 0 where drafted
