@@ -580,6 +580,11 @@ def test_block_rule_past_float32s_range():
 
 
 def test_bad_settings_are_one_line():
+    from attnlab.bench.speculative import SpeculativeBench
+    from attnlab.errors import AttnlabError
+
+    with pytest.raises(AttnlabError, match="^--verification typical: choose from block, token$"):
+        SpeculativeBench(target="T", draft="D", verification="typical")  # refused before loading anything
     target, draft = model(depth=1), model(seed=1, depth=1)
     prompt = torch.tensor([[1, 2, 3]])
     for settings, message in ((dict(verification="typical"), "verification must be one of block, token, got "
