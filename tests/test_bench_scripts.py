@@ -119,6 +119,40 @@ def test_speculative_ab_times_each_draft_at_each_gamma(tmp_path):
         [(draft_name, gamma) for draft_name in ("float32", "int8") for gamma in (2, 3)] * 2)
 
 
+def test_speculative_ab_times_each_verification_rule(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(bytes(range(256)) * 64)
+    target = save_byte_run(tmp_path / "target", 2, corpus)
+    draft = save_byte_run(tmp_path / "draft", 1, corpus)
+    printed = run_script("speculative_ab.py", str(target), f"float32={draft}", "--rounds", "1", "--gamma", "2",
+                         "--verification", "block", "token", "--max-new-tokens", "8", "--prime-length", "4")
+    summaries = {line["summary"]: line for line in map(json.loads, printed.splitlines()) if "summary" in line}
+    assert {name: summary["verification"] for name, summary in summaries.items()} == {
+        "float32/block": "block", "float32/token": "token"}
+
+
+def test_speculative_acceptance_counts_tokens_per_step_by_each_rule(tmp_path):
+    """A draft identical to its target keeps every token by either rule (gamma + 1 a step); another
+    keeps fewer. (The block rule keeps at least as many in expectation over the draft's blocks, not
+    in each: tests/test_speculative.py checks that exactly.)"""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(bytes(range(256)) * 64)
+    target = save_byte_run(tmp_path / "target", 2, corpus)
+    draft = save_byte_run(tmp_path / "draft", 1, corpus)
+    arguments = ("--prime", "8", "--new-tokens", "16", "--rows", "2", "--band", "8", "--gammas", "2", "3",
+                 "--positions", "3")
+    for draft_run, identical in ((target, True), (draft, False)):
+        printed = run_script("speculative_acceptance.py", str(target), str(draft_run), *arguments)
+        steps = [line for line in map(json.loads, printed.splitlines()) if line["split"] == "tokens per step"]
+        assert [line["gamma"] for line in steps] == [2, 3]
+        for line in steps:
+            if identical:
+                assert line["token_rule"] == line["block_rule"] == line["gamma"] + 1
+            else:
+                assert 1 <= min(line["token_rule"], line["block_rule"])
+                assert max(line["token_rule"], line["block_rule"]) < line["gamma"] + 1
+
+
 def test_decode_backend_pair_times_both_backends(tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(bytes(range(256)) * 64)
