@@ -20,10 +20,10 @@ One step, for one row whose committed tokens end at position L - 1:
      at least as many tokens kept in expectation.
 Every committed token is then distributed as the target's conditional given the tokens before it
 (Leviathan et al., Appendix A.1; Sun et al. for the block rule), whatever happens to the
-randomness after it. The same filters
-(temperature, top-k, top-p, min-p) shape p and q, so the output follows the filtered target.
-Temperature 0 makes p and q one-hot: a draft token is accepted iff it is the target's argmax, and
-the output equals greedy decoding of the target.
+randomness after it. The same filters (temperature, top-k, top-p, min-p) shape p and q, so the
+output follows the filtered target. Temperature 0 makes p and q one-hot: by either rule a draft
+token is kept iff it and those before it are the target's argmax, and the output equals greedy
+decoding of the target.
 
 Batches (a departure from both papers, which describe one sequence). Rows accept different
 numbers of tokens. Two schemes keep every row exact; speculative_generate picks per-row rollback
