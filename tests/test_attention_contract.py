@@ -134,6 +134,9 @@ def test_per_row_rollback(name):
         for row, n in enumerate(kept):
             own = torch.cat((torch.cat((a[row], b[row, :n], c[row]))[:25], d[row]))[None]
             torch.testing.assert_close(level[row], model(own).logits[0, 25:], atol=1e-5, rtol=1e-5)
+        # with the bounds a caller has read (speculative decoding's loop): the same state, no read of its own
+        cache.truncate_rows(torch.tensor([24, 22, 25]), bounds=(25, 22))
+        assert (cache.length, cache.shortest, cache.lengths.tolist()) == (25, 22, [24, 22, 25])
         with pytest.raises(ValueError, match="cannot truncate"):
             cache.truncate_rows(torch.tensor([30, 0, 0]))
 

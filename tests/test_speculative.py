@@ -356,7 +356,7 @@ class RecordingTarget(torch.nn.Module):
         cache = self.target.new_cache(batch_size, (max_len or 0) + 64, device, dtype)
         if self.stale_rollback:  # a broken rollback that keeps one token past the committed prefix
             cache.truncate = lambda length: ModelCache.truncate(cache, min(length + 1, cache.length))
-            cache.truncate_rows = lambda lengths: ModelCache.truncate_rows(
+            cache.truncate_rows = lambda lengths, bounds=None: ModelCache.truncate_rows(  # bounds read anew
                 cache, torch.minimum(lengths + 1, cache.lengths)
             )
         return cache

@@ -432,10 +432,12 @@ def _decode_per_row(state: _Decoding) -> None:
         # L + gamma - 1 tokens, of them the first L + accepted committed: more than the new length
         # less DRAFT_LAG, L + accepted - 1)
         done = state.done()
-        finished = bool(done.all())
+        # what the host needs of this step in one read: whether to go on, and the caches' new bounds
+        # (every new length is within what both caches hold: no check of truncate_rows' own)
+        finished, longest, shortest = torch.stack((done.all(), new_lengths.max(), new_lengths.min())).tolist()
         n_catch_up = DRAFT_LAG
-        target_cache.truncate_rows(new_lengths - 1)
-        draft_cache.truncate_rows(new_lengths - DRAFT_LAG)
+        target_cache.truncate_rows(new_lengths - 1, (longest - 1, shortest - 1))
+        draft_cache.truncate_rows(new_lengths - DRAFT_LAG, (longest - DRAFT_LAG, shortest - DRAFT_LAG))
 
 
 @torch.inference_mode()

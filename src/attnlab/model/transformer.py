@@ -110,14 +110,18 @@ class ModelCache:
         self.lengths.fill_(length)
         self.length = self.shortest = length
 
-    def truncate_rows(self, lengths: Tensor) -> None:
-        """Roll row b back to its first lengths[b] tokens (speculative decoding's per-row rollback)."""
-        invalid, longest, shortest = torch.stack((((lengths < 0) | (lengths > self.lengths)).any(), lengths.max(),
-                                                  lengths.min())).tolist()
-        if invalid:
-            raise ValueError(f"cannot truncate rows of lengths {self.lengths.tolist()} to {lengths.tolist()}")
+    def truncate_rows(self, lengths: Tensor, bounds: tuple[int, int] | None = None) -> None:
+        """Roll row b back to its first lengths[b] tokens (speculative decoding's per-row rollback).
+        bounds: (the longest, the shortest) of lengths, from a caller that has read them and knows
+        every row within what it holds (speculative decoding's loop, one read a step for all it
+        needs); without them this checks the lengths and reads the bounds itself."""
+        if bounds is None:
+            invalid, *bounds = torch.stack((((lengths < 0) | (lengths > self.lengths)).any(), lengths.max(),
+                                            lengths.min())).tolist()
+            if invalid:
+                raise ValueError(f"cannot truncate rows of lengths {self.lengths.tolist()} to {lengths.tolist()}")
         self.lengths.copy_(lengths)
-        self.length, self.shortest = longest, shortest
+        self.length, self.shortest = bounds
 
 
 def decode_capacity(length: int, max_seq_len: int) -> int:
