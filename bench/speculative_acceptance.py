@@ -34,7 +34,7 @@ import torch
 from attnlab.data.corpus import load_corpus
 from attnlab.data.sampler import eval_windows
 from attnlab.generate.sampling import generate
-from attnlab.generate.speculative import block_acceptance
+from attnlab.generate.speculative import block_acceptance, proposal_probabilities
 from attnlab.train.checkpoint import load_model
 
 
@@ -99,8 +99,7 @@ def expected_kept(target_probs: torch.Tensor, draft_probs: torch.Tensor, drafted
     """The draft tokens each rule keeps of one block per row in expectation over the step's
     uniforms -> (token rule [B], block rule [B]). target_probs [B, G + 1, V], draft_probs [B, G, V],
     drafted [B, G] as block_acceptance takes them."""
-    p_token = target_probs[:, :-1].gather(-1, drafted[..., None]).squeeze(-1)  # [B, G]
-    q_token = draft_probs.gather(-1, drafted[..., None]).squeeze(-1)  # [B, G]
+    p_token, q_token = proposal_probabilities(target_probs, draft_probs, drafted)  # [B, G] each
     token_rule = torch.clamp(p_token / q_token, max=1.0).cumprod(dim=1).sum(dim=1)  # sum_i P(first i all pass)
     passes, _ = block_acceptance(target_probs, draft_probs, drafted, torch.zeros_like(drafted, dtype=torch.bool))
     # P(exactly t kept) = h_t prod_{j > t} (1 - h_j): the longest passing prefix is t long

@@ -98,6 +98,14 @@ class CachedLanguageModel(Protocol):
 # The accept/reject rule (pure)
 
 
+def proposal_probabilities(target_probs: Tensor, draft_probs: Tensor, draft_tokens: Tensor) -> tuple[Tensor, Tensor]:
+    """(p, q) of each draft token under the target and the draft -> ([B, W-1], [B, W-1]); shapes as
+    accept_reject's. q > 0 where a token was drawn from the draft (not where it is known)."""
+    p_token = target_probs[:, :-1].gather(-1, draft_tokens[..., None]).squeeze(-1)
+    q_token = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)
+    return p_token, q_token
+
+
 def accept_reject(
     target_probs: Tensor,
     draft_probs: Tensor,
@@ -118,8 +126,7 @@ def accept_reject(
     bonus slot when every slot was accepted (q is zero there, so both are the same formula).
     """
     batch, width, n_tokens = target_probs.shape
-    p_token = target_probs[:, :-1].gather(-1, draft_tokens[..., None]).squeeze(-1)  # [B, W-1]
-    q_token = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)  # [B, W-1]
+    p_token, q_token = proposal_probabilities(target_probs, draft_probs, draft_tokens)  # [B, W-1] each
     # accept with probability min(1, p/q) (Leviathan et al., Algorithm 1); u q < p avoids 0 / 0
     accepted = known | (uniforms[:, :-1] * q_token < p_token)  # [B, W-1]
     n_accepted = accepted.long().cumprod(dim=1).sum(dim=1)  # [B] leading accepted slots
@@ -156,8 +163,7 @@ def block_acceptance(target_probs: Tensor, draft_probs: Tensor, draft_tokens: Te
     expectation (the paper shows it optimal among exact rules), and the output is still the
     target's distribution (tests/test_speculative.py enumerates it)."""
     width = target_probs.shape[1]
-    p_token = target_probs[:, :-1].gather(-1, draft_tokens[..., None]).squeeze(-1)  # [B, W-1]
-    q_token = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)  # [B, W-1] > 0 where drafted
+    p_token, q_token = proposal_probabilities(target_probs, draft_probs, draft_tokens)  # [B, W-1] each
     ratio = torch.where(known, 1.0, p_token / q_token)  # [B, W-1]
     odds = [torch.ones_like(ratio[:, 0])]  # p_0 .. p_gamma, each [B]
     for slot in range(width - 1):  # once 0, always 0 (a ratio past float32's range must not make 0 x inf)
