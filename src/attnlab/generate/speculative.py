@@ -27,7 +27,8 @@ decoding of the target.
 
 Batches (a departure from both papers, which describe one sequence). Rows accept different
 numbers of tokens. Two schemes keep every row exact; speculative_generate picks per-row rollback
-for batches > 1 (every cache counts its tokens per row), the shared window on request.
+(every built-in cache counts its tokens per row; at batch 1 the schemes are one algorithm), the
+shared window on request.
 
 Per-row rollback (ModelCache.truncate_rows): after each step, row b's
 target cache is cut to its committed length L_b minus one and its draft cache to L_b minus two
@@ -53,7 +54,8 @@ ahead it is), which costs a batch about a quarter of its tokens per step at batc
 per-row scheme's reason to be). The exactness tests (tests/test_speculative.py) enumerate the
 target distribution and run a chi-square test of both schemes at batch 1, 4 and in large batches.
 
-Legend: B batch, T prompt tokens, W verification window (gamma + 1), V vocabulary, N new tokens.
+Legend: B batch, T prompt tokens, W verification window (gamma + 1), V vocabulary, N new tokens,
+S the room for a row's tokens (T + N + 2W, or the longer cache's capacity where that is more).
 Positions are absolute indices into the sequence; slot s of a step is position start + s, where
 `start` is the first position not yet committed by every row.
 """
@@ -288,28 +290,76 @@ class SpeculativeResult:
 
 
 def _propose_and_verify(state: _Decoding, tokens: Tensor, draft_uniforms: Tensor, forced_tokens: Tensor, forced: Tensor,
-                        known: Tensor, uniforms: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+                        function: Callable, *arguments) -> tuple:
     """One step's forwards: the draft feeds tokens [B, c] (each row's last committed one last) and
     draws W - 1 tokens at draft_uniforms [B, W-1] (draw_chain; forced slots keep forced_tokens'),
-    the target scores the last committed token and the drafted ones, and verification accepts or
-    rejects them at uniforms [B, W] (known slots always accepted). Returns (drafted [B, W-1],
-    n_accepted [B], next_token [B]). One compiled call where the target has draw_then_decode and
-    both models decode compiled (Transformer.draw_then_decode); else the draft's own draw where it
-    has one, or a forward per token, then the target's decode_then or forward."""
+    the target scores the last committed token and the drafted ones, and `function` takes it from
+    there: function(logits [B, W, V], draft_probs [B, W-1, V], drafted [B, W-1], *arguments), a
+    verification (VERIFICATIONS) or a whole step's commit (commit_rows). Returns (drafted, *what
+    function returns). One compiled call where the target has draw_then_decode and both models
+    decode compiled (Transformer.draw_then_decode); else the draft's own draw where it has one, or
+    a forward per token, then the target's decode_then or forward."""
     target, draft, sampling = state.target, state.draft, state.sampling
     if hasattr(target, "draw_then_decode"):
         return target.draw_then_decode(draft, tokens, state.draft_cache, state.target_cache, draft_uniforms, sampling,
-                                       forced_tokens, forced, state.verify, sampling, known, uniforms)
+                                       forced_tokens, forced, function, *arguments)
     if hasattr(draft, "draw"):
         draft_probs, drafted = draft.draw(tokens, state.draft_cache, draft_uniforms, sampling, forced_tokens, forced)
     else:
         draft_probs, drafted = draw_chain(lambda chunk: draft(chunk, cache=state.draft_cache).logits, tokens,
                                           draft_uniforms, sampling, forced_tokens, forced)
     window = torch.cat((tokens[:, -1:], drafted), dim=1)  # [B, W]
-    arguments = (draft_probs, drafted, sampling, known, uniforms)
     if hasattr(target, "decode_then"):
-        return drafted, *target.decode_then(state.verify, window, state.target_cache, *arguments)
-    return drafted, *state.verify(target(window, cache=state.target_cache).logits, *arguments)
+        return drafted, *target.decode_then(function, window, state.target_cache, draft_probs, drafted, *arguments)
+    return drafted, *function(target(window, cache=state.target_cache).logits, draft_probs, drafted, *arguments)
+
+
+def rows_done(sequence: Tensor, lengths: Tensor, goal, prompt_length, end_token) -> Tensor:
+    """[B] rows that have reached the goal or committed the end token: sequence [B, S] holds
+    row b's committed tokens in its first lengths[b]. goal, prompt_length and end_token (None: no
+    end token) are ints, or 0-dim tensors inside a compiled step (constants would make a graph for
+    every prompt and goal)."""
+    done = lengths >= goal
+    if end_token is not None:
+        positions = torch.arange(sequence.shape[1], device=sequence.device)
+        generated = positions >= prompt_length  # [S]
+        committed = positions < lengths[:, None]  # [B, S]
+        done = done | ((sequence == end_token) & generated & committed).any(dim=1)
+    return done
+
+
+def commit_rows(logits: Tensor, draft_probs: Tensor, drafted: Tensor, verify: Callable, sampling: SamplingConfig,
+                known: Tensor, uniforms: Tensor, sequence: Tensor, lengths: Tensor, done: Tensor, counts: Tensor,
+                goal: Tensor, prompt_length: Tensor, end_token: Tensor | None) -> tuple[Tensor, ...]:
+    """A per-row step after the target's forward: verify (VERIFICATIONS' rule; its arguments as
+    there), then commit each running row's kept tokens and next token, all as tensors in and out,
+    so that the compiled step makes the whole of it in its graph (on a small model, each operation
+    left to Python between the steps cost about as much as the graph's own) and the host reads one
+    small tensor a step. Pure: nothing passed in is changed (CUDA graphs replay only steps that write
+    no tensor but their static ones).
+
+    sequence [B, S] holds row b's committed tokens in its first lengths[b]; done [B] the rows
+    stopped before this step (they take part in the forwards but commit nothing); counts [3] (rows
+    stepped, tokens drafted, tokens accepted), summed over the steps. Returns (sequence, lengths,
+    done, counts after the step; host [3]: (every row done, the longest and the shortest length);
+    the draft's next input [B, DRAFT_LAG]: each row's last DRAFT_LAG committed tokens; each row's
+    new count for the target's cache [B] (all but its last committed token, the next window's
+    first) and for the draft's [B] (all but its last DRAFT_LAG))."""
+    n_accepted, next_token = verify(logits, draft_probs, drafted, sampling, known, uniforms)  # [B], [B]
+    width = uniforms.shape[1]
+    slots = torch.arange(width, device=sequence.device)  # [W]
+    # drafts past each row's committed length (nothing there is committed), then the next token after
+    # the kept ones; a stopped row's land past its length too: never output
+    sequence = sequence.scatter(1, lengths[:, None] + slots[: width - 1], drafted)
+    sequence = sequence.scatter(1, (lengths + n_accepted)[:, None], next_token[:, None])
+    running = ~done
+    n_running = running.sum()
+    counts = counts + torch.stack((n_running, n_running * (width - 1), (n_accepted * running).sum()))
+    lengths = lengths + (n_accepted + 1) * running  # [B]
+    done = rows_done(sequence, lengths, goal, prompt_length, end_token)
+    host = torch.stack((done.all().long(), lengths.max(), lengths.min()))  # [3]
+    catch_up = sequence.gather(1, lengths[:, None] - DRAFT_LAG + slots[:DRAFT_LAG])  # [B, DRAFT_LAG]
+    return sequence, lengths, done, counts, host, catch_up, lengths - 1, lengths - DRAFT_LAG
 
 
 @dataclass
@@ -325,7 +375,7 @@ class _Decoding:
     sampling: SamplingConfig
     verify: Callable  # VERIFICATIONS': the target's logits over a window -> (n_accepted [B], next_token [B])
     generator: torch.Generator | None
-    sequence: Tensor  # [B, T + N + 2W] committed tokens of row b: sequence[b, :lengths[b]]
+    sequence: Tensor  # [B, S] committed tokens of row b: sequence[b, :lengths[b]]
     lengths: Tensor  # [B]
     goal: int  # T + N
     prompt_length: int
@@ -336,14 +386,8 @@ class _Decoding:
     n_accepted: Tensor | int = 0
 
     def done(self) -> Tensor:
-        """[B] rows that have reached the goal or committed the end token."""
-        done = self.lengths >= self.goal
-        if self.end_token is not None:
-            positions = torch.arange(self.sequence.shape[1], device=self.sequence.device)
-            generated = positions >= self.prompt_length  # [T + N + 2W]
-            committed = positions < self.lengths[:, None]  # [B, T + N + 2W]
-            done |= ((self.sequence == self.end_token) & generated & committed).any(dim=1)
-        return done
+        """[B] rows that have reached the goal or committed the end token (rows_done)."""
+        return rows_done(self.sequence, self.lengths, self.goal, self.prompt_length, self.end_token)
 
 
 def _decode_shared_window(state: _Decoding) -> None:
@@ -372,8 +416,8 @@ def _decode_shared_window(state: _Decoding) -> None:
         draft_uniforms = torch.rand(batch, width - 1, generator=generator, device=device)  # [B, W-1]
         uniforms = torch.rand(batch, width, generator=generator, device=device)  # [B, W]
         catch_up = sequence[:, draft_cache.length : start]  # [B, c] (c = DRAFT_LAG, fewer for a shorter prompt)
-        drafted, accepted, next_token = _propose_and_verify(state, catch_up, draft_uniforms, window, known, known,
-                                                            uniforms)
+        drafted, accepted, next_token = _propose_and_verify(state, catch_up, draft_uniforms, window, known,
+                                                            state.verify, state.sampling, known, uniforms)
         window.copy_(drafted)
         sequence.scatter_(1, (start + accepted)[:, None], next_token[:, None])
         n_known = known.sum() if n_ahead else 0  # known slots are neither drafted nor counted
@@ -396,54 +440,48 @@ def _decode_shared_window(state: _Decoding) -> None:
 
 def _decode_per_row(state: _Decoding) -> None:
     """Decode until every row stops, each row's caches rolled back to its own committed length
-    (the module docstring, "Per-row rollback"). A stopped row is
-    frozen: it still takes part in the forwards, but commits nothing more."""
+    (the module docstring, "Per-row rollback"). A stopped row is frozen: it still takes part in
+    the forwards, but commits nothing more. A step's commit is commit_rows, inside the compiled
+    step where the models decode compiled: between two steps, Python draws the uniforms, reads
+    one small tensor and sets both caches' row counts."""
     target_cache, draft_cache = state.target_cache, state.draft_cache
     gamma, generator = state.gamma, state.generator
     sequence = state.sequence
     batch, width = sequence.shape[0], gamma + 1
     device = sequence.device
-    window_slots = torch.arange(width, device=device)  # [W]
     no_known = torch.zeros(batch, width - 1, dtype=torch.bool, device=device)
     no_tokens = torch.zeros(batch, width - 1, dtype=torch.long, device=device)
-    # the draft cache holds each row's committed tokens but the last n_catch_up ones
+    counts = torch.zeros(3, dtype=torch.long, device=device)  # rows stepped, tokens drafted, tokens accepted
+
+    def scalar(value: int) -> Tensor:
+        return torch.tensor(value, dtype=torch.long, device=device)
+
+    goal, prompt_length = scalar(state.goal), scalar(state.prompt_length)
+    end_token = None if state.end_token is None else scalar(state.end_token)
+    lengths, done = state.lengths, state.done()
+    # the draft cache holds each row's committed tokens but the last n_catch_up ones (after the first
+    # step, DRAFT_LAG: commit_rows gathers them)
     n_catch_up = min(DRAFT_LAG, state.prompt_length)
-    done = state.done()
+    catch_up = sequence.gather(1, lengths[:, None] - n_catch_up + torch.arange(n_catch_up, device=device))  # [B, c]
     finished = bool(done.all())
     while not finished:
-        lengths = state.lengths  # [B] committed tokens of each row (L)
-        # 1. draft: feed each row's last n_catch_up committed tokens, then one token per slot;
-        # 2. target: each row's last committed token and its W-1 drafted ones, at its own positions,
-        # 3. and accept/reject per row. A stopped row keeps its length (its step is discarded); its
-        # drafts and next token are written past that length all the same: never output
-        catch_up = lengths[:, None] - n_catch_up + window_slots[:n_catch_up]  # [B, c] positions
+        # 1. draft: feed each row's catch-up tokens, then one token per slot; 2. target: each row's
+        # last committed token and its W-1 drafted ones, at its own positions; 3. verify, commit
         draft_uniforms = torch.rand(batch, width - 1, generator=generator, device=device)  # [B, W-1]
         uniforms = torch.rand(batch, width, generator=generator, device=device)  # [B, W]
-        drafted, accepted, next_token = _propose_and_verify(state, sequence.gather(1, catch_up), draft_uniforms,
-                                                            no_tokens, no_known, no_known, uniforms)
-        # past each row's committed length: nothing there is committed
-        sequence.scatter_(1, lengths[:, None] + window_slots[: width - 1], drafted)
-        sequence.scatter_(1, (lengths + accepted)[:, None], next_token[:, None])
-        running = ~done
-        n_running = running.sum()
-        state.n_row_steps += n_running
-        state.n_drafted += n_running * (width - 1)
-        state.n_accepted += (accepted * running).sum()
-        new_lengths = lengths + (accepted + 1) * running  # [B]
-        state.lengths = new_lengths
+        (_, sequence, lengths, done, counts, host, catch_up, target_rows, draft_rows) = _propose_and_verify(
+            state, catch_up, draft_uniforms, no_tokens, no_known, commit_rows, state.verify, state.sampling, no_known,
+            uniforms, sequence, lengths, done, counts, goal, prompt_length, end_token)
         state.n_steps += 1
-
-        # 4. roll back: the target keeps each row's committed tokens but the last (the next
-        # window's first input), the draft all but the last DRAFT_LAG (it has fed a row's first
-        # L + gamma - 1 tokens, of them the first L + accepted committed: more than the new length
-        # less DRAFT_LAG, L + accepted - 1)
-        done = state.done()
-        # what the host needs of this step in one read: whether to go on, and the caches' new bounds
-        # (every new length is within what both caches hold: no check of truncate_rows' own)
-        finished, longest, shortest = torch.stack((done.all(), new_lengths.max(), new_lengths.min())).tolist()
-        n_catch_up = DRAFT_LAG
-        target_cache.truncate_rows(new_lengths - 1, (longest - 1, shortest - 1))
-        draft_cache.truncate_rows(new_lengths - DRAFT_LAG, (longest - DRAFT_LAG, shortest - DRAFT_LAG))
+        # 4. roll back: the target keeps each row's committed tokens but the last (the next window's
+        # first input), the draft all but the last DRAFT_LAG (it has fed a row's first L + gamma - 1
+        # tokens, of them the first L + accepted committed: more than the new length less DRAFT_LAG).
+        # Every new length is within what both caches hold: no check of truncate_rows' own
+        finished, longest, shortest = host.tolist()
+        target_cache.truncate_rows(target_rows, (longest - 1, shortest - 1))
+        draft_cache.truncate_rows(draft_rows, (longest - DRAFT_LAG, shortest - DRAFT_LAG))
+    state.sequence, state.lengths = sequence, lengths
+    state.n_row_steps, state.n_drafted, state.n_accepted = counts.tolist()
 
 
 @torch.inference_mode()
@@ -465,8 +503,9 @@ def speculative_generate(
     A row stops after `max_new_tokens` or after emitting `end_token`; the loop runs until every
     row has stopped (the output is cut after a row's end token and padded with it).
     per_row: roll each row's caches back to its own length (when both models' caches can: every
-    built-in attention type), else the shared-window scheme; None picks per-row for batches > 1
-    where possible. cache_dtype: both models' caches' (default: each one's weights'; as in
+    built-in attention type), else the shared-window scheme; None picks per-row where both caches
+    can (at batch 1 the two schemes are one algorithm; per-row commits a step inside the compiled
+    step: commit_rows). cache_dtype: both models' caches' (default: each one's weights'; as in
     generate.sampling.stream). verification: the rule a step's draft tokens are kept by, "block"
     or "token" (VERIFICATIONS; the module docstring): the same output distribution.
     """
@@ -484,17 +523,21 @@ def speculative_generate(
     # room for two windows past the goal: a row that stops at most gamma + 1 tokens past it still
     # feeds (and drafts) one window more while others decode
     capacity = goal + 2 * width
-    sequence = torch.zeros(batch, capacity, dtype=torch.long, device=device)  # [B, T + N + 2W]
-    sequence[:, :prompt_length] = prompt
     target_cache = target.new_cache(batch, capacity_for(target, capacity), dtype=cache_dtype)
     draft_cache = draft.new_cache(batch, capacity_for(draft, capacity), dtype=cache_dtype)
+    # as long as the longer cache, which a compiled decoding rounds up: a step's graph reads the
+    # sequence (commit_rows), so generations whose caches round alike share it
+    sequence = torch.zeros(batch, max(capacity, target_cache.max_len, draft_cache.max_len), dtype=torch.long,
+                           device=device)  # [B, S]
+    sequence[:, :prompt_length] = prompt
     state = _Decoding(
         target=target, draft=draft, target_cache=target_cache, draft_cache=draft_cache, gamma=gamma,
         sampling=sampling, verify=VERIFICATIONS[verification], generator=generator, sequence=sequence,
         lengths=torch.full((batch,), prompt_length, dtype=torch.long, device=device),
         goal=goal, prompt_length=prompt_length, end_token=end_token,
     )
-    per_row = batch > 1 if per_row is None else per_row
+    if per_row is None:
+        per_row = all(getattr(cache, "per_row_rollback", False) for cache in (target_cache, draft_cache))
     with eval_mode(target, draft):  # each module's own mode restored afterwards (model/modes.py)
         # the target takes the prompt minus its last token (the last one opens the first window),
         # the draft minus its last DRAFT_LAG (its first step feeds them)
