@@ -119,6 +119,48 @@ def test_identical_draft_accepts_every_token(sampling, batch):
         assert result.n_steps == 5  # 6 tokens per step: 5 accepted and a bonus
 
 
+@pytest.mark.parametrize("end_token", [None, 39])  # 39: the 19th new token without one
+def test_both_schemes_draw_the_same_tokens_at_batch_1(end_token):
+    """At batch 1 the per-row scheme (its commit in commit_rows, the default) and the shared window
+    are one algorithm: the same uniforms give the same tokens, steps and counts, sampled at
+    temperature 1, with an end token or without."""
+    target, draft = model(depth=2), model(seed=1, depth=1)  # near-uniform: most drafts kept, some not
+    prompt = torch.randint(0, 61, (1, 7), generator=torch.Generator().manual_seed(5))
+    runs = [speculative_generate(target, draft, prompt, 40, gamma=4, end_token=end_token, per_row=per_row,
+                                 generator=torch.Generator().manual_seed(11)) for per_row in (None, False)]
+    assert runs[0].per_row and not runs[1].per_row
+    assert torch.equal(runs[0].tokens, runs[1].tokens) and torch.equal(runs[0].lengths, runs[1].lengths)
+    counts = [(run.n_steps, run.n_drafted, run.n_accepted, run.n_row_steps) for run in runs]
+    assert counts[0] == counts[1] and 0 < runs[0].n_accepted < runs[0].n_drafted
+    assert runs[0].lengths.item() == (40 if end_token is None else 19)
+
+
+def test_commit_rows_is_pure_and_commits_running_rows_only():
+    """commit_rows (a per-row step's commit, compiled inside the step) changes none of its inputs;
+    a stopped row keeps its length and counts for nothing; a running row's kept drafts and next
+    token land after its committed tokens."""
+    width, vocabulary = 4, 5
+    lengths = torch.tensor([3, 6])
+    sequence = torch.arange(2 * 16).reshape(2, 16) % vocabulary
+    done = torch.tensor([False, True])
+    counts = torch.tensor([10, 30, 20])
+    drafted = torch.tensor([[1, 2, 3], [4, 0, 1]])
+    draft_probs = torch.full((2, width - 1, vocabulary), 1 / vocabulary)
+    logits = torch.zeros(2, width, vocabulary)  # the target agrees with the draft: every draft kept
+    inputs = [tensor.clone() for tensor in (sequence, lengths, done, counts)]
+    no_known = torch.zeros(2, width - 1, dtype=torch.bool)
+    outputs = speculative.commit_rows(logits, draft_probs, drafted, speculative.block_verification, SamplingConfig(),
+                                      no_known, torch.full((2, width), 0.5), sequence, lengths, done, counts,
+                                      torch.tensor(12), torch.tensor(3), None)
+    assert all(torch.equal(before, after) for before, after in zip(inputs, (sequence, lengths, done, counts)))
+    new_sequence, new_lengths, new_done, new_counts, host, catch_up, target_rows, draft_rows = outputs
+    assert new_lengths.tolist() == [7, 6] and new_done.tolist() == [False, False]  # the goal is 12
+    assert torch.equal(new_sequence[0, 3:6], drafted[0]) and torch.equal(new_sequence[0, :3], sequence[0, :3])
+    assert new_counts.tolist() == [11, 33, 23] and host.tolist() == [0, 7, 6]
+    assert torch.equal(catch_up, torch.stack((new_sequence[0, 5:7], new_sequence[1, 4:6])))
+    assert target_rows.tolist() == [6, 5] and draft_rows.tolist() == [5, 4]
+
+
 @pytest.mark.parametrize("per_row", [True, False])
 def test_end_token_stops_each_row(per_row):
     """Rows stop at their own end token; a stopped row's output stays cut while others decode on
