@@ -6,13 +6,15 @@ per draft is the median over rounds of these paired speedups (with the medians o
 the tokens committed per step). The drafts are interleaved, so they see the same spells.
 
     python bench/speculative_ab.py TARGET_RUN NAME=DRAFT_RUN[:int8] [NAME=...] [--rounds 9]
-        [--batch-size 1] [--batch-scheme auto] [--temperature 1] [--top-k K] [--gamma 5 [6 ...]]
+        [--batch-size 1] [--batch-scheme auto [shared ...]] [--temperature 1] [--top-k K] [--gamma 5 [6 ...]]
         [--max-new-tokens 256] [--compile] [--dtype bfloat16] [--verification block [token]]
 
 --gamma with several values: each draft decodes at each of them, every (draft, gamma) pair a
 variant of its own in the rounds (named NAME, or NAME@GAMMA with several gammas), so draft lengths
 are compared side by side as drafts are. --verification with several rules (speculative.py's
-VERIFICATIONS) does the same for the rules (NAME/RULE).
+VERIFICATIONS) does the same for the rules (NAME/RULE), --batch-scheme with several for the ways a
+batch's caches roll back (NAME+SCHEME; at batch 1 the schemes are one algorithm, drawing the same
+tokens: per-row commits a step inside the compiled step, the shared window between steps).
 
 --compile: the target and every draft decode with compiled steps (Transformer.compile_decoding),
 the base decoding too; the warm-up round makes the graphs, so the timed rounds run them. --dtype:
@@ -56,7 +58,8 @@ def main() -> None:
     parser.add_argument("drafts", nargs="+", type=parse_draft, metavar="NAME=DRAFT_RUN[:int8]")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument("--batch-scheme", choices=["auto", "per-row", "shared"], default="auto")
+    parser.add_argument("--batch-scheme", nargs="+", choices=["auto", "per-row", "shared"], default=["auto"],
+                        help="how a batch's caches roll back; several: variants")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--gamma", type=int, nargs="+", default=[5], help="draft tokens a step; several: variants")
@@ -86,7 +89,6 @@ def main() -> None:
     # the primes `attnlab speculative --prime-from-val` uses
     prompt = eval_windows(corpus.val, args.prime_length, args.batch_size, seed=0)[:, : args.prime_length].long()
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k)
-    per_row = {"auto": None, "per-row": True, "shared": False}[args.batch_scheme]
 
     def base(seed: int) -> float:
         started = time.perf_counter()
@@ -94,43 +96,48 @@ def main() -> None:
             generate(target, prompt, args.max_new_tokens, sampling, generator=torch.Generator().manual_seed(seed))
         return time.perf_counter() - started
 
-    def speculative(draft, gamma: int, verification: str, seed: int):
+    def speculative(draft, gamma: int, verification: str, scheme: str, seed: int):
         started = time.perf_counter()
         result = speculative_generate(target, draft, prompt, args.max_new_tokens, gamma, sampling,
-                                      generator=torch.Generator().manual_seed(seed), per_row=per_row,
+                                      generator=torch.Generator().manual_seed(seed),
+                                      per_row={"auto": None, "per-row": True, "shared": False}[scheme],
                                       verification=verification)
         return time.perf_counter() - started, result
 
-    # every (draft, gamma, rule) is a variant timed in each round
+    # every (draft, gamma, rule, scheme) is a variant timed in each round
     variants = {}
-    for name, gamma, verification in itertools.product(drafts, args.gamma, args.verification):
+    for name, gamma, verification, scheme in itertools.product(drafts, args.gamma, args.verification,
+                                                                args.batch_scheme):
         variant = name + (f"@{gamma}" if len(args.gamma) > 1 else "")
         variant += f"/{verification}" if len(args.verification) > 1 else ""
-        variants[variant] = (name, gamma, verification)
-    for name, gamma, verification in variants.values():  # warm-up: allocator, first calls, each window's graphs
+        variant += f"+{scheme}" if len(args.batch_scheme) > 1 else ""
+        variants[variant] = (name, gamma, verification, scheme)
+    for name, gamma, verification, scheme in variants.values():  # warm-up: allocator, first calls, the graphs
         base(0)
-        speculative(drafts[name], gamma, verification, 0)
+        speculative(drafts[name], gamma, verification, scheme, 0)
     rows = {variant: [] for variant in variants}
     for round_index in range(args.rounds):
-        for variant, (name, gamma, verification) in variants.items():
+        for variant, (name, gamma, verification, scheme) in variants.items():
             base_s = base(round_index)
-            speculative_s, result = speculative(drafts[name], gamma, verification, round_index)
+            speculative_s, result = speculative(drafts[name], gamma, verification, scheme, round_index)
             row = {"round": round_index, "draft": name, "gamma": gamma, "verification": verification,
+                   "batch_scheme": scheme, "per_row": result.per_row,
                    "base_ms": round(1000 * base_s, 1),
                    "speculative_ms": round(1000 * speculative_s, 1), "speedup": round(base_s / speculative_s, 3),
                    "tokens_per_step": round(args.max_new_tokens / result.n_steps, 3)}
             rows[variant].append(row)
             print(json.dumps(row), flush=True)
-    settings = {"batch_size": args.batch_size, "batch_scheme": args.batch_scheme, "temperature": args.temperature,
+    settings = {"batch_size": args.batch_size, "temperature": args.temperature,
                 "top_k": args.top_k, "max_new_tokens": args.max_new_tokens,
                 "rounds": args.rounds, "threads": torch.get_num_threads(), "compiled": args.compile,
                 "dtype": args.dtype, "direct_calls": args.compile and not args.dynamo_calls}
     for variant, collected in rows.items():
-        name, gamma, verification = variants[variant]
+        name, gamma, verification, scheme = variants[variant]
         medians = {key: round(statistics.median(row[key] for row in collected), 3)
                    for key in ("speedup", "base_ms", "speculative_ms", "tokens_per_step")}
         products = {"target": decoding_products(target), "draft": decoding_products(drafts[name])}
-        print(json.dumps({"summary": variant, **settings, "gamma": gamma, "verification": verification, **medians,
+        print(json.dumps({"summary": variant, **settings, "batch_scheme": scheme, "gamma": gamma,
+                          "verification": verification, **medians,
                           "products": products,
                           "speedups": [row["speedup"] for row in collected]}), flush=True)
 

@@ -131,6 +131,23 @@ def test_speculative_ab_times_each_verification_rule(tmp_path):
         "float32/block": "block", "float32/token": "token"}
 
 
+def test_speculative_ab_times_each_batch_scheme(tmp_path):
+    """--batch-scheme with several: a variant each; at batch 1 both draw the same tokens a step."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(bytes(range(256)) * 64)
+    target = save_byte_run(tmp_path / "target", 2, corpus)
+    draft = save_byte_run(tmp_path / "draft", 1, corpus)
+    printed = run_script("speculative_ab.py", str(target), f"float32={draft}", "--rounds", "1", "--gamma", "2",
+                         "--batch-scheme", "per-row", "shared", "--max-new-tokens", "8", "--prime-length", "4")
+    lines = list(map(json.loads, printed.splitlines()))
+    summaries = {line["summary"]: line for line in lines if "summary" in line}
+    assert {name: summary["batch_scheme"] for name, summary in summaries.items()} == {
+        "float32+per-row": "per-row", "float32+shared": "shared"}
+    rounds = {line["batch_scheme"]: line for line in lines if "round" in line}
+    assert rounds["per-row"]["per_row"] and not rounds["shared"]["per_row"]
+    assert rounds["per-row"]["tokens_per_step"] == rounds["shared"]["tokens_per_step"]
+
+
 def test_speculative_acceptance_counts_tokens_per_step_by_each_rule(tmp_path):
     """A draft identical to its target keeps every token by either rule (gamma + 1 a step); another
     keeps fewer. (The block rule keeps at least as many in expectation over the draft's blocks, not
