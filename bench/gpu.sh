@@ -59,12 +59,14 @@ speculative_runs() {
     # the base; greedy shows the output equals the target's; then batch 1 again with the attention's
     # cached calls on the triton back-end's kernels (auto leaves them to torch on CUDA), with the
     # token rule instead of block verification, and at gamma 8 (a verification of 9 rows costs a GPU
-    # about what one of 6 does; the block rule gains more the longer the draft). Then eagerly,
-    # batch 4 both ways (each row's caches rolled back to its own length, and all rows to the
-    # shortest). A later --gamma overrides the first.
+    # about what one of 6 does; the block rule gains more the longer the draft), and by the shared
+    # window (at batch 1 the same tokens, each step committed by eager operations between the
+    # graphs where per-row commits inside them: commit_rows). Then eagerly, batch 4 both ways (each
+    # row's caches rolled back to its own length, and all rows to the shortest). A later --gamma
+    # overrides the first.
     for run in "1 auto 1 --compile" "1 auto 0 --compile" "4 per-row 1 --compile" \
                "1 auto 1 --compile --attention-backend=triton" "1 auto 1 --compile --verification=token" \
-               "1 auto 1 --compile --gamma=8" \
+               "1 auto 1 --compile --gamma=8" "1 shared 1 --compile" \
                "1 auto 1" "4 per-row 1" "4 shared 1" "1 auto 0"; do
         read -r batch scheme temperature compile <<< "$run"
         attnlab speculative --target "$runs/spec-target" --draft "$runs/spec-draft" --gamma 5 --prime-from-val \

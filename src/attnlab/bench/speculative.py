@@ -262,7 +262,7 @@ def run_speculative_bench(bench: SpeculativeBench) -> dict[str, Any]:
             "mean_accepted": statistics.mean(result.mean_accepted for result in results),
             "acceptance_rate": statistics.mean(result.acceptance_rate for result in results),
             # one row has nothing to roll back per row: it runs the single-sequence algorithm
-            "batch_scheme": "single row" if bench.batch_size == 1 else "per-row" if results[0].per_row else "shared",
+            "batch_scheme": "per-row" if results[0].per_row else "shared",  # at batch 1 too: they commit apart
         },
         # which products the models' linear layers multiply with when decoding (model/quantize.py)
         "products": {"target": decoding_products(target), "draft": decoding_products(draft)},
