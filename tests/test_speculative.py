@@ -119,6 +119,19 @@ def test_identical_draft_accepts_every_token(sampling, batch):
         assert result.n_steps == 5  # 6 tokens per step: 5 accepted and a bonus
 
 
+@pytest.mark.parametrize("prompt_length", [1, 2])
+def test_prompts_shorter_than_the_drafts_lag(prompt_length):
+    """A prompt of DRAFT_LAG tokens or fewer (the draft's first step then feeds all of it, the
+    target's first verification is its prefill): greedy equals the target's, by both schemes."""
+    target, draft = model(depth=2, logit_scale=8), model(seed=1, depth=1, logit_scale=8)
+    for batch in (1, 3):
+        prompt = torch.randint(0, 61, (batch, prompt_length), generator=torch.Generator().manual_seed(batch))
+        expected = generate(target, prompt, 20, GREEDY)
+        for per_row in (None, False):
+            result = speculative_generate(target, draft, prompt, 20, gamma=3, sampling=GREEDY, per_row=per_row)
+            assert torch.equal(result.tokens, expected), (batch, per_row)
+
+
 @pytest.mark.parametrize("end_token", [None, 39])  # 39: the 19th new token without one
 def test_both_schemes_draw_the_same_tokens_at_batch_1(end_token):
     """At batch 1 the per-row scheme (its commit in commit_rows, the default) and the shared window
