@@ -102,11 +102,15 @@ def save_byte_run(run_dir: Path, depth: int, corpus: Path, **overrides) -> Path:
     return run_dir
 
 
-def test_speculative_ab_times_each_draft_at_each_gamma(tmp_path):
+def byte_pair(tmp_path: Path) -> tuple[Path, Path]:
+    """A 2-layer target and a 1-layer draft, saved as runs over a byte corpus made here."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(bytes(range(256)) * 64)
-    target = save_byte_run(tmp_path / "target", 2, corpus)
-    draft = save_byte_run(tmp_path / "draft", 1, corpus)
+    return save_byte_run(tmp_path / "target", 2, corpus), save_byte_run(tmp_path / "draft", 1, corpus)
+
+
+def test_speculative_ab_times_each_draft_at_each_gamma(tmp_path):
+    target, draft = byte_pair(tmp_path)
     printed = run_script("speculative_ab.py", str(target), f"float32={draft}", f"int8={draft}:int8", "--rounds", "2",
                          "--gamma", "2", "3", "--max-new-tokens", "8", "--prime-length", "4")
     lines = [json.loads(line) for line in printed.splitlines()]
@@ -120,10 +124,7 @@ def test_speculative_ab_times_each_draft_at_each_gamma(tmp_path):
 
 
 def test_speculative_ab_times_each_verification_rule(tmp_path):
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_bytes(bytes(range(256)) * 64)
-    target = save_byte_run(tmp_path / "target", 2, corpus)
-    draft = save_byte_run(tmp_path / "draft", 1, corpus)
+    target, draft = byte_pair(tmp_path)
     printed = run_script("speculative_ab.py", str(target), f"float32={draft}", "--rounds", "1", "--gamma", "2",
                          "--verification", "block", "token", "--max-new-tokens", "8", "--prime-length", "4")
     summaries = {line["summary"]: line for line in map(json.loads, printed.splitlines()) if "summary" in line}
@@ -133,10 +134,7 @@ def test_speculative_ab_times_each_verification_rule(tmp_path):
 
 def test_speculative_ab_times_each_batch_scheme(tmp_path):
     """--batch-scheme with several: a variant each; at batch 1 both draw the same tokens a step."""
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_bytes(bytes(range(256)) * 64)
-    target = save_byte_run(tmp_path / "target", 2, corpus)
-    draft = save_byte_run(tmp_path / "draft", 1, corpus)
+    target, draft = byte_pair(tmp_path)
     printed = run_script("speculative_ab.py", str(target), f"float32={draft}", "--rounds", "1", "--gamma", "2",
                          "--batch-scheme", "per-row", "shared", "--max-new-tokens", "8", "--prime-length", "4")
     lines = list(map(json.loads, printed.splitlines()))
@@ -152,10 +150,7 @@ def test_speculative_acceptance_counts_tokens_per_step_by_each_rule(tmp_path):
     """A draft identical to its target keeps every token by either rule (gamma + 1 a step); another
     keeps fewer. (The block rule keeps at least as many in expectation over the draft's blocks, not
     in each: tests/test_speculative.py checks that exactly.)"""
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_bytes(bytes(range(256)) * 64)
-    target = save_byte_run(tmp_path / "target", 2, corpus)
-    draft = save_byte_run(tmp_path / "draft", 1, corpus)
+    target, draft = byte_pair(tmp_path)
     arguments = ("--prime", "8", "--new-tokens", "16", "--rows", "2", "--band", "8", "--gammas", "2", "3",
                  "--positions", "3")
     for draft_run, identical in ((target, True), (draft, False)):
