@@ -42,6 +42,8 @@ from attnlab.generate.speculative import VERIFICATIONS, speculative_generate
 from attnlab.model.quantize import decoding_products, quantize_weights
 from attnlab.train.checkpoint import load_model
 
+PER_ROW = {"auto": None, "per-row": True, "shared": False}  # --batch-scheme -> speculative_generate's per_row
+
 
 def parse_draft(text: str) -> tuple[str, str, str]:
     """NAME=RUN[:int8] -> (name, run, quantization)."""
@@ -58,7 +60,7 @@ def main() -> None:
     parser.add_argument("drafts", nargs="+", type=parse_draft, metavar="NAME=DRAFT_RUN[:int8]")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument("--batch-scheme", nargs="+", choices=["auto", "per-row", "shared"], default=["auto"],
+    parser.add_argument("--batch-scheme", nargs="+", choices=list(PER_ROW), default=["auto"],
                         help="how a batch's caches roll back; several: variants")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=None)
@@ -100,7 +102,7 @@ def main() -> None:
         started = time.perf_counter()
         result = speculative_generate(target, draft, prompt, args.max_new_tokens, gamma, sampling,
                                       generator=torch.Generator().manual_seed(seed),
-                                      per_row={"auto": None, "per-row": True, "shared": False}[scheme],
+                                      per_row=PER_ROW[scheme],
                                       verification=verification)
         return time.perf_counter() - started, result
 

@@ -261,8 +261,8 @@ def run_speculative_bench(bench: SpeculativeBench) -> dict[str, Any]:
             "steps": statistics.mean(result.n_steps for result in results),
             "mean_accepted": statistics.mean(result.mean_accepted for result in results),
             "acceptance_rate": statistics.mean(result.acceptance_rate for result in results),
-            # one row has nothing to roll back per row: it runs the single-sequence algorithm
-            "batch_scheme": "per-row" if results[0].per_row else "shared",  # at batch 1 too: they commit apart
+            # at batch 1 too: the schemes draw the same tokens there, but per-row commits inside the step
+            "batch_scheme": "per-row" if results[0].per_row else "shared",
         },
         # which products the models' linear layers multiply with when decoding (model/quantize.py)
         "products": {"target": decoding_products(target), "draft": decoding_products(draft)},

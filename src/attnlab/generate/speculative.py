@@ -314,7 +314,8 @@ def _propose_and_verify(state: _Decoding, tokens: Tensor, draft_uniforms: Tensor
     return drafted, *function(target(window, cache=state.target_cache).logits, draft_probs, drafted, *arguments)
 
 
-def rows_done(sequence: Tensor, lengths: Tensor, goal, prompt_length, end_token) -> Tensor:
+def rows_done(sequence: Tensor, lengths: Tensor, goal: int | Tensor, prompt_length: int | Tensor,
+              end_token: int | Tensor | None) -> Tensor:
     """[B] rows that have reached the goal or committed the end token: sequence [B, S] holds
     row b's committed tokens in its first lengths[b]. goal, prompt_length and end_token (None: no
     end token) are ints, or 0-dim tensors inside a compiled step (constants would make a graph for
