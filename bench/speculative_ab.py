@@ -34,6 +34,7 @@ import time
 
 import torch
 
+from attnlab.bench.speculative import rollback_scheme  # --batch-scheme -> per_row
 from attnlab.cli import arguments  # the decoding commands' --dtype names (bf16 too)
 from attnlab.data.corpus import load_corpus
 from attnlab.data.sampler import eval_windows
@@ -41,8 +42,6 @@ from attnlab.generate.sampling import SamplingConfig, generate
 from attnlab.generate.speculative import VERIFICATIONS, speculative_generate
 from attnlab.model.quantize import decoding_products, quantize_weights
 from attnlab.train.checkpoint import load_model
-
-PER_ROW = {"auto": None, "per-row": True, "shared": False}  # --batch-scheme -> speculative_generate's per_row
 
 
 def parse_draft(text: str) -> tuple[str, str, str]:
@@ -60,7 +59,7 @@ def main() -> None:
     parser.add_argument("drafts", nargs="+", type=parse_draft, metavar="NAME=DRAFT_RUN[:int8]")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument("--batch-scheme", nargs="+", choices=list(PER_ROW), default=["auto"],
+    parser.add_argument("--batch-scheme", nargs="+", choices=["auto", "per-row", "shared"], default=["auto"],
                         help="how a batch's caches roll back; several: variants")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=None)
@@ -102,7 +101,7 @@ def main() -> None:
         started = time.perf_counter()
         result = speculative_generate(target, draft, prompt, args.max_new_tokens, gamma, sampling,
                                       generator=torch.Generator().manual_seed(seed),
-                                      per_row=PER_ROW[scheme],
+                                      per_row=rollback_scheme(scheme),
                                       verification=verification)
         return time.perf_counter() - started, result
 

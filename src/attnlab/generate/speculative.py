@@ -335,9 +335,9 @@ def commit_rows(logits: Tensor, draft_probs: Tensor, drafted: Tensor, verify: Ca
     """A per-row step after the target's forward: verify (VERIFICATIONS' rule; its arguments as
     there), then commit each running row's kept tokens and next token, all as tensors in and out,
     so that the compiled step makes the whole of it in its graph and the host reads one small tensor
-    a step (the 25 or so small operations this took in Python between two steps were 8% of the CPU
-    pair's batch-1 step, and each is a kernel launch on a GPU). Pure: nothing passed in is changed
-    (CUDA graphs replay only steps that write no tensor but their static ones).
+    a step (about 25 small operations in Python between two steps before; each is a kernel launch on
+    a GPU; docs/benchmarks.md "Speculative decoding" has the effect on a CPU). Pure: nothing passed
+    in is changed (CUDA graphs replay only steps that write no tensor but their static ones).
 
     sequence [B, S] holds row b's committed tokens in its first lengths[b]; done [B] the rows
     stopped before this step (they take part in the forwards but commit nothing); counts [3] (rows
