@@ -5,7 +5,7 @@ speculative ms), so a slow spell of a shared machine slows both sides of it alik
 per draft is the median over rounds of these paired speedups (with the medians of the times and of
 the tokens committed per step). The drafts are interleaved, so they see the same spells.
 
-    python bench/speculative_ab.py TARGET_RUN NAME=DRAFT_RUN[:int8] [NAME=...] [--rounds 9]
+    python bench/speculative_ab.py TARGET_RUN NAME=DRAFT_RUN[:int8[/PRODUCT]] [NAME=...] [--rounds 9]
         [--batch-size 1] [--batch-scheme auto [shared ...]] [--temperature 1] [--top-k K] [--gamma 5 [6 ...]]
         [--max-new-tokens 256] [--compile] [--dtype bfloat16] [--verification block [token]]
 
@@ -15,6 +15,10 @@ are compared side by side as drafts are. --verification with several rules (spec
 VERIFICATIONS) does the same for the rules (NAME/RULE), --batch-scheme with several for the ways a
 batch's caches roll back (NAME+SCHEME; at batch 1 the schemes are one algorithm, drawing the same
 tokens: per-row commits a step inside the compiled step, the shared window between steps).
+
+:int8 quantizes a draft's weights (model/quantize.py), /PRODUCT names the kernel its products
+take (PRODUCTS: cpu, torch, dequantized; default: each call's, Int8Linear.product_for), so kernels
+are compared side by side as drafts are.
 
 --compile: the target and every draft decode with compiled steps (Transformer.compile_decoding),
 the base decoding too; the warm-up round makes the graphs, so the timed rounds run them. --dtype:
@@ -40,23 +44,25 @@ from attnlab.data.corpus import load_corpus
 from attnlab.data.sampler import eval_windows
 from attnlab.generate.sampling import SamplingConfig, generate
 from attnlab.generate.speculative import VERIFICATIONS, speculative_generate
-from attnlab.model.quantize import decoding_products, quantize_weights
+from attnlab.model.quantize import PRODUCTS, choose_products, decoding_products, quantize_weights
 from attnlab.train.checkpoint import load_model
 
 
-def parse_draft(text: str) -> tuple[str, str, str]:
-    """NAME=RUN[:int8] -> (name, run, quantization)."""
+def parse_draft(text: str) -> tuple[str, str, str, str | None]:
+    """NAME=RUN[:int8[/PRODUCT]] -> (name, run, quantization, product or None)."""
     name, _, run = text.partition("=")
-    if not name or not run:
-        raise argparse.ArgumentTypeError(f"expected NAME=DRAFT_RUN[:int8], got {text!r}")
     run, _, quantization = run.partition(":")
-    return name, run, quantization or "none"
+    quantization, _, product = quantization.partition("/")
+    if not name or not run or (product and (quantization != "int8" or product not in PRODUCTS)):
+        raise argparse.ArgumentTypeError(f"expected NAME=DRAFT_RUN[:int8[/PRODUCT]] (PRODUCT one of "
+                                         f"{', '.join(PRODUCTS)}), got {text!r}")
+    return name, run, quantization or "none", product or None
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("target")
-    parser.add_argument("drafts", nargs="+", type=parse_draft, metavar="NAME=DRAFT_RUN[:int8]")
+    parser.add_argument("drafts", nargs="+", type=parse_draft, metavar="NAME=DRAFT_RUN[:int8[/PRODUCT]]")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--batch-scheme", nargs="+", choices=["auto", "per-row", "shared"], default=["auto"],
@@ -79,9 +85,10 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     target = load_model(args.target, dtype=dtype).eval()
     drafts = {}
-    for name, run, quantization in args.drafts:
+    for name, run, quantization, product in args.drafts:
         drafts[name] = load_model(run, dtype=dtype).eval()
         quantize_weights(drafts[name], quantization)
+        choose_products(drafts[name], product)
     if args.compile:
         for model in (target, *drafts.values()):
             if not model.compile_decoding(direct_calls=not args.dynamo_calls):

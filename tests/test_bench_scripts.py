@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from attnlab import Transformer
 from attnlab.config import DataConfig, RunConfig, config_to_dict
 from attnlab.train.checkpoint import checkpoint_path, save_checkpoint
@@ -111,16 +113,23 @@ def byte_pair(tmp_path: Path) -> tuple[Path, Path]:
 
 def test_speculative_ab_times_each_draft_at_each_gamma(tmp_path):
     target, draft = byte_pair(tmp_path)
-    printed = run_script("speculative_ab.py", str(target), f"float32={draft}", f"int8={draft}:int8", "--rounds", "2",
-                         "--gamma", "2", "3", "--max-new-tokens", "8", "--prime-length", "4")
+    printed = run_script("speculative_ab.py", str(target), f"float32={draft}", f"int8={draft}:int8",
+                         f"dequantized={draft}:int8/dequantized", "--rounds", "2", "--gamma", "2", "3",
+                         "--max-new-tokens", "8", "--prime-length", "4")
     lines = [json.loads(line) for line in printed.splitlines()]
     summaries = {line["summary"]: line for line in lines if "summary" in line}
-    assert set(summaries) == {"float32@2", "float32@3", "int8@2", "int8@3"}
+    names = ("float32", "int8", "dequantized")
+    assert set(summaries) == {f"{name}@{gamma}" for name in names for gamma in (2, 3)}
     assert all(summary["gamma"] == int(name[-1]) and len(summary["speedups"]) == 2 and summary["speedup"] > 0
                for name, summary in summaries.items())
     rounds = [line for line in lines if "round" in line]
     assert sorted((line["draft"], line["gamma"]) for line in rounds) == sorted(
-        [(draft_name, gamma) for draft_name in ("float32", "int8") for gamma in (2, 3)] * 2)
+        [(draft_name, gamma) for draft_name in names for gamma in (2, 3)] * 2)
+    products = {name.split("@")[0]: summary["products"]["draft"] for name, summary in summaries.items()}
+    assert products["float32"] == "F.linear" and products["dequantized"] == "int8 dequantized"
+    assert products["int8"].startswith("int8 ") and products["int8"] != "int8 dequantized"  # the default kernel
+    with pytest.raises(subprocess.CalledProcessError):
+        run_script("speculative_ab.py", str(target), f"bad={draft}:int8/fast", "--rounds", "1")
 
 
 def test_speculative_ab_times_each_verification_rule(tmp_path):

@@ -7,10 +7,13 @@ for the draft (`attnlab speculative --draft-quantize int8`): the draft only prop
 quantized draft changes how many of them the target accepts, never the distribution of the
 output. A quantized target would be a different model, and is not offered there.
 
-The product of a few rows of activations with the int8 weight runs through torch's int8
-weight-only kernel on CPU (`torch._weight_int8pack_mm`, bfloat16 activations: outputs agree with
-the dequantized weight's to about 3 significant digits). Everywhere else (other devices, more
-rows, reduction widths the kernel does not handle) the weight is dequantized for the product.
+The product of a few rows of activations (decoding) with the int8 weight has three named kernels
+(PRODUCTS): "cpu", attnlab's own operator (model/int8_linear_cpu.cpp: float32 activations, the
+weights widened to float32 in registers; built on first use), "torch", torch's int8 weight-only
+kernel (`torch._weight_int8pack_mm`, bfloat16 activations: outputs agree with the dequantized
+weight's to about 3 significant digits), and "dequantized", the float weight rebuilt for an
+ordinary product (any device, any number of rows). By default a few float32 rows on the CPU take
+"cpu" where it is built, then "torch" where it applies, else "dequantized".
 
 Legend: N rows of activations, K input width, O output width.
 """
@@ -21,9 +24,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-QUANTIZATIONS = ("none", "int8")
+from attnlab.model import int8_linear_cpu
 
-# the CPU kernel is faster than a float product for a few rows of activations only (decoding)
+QUANTIZATIONS = ("none", "int8")
+PRODUCTS = ("cpu", "torch", "dequantized")  # the kernels of an int8 product (the module docstring)
+
+# the int8 kernels are made for a few rows of activations (decoding); more (a prompt's prefill)
+# multiply by the dequantized weight, a float GEMM
 FAST_PATH_MAX_ROWS = 16
 
 
@@ -41,9 +48,10 @@ class Int8Linear(nn.Module):
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.register_buffer("weight", weight)  # int8 [O, K]
         self.register_buffer("scale", scale)  # float32 [O]
-        self.register_buffer("scale_bf16", scale.to(torch.bfloat16))  # the CPU kernel's
+        self.register_buffer("scale_bf16", scale.to(torch.bfloat16))  # torch's kernel's
         self.register_buffer("bias", bias)  # float [O] or None
-        self.use_kernel = _kernel_handles(self.in_features)
+        self.torch_kernel_handles = _kernel_handles(self.in_features)
+        self.product: str | None = None  # the kernel forward uses (PRODUCTS); None: product_for's
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Int8Linear:
@@ -59,16 +67,27 @@ class Int8Linear(nn.Module):
         """The float weight [O, K] this layer multiplies by."""
         return self.weight.to(dtype) * self.scale.to(dtype)[:, None]
 
-    def forward(self, x: Tensor, use_kernel: bool | None = None) -> Tensor:
-        """x [..., K] -> [..., O] in x's dtype. use_kernel: force (True) or avoid (False) the CPU
-        kernel; None takes it where it applies."""
+    def product_for(self, flat: Tensor) -> str:
+        """The kernel (PRODUCTS) that multiplies activations flat [N, K] by default."""
+        if flat.device.type != "cpu" or flat.shape[0] > FAST_PATH_MAX_ROWS:
+            return "dequantized"
+        if int8_linear_cpu.serves(flat):
+            return "cpu"
+        return "torch" if self.torch_kernel_handles else "dequantized"
+
+    def forward(self, x: Tensor, product: str | None = None) -> Tensor:
+        """x [..., K] -> [..., O] in x's dtype. product: the kernel (PRODUCTS); None takes the
+        layer's `product`, or where that is None product_for's."""
         flat = x.reshape(-1, self.in_features)  # [N, K]
-        if use_kernel is None:
-            use_kernel = self.use_kernel and x.device.type == "cpu" and flat.shape[0] <= FAST_PATH_MAX_ROWS
-        if use_kernel:
+        product = product or self.product or self.product_for(flat)
+        if product == "cpu":
+            y = int8_linear_cpu.int8_linear(flat, self.weight, self.scale)
+        elif product == "torch":
             y = torch.ops.aten._weight_int8pack_mm(flat.to(torch.bfloat16), self.weight, self.scale_bf16).to(x.dtype)
-        else:
+        elif product == "dequantized":
             y = F.linear(flat, self.weight.to(x.dtype)) * self.scale.to(x.dtype)
+        else:
+            raise ValueError(f"an int8 product is one of {', '.join(PRODUCTS)}; got {product!r}")
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -78,11 +97,33 @@ class Int8Linear(nn.Module):
 
 
 def decoding_products(model: nn.Module) -> str:
-    """How `model`'s linear layers multiply when decoding: "F.linear", "int8" (quantized layers), or
-    both joined by "+" (benchmark records say which ran)."""
-    kinds = {"int8" if isinstance(module, Int8Linear) else "F.linear"
-             for module in model.modules() if isinstance(module, (Int8Linear, nn.Linear))}
+    """How `model`'s linear layers multiply when decoding: "F.linear", "int8 KERNEL" (quantized
+    layers, KERNEL the product one row of the model's activations takes: PRODUCTS), or several
+    joined by "+" (benchmark records say which ran)."""
+    floats = [tensor for tensor in model.parameters() if tensor.is_floating_point()]
+    dtype = floats[0].dtype if floats else torch.float32  # the activations' (an embedding's, where quantized)
+    kinds = set()
+    for module in model.modules():
+        if isinstance(module, Int8Linear):
+            row = torch.empty(1, module.in_features, dtype=dtype, device=module.weight.device)
+            kinds.add(f"int8 {module.product or module.product_for(row)}")
+        elif isinstance(module, nn.Linear):
+            kinds.add("F.linear")
     return "+".join(sorted(kinds)) or "none"
+
+
+def choose_products(model: nn.Module, product: str | None) -> None:
+    """Every int8 layer of `model` multiplies by `product` (PRODUCTS; None: each call's default,
+    Int8Linear.product_for), as a benchmark compares them. A compiled decoding checks its calls
+    in full again after (counted as a change of structure), so it compiles for the new kernels."""
+    from attnlab.model.transformer import STRUCTURE_CHANGES
+
+    if product is not None and product not in PRODUCTS:
+        raise ValueError(f"an int8 product is one of {', '.join(PRODUCTS)}; got {product!r}")
+    for module in model.modules():
+        if isinstance(module, Int8Linear):
+            module.product = product
+    STRUCTURE_CHANGES[0] += 1
 
 
 def quantize_weights(model: nn.Module, quantization: str = "int8") -> int:

@@ -1,0 +1,116 @@
+"""The kernels of an int8 product (model/quantize.py's PRODUCTS: attnlab's `cpu` operator, torch's
+int8 weight-only kernel, the dequantized weight's float product) side by side in one process, and
+what each makes of a compiled draft's proposal.
+
+1. Each product of one Int8Linear at the CPU draft's weight shapes (spec-small-draft: dim 256,
+   feed-forward 1024; weights random), for a few rows of activations (1: a decoded token, 4: a
+   batch of four, 6: a verification window), eager, the kernels taking turns round after round;
+   medians in microseconds.
+2. The draft's proposal of gamma tokens (Transformer.draw: one token fed, gamma drawn, as
+   speculative decoding calls it) with int8 weights, compiled (compile_decoding), once per product
+   (`cpu` and `torch`: the ones a decode step takes), the models taking turns; medians in ms.
+
+    OMP_NUM_THREADS=2 python bench/int8_products.py [--rows 1 4 6] [--rounds 9] [--batch-size 1]
+
+One JSON line per shape and row count, one per compiled proposal, then the proposal's ratio
+(torch / cpu) per round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+from torch import nn
+
+from attnlab.config import load_config
+from attnlab.generate.sampling import SamplingConfig
+from attnlab.model import Transformer
+from attnlab.model.quantize import PRODUCTS, Int8Linear, choose_products, quantize_weights
+
+SHAPES = {"query, key, value, output, head": (256, 256), "feed-forward up": (1024, 256),
+          "feed-forward down": (256, 1024)}  # (out features, in features)
+COMPILED_PRODUCTS = ("cpu", "torch")
+
+
+def median_of(function, repeats: int) -> float:
+    """Median seconds of `repeats` calls, after a few untimed ones."""
+    for _ in range(10):
+        function()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        function()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def products(rows_list: list[int], rounds: int, repeats: int) -> None:
+    torch.manual_seed(0)
+    for name, (out_features, in_features) in SHAPES.items():
+        layer = Int8Linear.from_linear(nn.Linear(in_features, out_features))
+        for rows in rows_list:
+            x = torch.randn(rows, in_features)
+            times = {product: [] for product in PRODUCTS}
+            for _ in range(rounds):
+                for product in PRODUCTS:
+                    call = lambda product=product, layer=layer, x=x: layer(x, product=product)  # noqa: E731
+                    times[product].append(median_of(call, repeats))
+            microseconds = {product: round(statistics.median(values) * 1e6, 1) for product, values in times.items()}
+            print(json.dumps({"weight": name, "shape": [out_features, in_features], "rows": rows,
+                              "threads": torch.get_num_threads(), "microseconds": microseconds}), flush=True)
+
+
+def proposals(batch: int, gamma: int, context: int, rounds: int, repeats: int) -> None:
+    calls = {}
+    for product in COMPILED_PRODUCTS:
+        torch.manual_seed(0)
+        draft = Transformer(load_config("spec-small-draft").model).eval()
+        quantize_weights(draft, "int8")
+        choose_products(draft, product)
+        draft.compile_decoding()
+        cache = draft.new_cache(batch, context + 2 * (gamma + 1))
+        draft(torch.randint(0, 256, (batch, context)), cache=cache)
+        tokens, uniforms = torch.randint(0, 256, (batch, 1)), torch.rand(batch, gamma)
+        no_tokens = torch.zeros(batch, gamma, dtype=torch.long)
+        no_known = torch.zeros(batch, gamma, dtype=torch.bool)
+
+        def call(draft=draft, cache=cache, tokens=tokens, uniforms=uniforms, no_tokens=no_tokens,
+                 no_known=no_known):
+            draft.draw(tokens, cache, uniforms, SamplingConfig(), no_tokens, no_known)
+            cache.truncate(context)  # the rollback, timed with it: a few host operations
+
+        calls[product] = call
+    times = {product: [] for product in calls}
+    for round_ in range(rounds + 1):  # round 0 warms up: the graphs are made there
+        for product, call in calls.items():
+            elapsed = median_of(call, repeats)
+            if round_:
+                times[product].append(elapsed * 1e3)
+    for product, values in times.items():
+        print(json.dumps({"proposal": product, "batch_size": batch, "gamma": gamma, "context": context,
+                          "threads": torch.get_num_threads(), "median_ms": round(statistics.median(values), 4)}),
+              flush=True)
+    ratios = [round(slow / fast, 3) for fast, slow in zip(times["cpu"], times["torch"])]
+    print(json.dumps({"proposal_ratio": "torch / cpu", "median": statistics.median(ratios), "rounds": ratios}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 6])
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--gamma", type=int, default=5)
+    parser.add_argument("--context", type=int, default=200)
+    args = parser.parse_args()
+    with torch.inference_mode():
+        products(args.rows, args.rounds, args.repeats)
+        proposals(args.batch_size, args.gamma, args.context, args.rounds, args.repeats)
+
+
+if __name__ == "__main__":
+    main()
