@@ -21,9 +21,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 import torch
+from small_gemm import median_microseconds  # this folder's
 from torch import nn
 
 from attnlab.config import load_config
@@ -36,18 +36,6 @@ SHAPES = {"query, key, value, output, head": (256, 256), "feed-forward up": (102
 COMPILED_PRODUCTS = ("cpu", "torch")
 
 
-def median_of(function, repeats: int) -> float:
-    """Median seconds of `repeats` calls, after a few untimed ones."""
-    for _ in range(10):
-        function()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        function()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
-
-
 def products(rows_list: list[int], rounds: int, repeats: int) -> None:
     torch.manual_seed(0)
     for name, (out_features, in_features) in SHAPES.items():
@@ -58,8 +46,8 @@ def products(rows_list: list[int], rounds: int, repeats: int) -> None:
             for _ in range(rounds):
                 for product in PRODUCTS:
                     call = lambda product=product, layer=layer, x=x: layer(x, product=product)  # noqa: E731
-                    times[product].append(median_of(call, repeats))
-            microseconds = {product: round(statistics.median(values) * 1e6, 1) for product, values in times.items()}
+                    times[product].append(median_microseconds(call, repeats))
+            microseconds = {product: round(statistics.median(values), 1) for product, values in times.items()}
             print(json.dumps({"weight": name, "shape": [out_features, in_features], "rows": rows,
                               "threads": torch.get_num_threads(), "microseconds": microseconds}), flush=True)
 
@@ -68,34 +56,43 @@ def proposals(batch: int, gamma: int, context: int, rounds: int, repeats: int) -
     calls = {}
     for product in COMPILED_PRODUCTS:
         torch.manual_seed(0)
+        # made and compiled outside inference mode: the compiled step packs its weights as a
+        # decoding's does (Transformer.compile_decoding: the packed kernels)
         draft = Transformer(load_config("spec-small-draft").model).eval()
         quantize_weights(draft, "int8")
         choose_products(draft, product)
         draft.compile_decoding()
-        cache = draft.new_cache(batch, context + 2 * (gamma + 1))
-        draft(torch.randint(0, 256, (batch, context)), cache=cache)
-        tokens, uniforms = torch.randint(0, 256, (batch, 1)), torch.rand(batch, gamma)
-        no_tokens = torch.zeros(batch, gamma, dtype=torch.long)
-        no_known = torch.zeros(batch, gamma, dtype=torch.bool)
-
-        def call(draft=draft, cache=cache, tokens=tokens, uniforms=uniforms, no_tokens=no_tokens,
-                 no_known=no_known):
-            draft.draw(tokens, cache, uniforms, SamplingConfig(), no_tokens, no_known)
-            cache.truncate(context)  # the rollback, timed with it: a few host operations
-
-        calls[product] = call
+        calls[product] = proposal_call(draft, batch, gamma, context)
     times = {product: [] for product in calls}
-    for round_ in range(rounds + 1):  # round 0 warms up: the graphs are made there
-        for product, call in calls.items():
-            elapsed = median_of(call, repeats)
-            if round_:
-                times[product].append(elapsed * 1e3)
+    with torch.inference_mode():
+        for round_ in range(rounds + 1):  # round 0 warms up: the graphs are made there
+            for product, call in calls.items():
+                elapsed = median_microseconds(call, repeats)
+                if round_:
+                    times[product].append(elapsed / 1e3)  # ms
     for product, values in times.items():
         print(json.dumps({"proposal": product, "batch_size": batch, "gamma": gamma, "context": context,
                           "threads": torch.get_num_threads(), "median_ms": round(statistics.median(values), 4)}),
               flush=True)
     ratios = [round(slow / fast, 3) for fast, slow in zip(times["cpu"], times["torch"])]
     print(json.dumps({"proposal_ratio": "torch / cpu", "median": statistics.median(ratios), "rounds": ratios}))
+
+
+def proposal_call(draft: Transformer, batch: int, gamma: int, context: int):
+    """A call of the draft's proposal after `context` tokens, then its rollback (timed with it: a few
+    host operations)."""
+    with torch.inference_mode():
+        cache = draft.new_cache(batch, context + 2 * (gamma + 1))
+        draft(torch.randint(0, 256, (batch, context)), cache=cache)
+    tokens, uniforms = torch.randint(0, 256, (batch, 1)), torch.rand(batch, gamma)
+    no_tokens = torch.zeros(batch, gamma, dtype=torch.long)
+    no_known = torch.zeros(batch, gamma, dtype=torch.bool)
+
+    def call():
+        draft.draw(tokens, cache, uniforms, SamplingConfig(), no_tokens, no_known)
+        cache.truncate(context)
+
+    return call
 
 
 def main() -> None:
@@ -109,7 +106,7 @@ def main() -> None:
     args = parser.parse_args()
     with torch.inference_mode():
         products(args.rows, args.rounds, args.repeats)
-        proposals(args.batch_size, args.gamma, args.context, args.rounds, args.repeats)
+    proposals(args.batch_size, args.gamma, args.context, args.rounds, args.repeats)
 
 
 if __name__ == "__main__":

@@ -143,7 +143,8 @@ def main() -> None:
         name, gamma, verification, scheme = variants[variant]
         medians = {key: round(statistics.median(row[key] for row in collected), 3)
                    for key in ("speedup", "base_ms", "speculative_ms", "tokens_per_step")}
-        products = {"target": decoding_products(target), "draft": decoding_products(drafts[name])}
+        products = {"target": decoding_products(target, args.compile),
+                    "draft": decoding_products(drafts[name], args.compile)}
         print(json.dumps({"summary": variant, **settings, "batch_scheme": scheme, "gamma": gamma,
                           "verification": verification, **medians,
                           "products": products,

@@ -88,6 +88,7 @@ def test_default_product_is_the_operator_for_a_few_float32_rows(monkeypatch):
     assert quantized.product_for(torch.randn(FAST_PATH_MAX_ROWS + 1, 64)) == "dequantized"  # a prefill: a GEMM
     expected_bfloat16 = "torch" if hasattr(torch.ops.aten, "_weight_int8pack_mm") else "dequantized"
     assert quantized.product_for(torch.randn(1, 64, dtype=torch.bfloat16)) == expected_bfloat16
+    assert quantized.product_for(torch.randn(1, 64), compiled=True) == expected_bfloat16  # inductor's template
     model = nn.Sequential(quantized, nn.ReLU(), Int8Linear.from_linear(linear(16, 8, bias=False)))
     x = torch.randn(3, 64)
     expected = model(x)
@@ -175,5 +176,19 @@ def test_decoding_products_names_what_a_model_multiplies_with():
     quantize_weights(model[1], "int8")
     default = model[1][0].product_for(torch.randn(1, 16))
     assert decoding_products(model) == f"F.linear+int8 {default}"
+    compiled = model[1][0].product_for(torch.randn(1, 16), compiled=True)
+    assert decoding_products(model, compiled=True) == f"F.linear+int8 {compiled}"
     choose_products(model, "dequantized")
     assert decoding_products(model) == "F.linear+int8 dequantized"
+
+
+@OPERATOR
+def test_cpu_operator_compiles_into_a_step_by_its_fake_and_cpp_wrapper():
+    """A layer fixed to the operator (choose_products) traced whole by torch.compile and called
+    from inductor's C++ wrapper, as a compiled decode step calls it: the eager layer's outputs."""
+    quantized = Int8Linear.from_linear(linear(64, 24, bias=True))
+    choose_products(quantized, "cpu")
+    compiled = torch.compile(quantized, fullgraph=True, dynamic=False, options={"cpp_wrapper": True})
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), quantized(x), rtol=1e-6, atol=1e-6)

@@ -873,6 +873,7 @@ def test_speculative_command_reports_both_decodings(trained_pair, draft_argument
 
 def test_speculative_command_with_an_int8_draft(trained_pair, capsys):
     from attnlab.cli.main import main
+    from attnlab.model import int8_linear_cpu
 
     root = trained_pair[0]
     arguments = ["speculative", "--target", str(root / "target"), "--gamma", "3", "--prompt", "def ",
@@ -881,13 +882,16 @@ def test_speculative_command_with_an_int8_draft(trained_pair, capsys):
     assert main([*arguments, "--draft", str(root / "draft"), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["draft_quantize"] == "int8" and report["draft"].endswith("(int8 weights)")
-    assert report["products"] == {"target": "F.linear", "draft": "int8"}
+    # a decoded row's products: attnlab's int8 operator where it is built (float32 activations)
+    float32_kernel = "cpu" if int8_linear_cpu.available() else "torch"
+    assert report["products"] == {"target": "F.linear", "draft": f"int8 {float32_kernel}"}
     assert report["speculative"]["text"] == report["base"]["text"]  # greedy: token for token
     assert main([*arguments, "--early-exit", "1"]) == 2  # its layers are the target's
     assert "--draft-quantize needs a draft of its own" in capsys.readouterr().err
     assert main([*arguments, "--draft", str(root / "draft"), "--dtype", "bfloat16", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)  # both models in bfloat16, the base decoding too
-    assert report["dtype"] == "bfloat16" and report["products"] == {"target": "F.linear", "draft": "int8"}
+    # bfloat16 activations: torch's int8 kernel
+    assert report["dtype"] == "bfloat16" and report["products"] == {"target": "F.linear", "draft": "int8 torch"}
     assert report["cache_dtype"] == "bfloat16"
     assert main([*arguments, "--draft", str(root / "draft"), "--cache-dtype", "bf16", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)  # float32 weights over bfloat16 caches, the base's too

@@ -265,7 +265,8 @@ def run_speculative_bench(bench: SpeculativeBench) -> dict[str, Any]:
             "batch_scheme": "per-row" if results[0].per_row else "shared",
         },
         # which products the models' linear layers multiply with when decoding (model/quantize.py)
-        "products": {"target": decoding_products(target), "draft": decoding_products(draft)},
+        "products": {"target": decoding_products(target, bench.compile),
+                     "draft": decoding_products(draft, bench.compile)},
         "speedup": base_seconds / speculative_seconds,
         "cudagraph_skips": cudagraph_skips() if device.type == "cuda" and bench.compile else None,
         # each speculative run against the base run of the same seed just before it: on a shared

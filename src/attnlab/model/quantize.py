@@ -12,8 +12,9 @@ The product of a few rows of activations (decoding) with the int8 weight has thr
 weights widened to float32 in registers; built on first use), "torch", torch's int8 weight-only
 kernel (`torch._weight_int8pack_mm`, bfloat16 activations: outputs agree with the dequantized
 weight's to about 3 significant digits), and "dequantized", the float weight rebuilt for an
-ordinary product (any device, any number of rows). By default a few float32 rows on the CPU take
-"cpu" where it is built, then "torch" where it applies, else "dequantized".
+ordinary product (any device, any number of rows). By default a few rows on the CPU take "torch"
+in a compiled step (inductor's own int8 template), "cpu" eager (float32 rows, where it is built),
+else "torch" where it applies, else "dequantized" (Int8Linear.product_for).
 
 Legend: N rows of activations, K input width, O output width.
 """
@@ -67,10 +68,19 @@ class Int8Linear(nn.Module):
         """The float weight [O, K] this layer multiplies by."""
         return self.weight.to(dtype) * self.scale.to(dtype)[:, None]
 
-    def product_for(self, flat: Tensor) -> str:
-        """The kernel (PRODUCTS) that multiplies activations flat [N, K] by default."""
+    def product_for(self, flat: Tensor, compiled: bool | None = None) -> str:
+        """The kernel (PRODUCTS) that multiplies activations flat [N, K] by default; compiled: in
+        a step torch.compile traces (None: whether this call is traced). Compiled, torch's kernel
+        where it applies: inductor makes the product in an int8 template of its own over the frozen
+        weight, converting the activations inside (a compiled draft's proposal took 0.965x the time
+        it took with attnlab's operator called from the step: bench/int8_products.py). Eager,
+        attnlab's operator (1.2-1.5x faster than torch's kernel at the draft's shapes)."""
         if flat.device.type != "cpu" or flat.shape[0] > FAST_PATH_MAX_ROWS:
             return "dequantized"
+        if compiled is None:
+            compiled = torch.compiler.is_compiling()
+        if compiled and self.torch_kernel_handles:
+            return "torch"
         if int8_linear_cpu.serves(flat):
             return "cpu"
         return "torch" if self.torch_kernel_handles else "dequantized"
@@ -96,17 +106,17 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def decoding_products(model: nn.Module) -> str:
+def decoding_products(model: nn.Module, compiled: bool = False) -> str:
     """How `model`'s linear layers multiply when decoding: "F.linear", "int8 KERNEL" (quantized
-    layers, KERNEL the product one row of the model's activations takes: PRODUCTS), or several
-    joined by "+" (benchmark records say which ran)."""
+    layers, KERNEL the product one row of the model's activations takes, in a compiled step where
+    `compiled`: PRODUCTS), or several joined by "+" (benchmark records say which ran)."""
     floats = [tensor for tensor in model.parameters() if tensor.is_floating_point()]
     dtype = floats[0].dtype if floats else torch.float32  # the activations' (an embedding's, where quantized)
     kinds = set()
     for module in model.modules():
         if isinstance(module, Int8Linear):
             row = torch.empty(1, module.in_features, dtype=dtype, device=module.weight.device)
-            kinds.add(f"int8 {module.product or module.product_for(row)}")
+            kinds.add(f"int8 {module.product or module.product_for(row, compiled)}")
         elif isinstance(module, nn.Linear):
             kinds.add("F.linear")
     return "+".join(sorted(kinds)) or "none"
