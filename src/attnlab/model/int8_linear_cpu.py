@@ -4,8 +4,9 @@ product (eager decoding's default: Int8Linear.product_for).
 
 Built on first use like the attention kernels (attention/kernels/cpu.py: cached by source, compiler
 and CPU) and registered with torch's dispatcher as attnlab::int8_linear_cpu, so a compiled decode
-step that chooses it (choose_products) calls it from inductor's C++ wrapper. Without a compiler, or with ATTNLAB_CPU_KERNELS=0,
-`available()` is False and Int8Linear takes torch's kernel or the dequantized weight.
+step that chooses it (choose_products) calls it from inductor's C++ wrapper. Without a compiler, or
+with ATTNLAB_CPU_KERNELS=0, `available()` is False and Int8Linear takes torch's kernel or the
+dequantized weight.
 
 Legend: N rows of activations, K input width, O outputs.
 """
