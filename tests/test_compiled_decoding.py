@@ -320,8 +320,8 @@ def test_six_row_block_skipped_where_inductor_keeps_its_kernels_otherwise(monkey
 def test_a_changed_model_is_checked_in_full():
     """After two alike calls the compiled step's code runs without dynamo's guards; quantising the model
     in place, or a cache longer than the rotary tables (which regrows them), changes what the step
-    depends on, and the steps after it still give the eager logits."""
-    from attnlab.model.quantize import quantize_weights
+    depends on, and the steps after it still give the eager logits (both with torch's int8 kernel)."""
+    from attnlab.model.quantize import choose_products, quantize_weights
 
     eager, compiled = twins("full", max_seq_len=64)
     tokens = torch.randint(0, 61, (2, 40), generator=torch.Generator().manual_seed(3))
@@ -336,6 +336,8 @@ def test_a_changed_model_is_checked_in_full():
         torch.testing.assert_close(steps(compiled, 32), steps(eager, 32), atol=1e-5, rtol=1e-5)
         assert max(compiled._decode_calls.values()) >= 2 and compiled._direct_calls  # the later steps: direct
         assert quantize_weights(compiled) == quantize_weights(eager) > 0
+        for model in (eager, compiled):  # one kernel on both sides (eager's default reads float32 rows)
+            choose_products(model, "torch")
         torch.testing.assert_close(steps(compiled, 32), steps(eager, 32), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(steps(compiled, 200), steps(eager, 200), atol=1e-5, rtol=1e-5)
 
