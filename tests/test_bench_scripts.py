@@ -71,7 +71,7 @@ def test_cached_attention_gpu_dry_run_times_both_back_ends(tmp_path):
 
 def test_speculative_profile_splits_a_step():
     printed = run_script("speculative_profile.py", "--backend", "aot_eager", "--context", "16", "--new-tokens", "12",
-                         "--warm-runs", "2")
+                         "--gamma", "2", "--warm-runs", "2")
     report = json.loads(printed.splitlines()[-1])
     parts = report["ms_per_step"]
     assert parts["forwards"] > 0 and parts["around forwards"] > 0

@@ -26,10 +26,12 @@ LISTED = ["routing-cpu-decode", "sinkhorn-cpu-decode", "nsa-cpu-decode"]  # the 
 
 
 def twins(name: str, backend: str = "aot_eager", **overrides) -> tuple[Transformer, Transformer]:
-    """The same model twice, in eval mode: eager, and with compiled decoding."""
+    """The same model twice, in eval mode: eager, and with compiled decoding. One block unless
+    `depth` says more: a compile's time grows with the blocks it traces, and what a block's step
+    does is the same in each (the contract tests, tests/test_attention_contract.py, cover depth)."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    config = variant_config(name, **{"max_seq_len": 512, **overrides})
+    config = variant_config(name, **{"max_seq_len": 512, "depth": 1, **overrides})
     eager, compiled = Transformer(config).eval(), Transformer(config).eval()
     compiled.load_state_dict(eager.state_dict())
     assert compiled.compile_decoding(backend=backend)
@@ -75,7 +77,7 @@ def test_compiled_decoding_over_a_bfloat16_cache_equals_eager(name, backend):
     the compiled steps give the eager logits over the same cache dtype, as closely as over a float32
     cache (the rounding happens when a key is stored, alike in both). Through inductor, the cpu
     back-end's operator reads the bfloat16 storage beside float32 queries."""
-    eager, compiled = twins(name, backend=backend, **({"depth": 1} if backend == "inductor" else {}))
+    eager, compiled = twins(name, backend=backend)
     tokens = torch.randint(0, 61, (2, 300), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         compiled_logits, eager_logits = (decode(model, tokens, torch.bfloat16) for model in (compiled, eager))
@@ -85,7 +87,7 @@ def test_compiled_decoding_over_a_bfloat16_cache_equals_eager(name, backend):
 
 
 @pytest.mark.parametrize("name, backend", [*((name, "aot_eager") for name in NAMES + LISTED), ("sinkhorn", "inductor"),
-                                           ("nsa-cpu-decode", "inductor"), ("full-cpu-decode", "inductor")])
+                                           ("nsa-cpu-decode", "inductor")])
 def test_compiled_decoding_of_one_row(name, backend):
     """At batch 1 (a size-1 dimension, whose stride any value leaves a tensor contiguous): a
     prefill, verification-sized chunks of 6 and one-token steps, around a rollback, give the eager
@@ -94,7 +96,7 @@ def test_compiled_decoding_of_one_row(name, backend):
     the cpu back-end's C++ operators (called from inductor's C++ wrapper; NSA's, all three of its
     branches, the compressed one returning two tensors). NSA's reference path compiles through
     aot_eager here and under CUDA graphs in tests/test_gpu.py."""
-    eager, compiled = twins(name, backend=backend, **({"depth": 1} if backend == "inductor" else {}))
+    eager, compiled = twins(name, backend=backend)
     tokens = torch.randint(0, 61, (1, 60), generator=torch.Generator().manual_seed(4))
 
     def steps(model: Transformer) -> torch.Tensor:
@@ -136,14 +138,15 @@ def test_cuda_graph_step_keeps_compiled_equal_to_eager(name, monkeypatch):
     assert cache.pinned and all(getattr(tensor, "_dynamo_static_input_type", None) for tensor in storage)
 
 
-@pytest.mark.parametrize("name, dtype", [("routing", torch.float32), ("nsa", torch.float32), ("full", torch.bfloat16)])
+@pytest.mark.parametrize("name, dtype", [("routing", torch.float32), ("full", torch.bfloat16)])
 def test_compiled_decoding_through_inductor(name, dtype):
-    """Routing's decode step (top-k over the cluster storage) and NSA's (a torch.cond around the
-    compression) in inductor's generated code with the CPU's defaults (the C++ wrapper, the packed
-    linear kernels): one-token steps, a level and a per-row rollback (one graph). And a model cast
-    to bfloat16 (`--dtype bfloat16`: the packed products with bfloat16 weights, the caches in
-    bfloat16), to bfloat16's precision."""
-    eager, compiled = twins(name, backend="inductor", depth=1)
+    """Routing's decode step (top-k over the cluster storage) in inductor's generated code with the
+    CPU's defaults (the C++ wrapper, the packed linear kernels): one-token steps, a level and a
+    per-row rollback (one graph). And a model cast to bfloat16 (`--dtype bfloat16`: the packed
+    products with bfloat16 weights, the caches in bfloat16), to bfloat16's precision. NSA's step
+    through inductor: test_compiled_decoding_of_one_row (the cpu back-end's operators, its torch.cond
+    around the compression) and tests/test_gpu.py (the reference path under CUDA graphs)."""
+    eager, compiled = twins(name, backend="inductor")
     eager.to(dtype)
     compiled.to(dtype)
     tokens = torch.randint(0, 61, (2, 40), generator=torch.Generator().manual_seed(2))
@@ -228,7 +231,7 @@ def test_packed_linear_kernels_follow_the_weights():
     inductor's GEMM template) gives the eager logits over one-token steps and a verification-sized
     chunk; after the weights change in place, it compiles again and follows them. That the weights
     are constants of the step: with the check skipped, it keeps the old ones."""
-    eager, compiled = twins("full", backend="inductor", depth=1)
+    eager, compiled = twins("full", backend="inductor")
     assert compiled._frozen_weights is not None
     counters.clear()
     tokens = torch.randint(0, 61, (1, 24), generator=torch.Generator().manual_seed(5))
@@ -265,7 +268,7 @@ def test_packed_step_makes_queries_keys_and_values_in_one_product(rows):
 
     if CONCATENATED_PRODUCTS not in packed_linear_options():
         pytest.skip("this torch's inductor does not concatenate products")
-    eager, _ = twins("full", depth=1)
+    eager, _ = twins("full")
     heads = eager.blocks[0].attention.heads
     x = torch.randn(1, rows, heads.spec.dim, generator=torch.Generator().manual_seed(1))
     compiled = torch.compile(heads.project, fullgraph=True, dynamic=False, options=packed_linear_options())

@@ -38,8 +38,8 @@ def test_compiled_speculative_sampling_follows_the_target(batch, n_samples):
 def test_speculative_and_generate_on_compiled_models(batch):
     """Greedy speculative decoding with both models compiled equals the target's greedy decoding,
     per-row and shared rollback (the sampled distribution is the eager one's: the steps are)."""
-    target, compiled_target = twins("nsa", depth=2)
-    draft, compiled_draft = twins("local", depth=1)
+    target, compiled_target = twins("nsa")
+    draft, compiled_draft = twins("local")
     prompt = torch.randint(0, 61, (batch, 9), generator=torch.Generator().manual_seed(batch))
     greedy = SamplingConfig(temperature=0.0)
     expected = generate(target, prompt, 24, greedy)
@@ -96,7 +96,7 @@ def test_speculative_calls_of_other_lengths_reuse_the_compiled_step():
     call whose prompt and new tokens round alike compiles nothing after the first (per-row
     rollback, batch 2), and greedy decoding gives the target's greedy tokens."""
     target, compiled_target = twins("full", depth=2)
-    _, compiled_draft = twins("local", depth=1)
+    _, compiled_draft = twins("local")
     greedy = SamplingConfig(temperature=0.0)
     graphs = None
     for prompt_length, n_new in ((9, 20), (12, 24)):  # with two windows of 5: 39 and 46 tokens, caches of 64
@@ -181,7 +181,7 @@ def test_a_packed_draw_keeps_one_copy_of_each_packed_weight(monkeypatch):
     constant_twin = transformer.constant_twin
     monkeypatch.setattr(transformer, "constant_twin",
                         lambda *arguments: twins_found.append(constant_twin(*arguments)) or twins_found[-1])
-    eager, compiled = twins("full", backend="inductor", depth=1)
+    eager, compiled = twins("full", backend="inductor")
     assert compiled._frozen_weights is not None  # the packed kernels
     generator = torch.Generator().manual_seed(8)
     prompt = torch.randint(0, 61, (2, 12), generator=generator)
@@ -237,7 +237,7 @@ def test_compiled_speculative_sampling_equals_eager(cuda_graph_bookkeeping):
     with what a CUDA step adds, exercised on the CPU (fixed cache addresses, step marks, the
     outputs of draw and decode_then copied out of the graph's memory)."""
     target, compiled_target = twins("full", depth=2)
-    draft, compiled_draft = twins("local", depth=1)
+    draft, compiled_draft = twins("local")
     compiled_target._cuda_graphs = compiled_draft._cuda_graphs = cuda_graph_bookkeeping
     prompt = torch.randint(0, 61, (3, 9), generator=torch.Generator().manual_seed(5))
     for per_row in (True, False):
@@ -285,8 +285,8 @@ def test_draw_then_decode_is_one_compiled_call_of_the_draws_and_the_forward(monk
     forced slots; one compiled call a step, and nothing compiled after its first calls."""
     from attnlab.generate.speculative import block_verification
 
-    eager_target, target = twins("full", depth=1)
-    eager_draft, draft = twins("local", depth=1)
+    eager_target, target = twins("full")
+    eager_draft, draft = twins("local")
     torch.manual_seed(1)
     for model in (eager_draft, draft):  # a draft unlike the target, so that some proposals are rejected
         model.head.weight.data.copy_(torch.randn(model.head.weight.shape, generator=torch.Generator().manual_seed(2)))
