@@ -28,12 +28,7 @@ def _register_fake() -> None:
 
 _library = OperatorLibrary("attnlab_sampling", SOURCE, _register_fake, "sampling with torch's operators")
 
-
-@torch.compiler.assume_constant_result
-def available() -> bool:
-    """Whether the operator can run here (built and loaded on first call). A constant for
-    torch.compile: the answer does not change within a process."""
-    return _library.loaded()
+available = _library.availability()
 
 
 def serves(probs: Tensor, uniform: Tensor) -> bool:

@@ -31,12 +31,7 @@ def _register_fake() -> None:
 
 _library = OperatorLibrary("attnlab_int8_linear", SOURCE, _register_fake, "using torch's int8 kernel")
 
-
-@torch.compiler.assume_constant_result
-def available() -> bool:
-    """Whether the operator can run here (built and loaded on first call). A constant for
-    torch.compile: the answer does not change within a process."""
-    return _library.loaded()
+available = _library.availability()
 
 
 def serves(x: Tensor) -> bool:

@@ -168,6 +168,16 @@ class OperatorLibrary:
                         log.warning("%s unavailable, %s: %s", self.name, self.instead, error)
         return "loaded" in self.state
 
+    def availability(self):
+        """The `available()` of the operator's module: whether it can run here (built and loaded on
+        first call). A constant for torch.compile: the answer does not change within a process."""
+
+        @torch.compiler.assume_constant_result
+        def available() -> bool:
+            return self.loaded()
+
+        return available
+
     def _build_and_load(self) -> None:
         from torch.utils.cpp_extension import include_paths
 

@@ -46,12 +46,7 @@ def _register_fake() -> None:
 
 _library = OperatorLibrary("attnlab_decode", SOURCE, _register_fake, "using torch's attention")
 
-
-@torch.compiler.assume_constant_result
-def available() -> bool:
-    """Whether the operator can run here (built and loaded on first call). A constant for
-    torch.compile: the answer does not change within a process."""
-    return _library.loaded()
+available = _library.availability()
 
 
 def serves(q: Tensor) -> bool:
