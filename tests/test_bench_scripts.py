@@ -79,6 +79,18 @@ def test_speculative_profile_splits_a_step():
     assert report["compiled_calls_per_step"] == 1.0 and report["dynamo_us_per_compiled_call"] > 0
 
 
+def test_int8_products_prints_each_product_and_the_compiled_proposals():
+    printed = run_script("int8_products.py", "--rows", "1", "--rounds", "1", "--repeats", "2", "--gamma", "2",
+                         "--context", "8", "--linear", "library", "--backend", "aot_eager")
+    lines = [json.loads(line) for line in printed.splitlines()]
+    assert [line["weight"] for line in lines if "weight" in line] == ["query, key, value, output, head",
+                                                                      "feed-forward up", "feed-forward down"]
+    assert all(set(line["microseconds"]) == {"cpu", "torch", "dequantized"} for line in lines if "weight" in line)
+    assert [(line["proposal"], line["linear"]) for line in lines if "proposal" in line] == [
+        ("cpu", "library"), ("torch", "library")]
+    assert lines[-1]["proposal_ratio"] == "library/torch / library/cpu" and len(lines[-1]["rounds"]) == 1
+
+
 def test_step_kernel_profile_prints_each_steps_shares():
     printed = run_script("step_kernel_profile.py", "--backend", "aot_eager", "--batch-size", "2", "--context", "8",
                          "--capacity", "16", "--calls", "2", "--rows", "3")

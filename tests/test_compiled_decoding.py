@@ -393,7 +393,7 @@ def test_int8_decoding_compiled_by_inductor_gives_the_eager_logits():
     assert quantize_weights(eager) == quantize_weights(compiled) > 0
     layers = [module for module in compiled.modules() if isinstance(module, Int8Linear)]
     row = torch.randn(2, layers[0].in_features)
-    assert {layer.product_for(row, compiled=True) for layer in layers} == {"torch"}
+    assert {layer.product_for(row, compiled=True, packed=True) for layer in layers} == {"torch"}
     assert layers[0].product_for(row) == ("cpu" if int8_linear_cpu.available() else "torch")
     tokens = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(8))
 
@@ -405,6 +405,32 @@ def test_int8_decoding_compiled_by_inductor_gives_the_eager_logits():
 
     with torch.no_grad():
         torch.testing.assert_close(steps(compiled), steps(eager), atol=2e-2, rtol=2e-2)
+    assert compiled._compiled_step is not None and max(compiled._decode_calls.values()) >= 2  # it ran compiled
+
+
+def test_int8_decoding_compiled_reading_its_weights_takes_the_operator():
+    """A compiled step that reads its weights (no packed kernels: here aot_eager, which never packs;
+    linear="library" through inductor alike) multiplies an int8 model's few rows by attnlab's
+    operator, as eager decoding does: the same kernel on both sides, so the eager logits to
+    float32's precision (torch's kernel, with bfloat16 activations, would differ past 1e-5)."""
+    from attnlab.model import int8_linear_cpu
+    from attnlab.model.quantize import decoding_products, quantize_weights
+
+    if not int8_linear_cpu.available():
+        pytest.skip("attnlab's int8 operator is not built here")
+    eager, compiled = twins("full", max_seq_len=64)
+    assert quantize_weights(eager) == quantize_weights(compiled) > 0
+    assert compiled._frozen_weights is None and decoding_products(compiled, compiled=True) == "int8 cpu"
+    tokens = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(9))
+
+    def steps(model: Transformer) -> torch.Tensor:
+        cache = model.new_cache(2, 32)
+        logits = [model(tokens[:, :10], cache=cache).logits]
+        logits += [model(tokens[:, p : p + 1], cache=cache).logits for p in range(10, 16)]
+        return torch.cat(logits, dim=1)
+
+    with torch.no_grad():
+        torch.testing.assert_close(steps(compiled), steps(eager), atol=1e-5, rtol=1e-5)
     assert compiled._compiled_step is not None and max(compiled._decode_calls.values()) >= 2  # it ran compiled
 
 

@@ -88,7 +88,9 @@ def test_default_product_is_the_operator_for_a_few_float32_rows(monkeypatch):
     assert quantized.product_for(torch.randn(FAST_PATH_MAX_ROWS + 1, 64)) == "dequantized"  # a prefill: a GEMM
     expected_bfloat16 = "torch" if hasattr(torch.ops.aten, "_weight_int8pack_mm") else "dequantized"
     assert quantized.product_for(torch.randn(1, 64, dtype=torch.bfloat16)) == expected_bfloat16
-    assert quantized.product_for(torch.randn(1, 64), compiled=True) == expected_bfloat16  # inductor's template
+    assert quantized.product_for(torch.randn(1, 64), compiled=True, packed=True) == expected_bfloat16  # its template
+    assert quantized.product_for(torch.randn(1, 64), compiled=True, packed=False) == "cpu"  # a step reading weights
+    assert quantized.product_for(torch.randn(1, 64), compiled=True) == "cpu"  # no packed step compiling now
     model = nn.Sequential(quantized, nn.ReLU(), Int8Linear.from_linear(linear(16, 8, bias=False)))
     x = torch.randn(3, 64)
     expected = model(x)
@@ -176,8 +178,12 @@ def test_decoding_products_names_what_a_model_multiplies_with():
     quantize_weights(model[1], "int8")
     default = model[1][0].product_for(torch.randn(1, 16))
     assert decoding_products(model) == f"F.linear+int8 {default}"
-    compiled = model[1][0].product_for(torch.randn(1, 16), compiled=True)
+    compiled = model[1][0].product_for(torch.randn(1, 16), compiled=True, packed=False)
     assert decoding_products(model, compiled=True) == f"F.linear+int8 {compiled}"
+    model._frozen_weights = object()  # as a model whose compiled step is packed (compile_decoding's default)
+    packed = model[1][0].product_for(torch.randn(1, 16), compiled=True, packed=True)
+    assert decoding_products(model, compiled=True) == f"F.linear+int8 {packed}"
+    assert decoding_products(model) == f"F.linear+int8 {default}"
     choose_products(model, "dequantized")
     assert decoding_products(model) == "F.linear+int8 dequantized"
 

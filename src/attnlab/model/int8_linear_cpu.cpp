@@ -1,7 +1,7 @@
 // The product of a few rows of float32 activations with an int8 weight, on the CPU: the `cpu`
 // kernel of model/quantize.py's Int8Linear (y = (x @ weight^T) * scale), registered as the torch
-// operator attnlab::int8_linear_cpu, so a compiled decode step that chooses it calls it from
-// inductor's C++ wrapper (by default a compiled step takes torch's kernel: Int8Linear.product_for).
+// operator attnlab::int8_linear_cpu, so a compiled decode step that takes it calls it from
+// inductor's C++ wrapper (a packed step takes torch's kernel by default: Int8Linear.product_for).
 //
 // Decoding multiplies 1 to 16 rows of activations by each weight: the weight's bytes set the pace,
 // and the activations stay float32 (no conversion of them to bfloat16 and back, as torch's int8

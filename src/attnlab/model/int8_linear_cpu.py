@@ -1,10 +1,11 @@
 """A CPU operator for Int8Linear (model/quantize.py): float32 activations times an int8 weight with
 one scale per output, in one C++ call (int8_linear_cpu.cpp says how), the `cpu` kernel of an int8
-product (eager decoding's default: Int8Linear.product_for).
+product (the default of eager decoding and of compiled steps that read their weights:
+Int8Linear.product_for).
 
 Built on first use like the attention kernels (attention/kernels/cpu.py: cached by source, compiler
 and CPU) and registered with torch's dispatcher as attnlab::int8_linear_cpu, so a compiled decode
-step that chooses it (choose_products) calls it from inductor's C++ wrapper. Without a compiler, or
+step that takes it calls it from inductor's C++ wrapper. Without a compiler, or
 with ATTNLAB_CPU_KERNELS=0, `available()` is False and Int8Linear takes torch's kernel or the
 dequantized weight.
 

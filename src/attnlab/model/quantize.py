@@ -13,8 +13,9 @@ weights widened to float32 in registers; built on first use), "torch", torch's i
 kernel (`torch._weight_int8pack_mm`, bfloat16 activations: outputs agree with the dequantized
 weight's to about 3 significant digits), and "dequantized", the float weight rebuilt for an
 ordinary product (any device, any number of rows). By default a few rows on the CPU take "torch"
-in a compiled step (inductor's own int8 template), "cpu" eager (float32 rows, where it is built),
-else "torch" where it applies, else "dequantized" (Int8Linear.product_for).
+in a packed compiled step (inductor's own int8 template over the frozen weight), "cpu" elsewhere
+(eager, or a compiled step that reads its weights: float32 rows, where it is built), else "torch"
+where it applies, else "dequantized" (Int8Linear.product_for).
 
 Legend: N rows of activations, K input width, O output width.
 """
@@ -68,18 +69,22 @@ class Int8Linear(nn.Module):
         """The float weight [O, K] this layer multiplies by."""
         return self.weight.to(dtype) * self.scale.to(dtype)[:, None]
 
-    def product_for(self, flat: Tensor, compiled: bool | None = None) -> str:
-        """The kernel (PRODUCTS) that multiplies activations flat [N, K] by default; compiled: in
-        a step torch.compile traces (None: whether this call is traced). Compiled, torch's kernel
-        where it applies: inductor makes the product in an int8 template of its own over the frozen
-        weight, converting the activations inside (a compiled draft's proposal took 0.965x the time
-        it took with attnlab's operator called from the step: bench/int8_products.py). Eager,
-        attnlab's operator (1.2-1.5x faster than torch's kernel at the draft's shapes)."""
+    def product_for(self, flat: Tensor, compiled: bool | None = None, packed: bool | None = None) -> str:
+        """The kernel (PRODUCTS) that multiplies activations flat [N, K] by default. compiled: in a
+        step torch.compile traces (None: whether this call is traced); packed: a step whose weights
+        are frozen into it (Transformer.compile_decoding's packed kernels; None: whether such a step
+        is compiling now). In a packed step, torch's kernel where it applies: inductor makes the
+        product in an int8 template of its own over the frozen weight, converting the activations
+        inside (a compiled draft's proposal took 0.94-0.965x the time it took with attnlab's
+        operator: bench/int8_products.py). Elsewhere attnlab's operator: eager, 1.2-1.5x faster than
+        torch's kernel at the draft's shapes; in a compiled step that reads its weights
+        (linear="library"), where inductor calls torch's kernel as it is, a proposal 1.15-1.17x
+        faster (bench/int8_products.py --linear library)."""
         if flat.device.type != "cpu" or flat.shape[0] > FAST_PATH_MAX_ROWS:
             return "dequantized"
         if compiled is None:
             compiled = torch.compiler.is_compiling()
-        if compiled and self.torch_kernel_handles:
+        if compiled and self.torch_kernel_handles and (packed_step_compiling_now() if packed is None else packed):
             return "torch"
         if int8_linear_cpu.serves(flat):
             return "cpu"
@@ -106,17 +111,25 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+def packed_step_compiling_now() -> bool:
+    """Whether a packed decode step (its weights frozen into it) is compiling now."""
+    from attnlab.model.transformer import COMPILING_PACKED_STEP
+
+    return COMPILING_PACKED_STEP[0]
+
+
 def decoding_products(model: nn.Module, compiled: bool = False) -> str:
     """How `model`'s linear layers multiply when decoding: "F.linear", "int8 KERNEL" (quantized
-    layers, KERNEL the product one row of the model's activations takes, in a compiled step where
+    layers, KERNEL the product one row of the model's activations takes, in its compiled step where
     `compiled`: PRODUCTS), or several joined by "+" (benchmark records say which ran)."""
+    packed = compiled and getattr(model, "_frozen_weights", None) is not None  # compile_decoding's packed kernels
     floats = [tensor for tensor in model.parameters() if tensor.is_floating_point()]
     dtype = floats[0].dtype if floats else torch.float32  # the activations' (an embedding's, where quantized)
     kinds = set()
     for module in model.modules():
         if isinstance(module, Int8Linear):
             row = torch.empty(1, module.in_features, dtype=dtype, device=module.weight.device)
-            kinds.add(f"int8 {module.product or module.product_for(row, compiled)}")
+            kinds.add(f"int8 {module.product or module.product_for(row, compiled, packed)}")
         elif isinstance(module, nn.Linear):
             kinds.add("F.linear")
     return "+".join(sorted(kinds)) or "none"
