@@ -75,11 +75,11 @@ class Int8Linear(nn.Module):
         are frozen into it (Transformer.compile_decoding's packed kernels; None: whether such a step
         is compiling now). In a packed step, torch's kernel where it applies: inductor makes the
         product in an int8 template of its own over the frozen weight, converting the activations
-        inside (a compiled draft's proposal took 0.94-0.965x the time it took with attnlab's
+        inside (a compiled draft's proposal took 0.92-0.965x the time it took with attnlab's
         operator: bench/int8_products.py). Elsewhere attnlab's operator: eager, 1.2-1.5x faster than
         torch's kernel at the draft's shapes; in a compiled step that reads its weights
-        (linear="library"), where inductor calls torch's kernel as it is, a proposal 1.15-1.17x
-        faster (bench/int8_products.py --linear library)."""
+        (linear="library"), where inductor calls torch's kernel as it is, a proposal 1.15-1.20x
+        faster (bench/int8_products.py --linear packed library)."""
         if flat.device.type != "cpu" or flat.shape[0] > FAST_PATH_MAX_ROWS:
             return "dequantized"
         if compiled is None:
