@@ -381,7 +381,7 @@ def test_direct_calls_run_the_code_dynamo_made_for_each_chunk_length(direct_call
 
 
 @pytest.mark.parametrize("backend, product, tolerance", [("inductor", "torch", 2e-2), ("aot_eager", "cpu", 1e-5)])
-def test_int8_decoding_compiled_gives_the_eager_logits(backend, product, tolerance):
+def test_int8_decoding_compiled_gives_the_eager_logits(backend, product, tolerance, monkeypatch):
     """An int8 model (a speculative draft), compiled. With the CPU defaults (inductor, packed) a
     step's few rows take torch's int8 kernel (Int8Linear.product_for), which inductor makes in a
     template of its own with bfloat16 activations, where the eager step takes attnlab's operator
@@ -400,6 +400,9 @@ def test_int8_decoding_compiled_gives_the_eager_logits(backend, product, toleran
     assert (compiled._frozen_weights is not None) == (backend == "inductor")  # packed
     assert decoding_products(compiled, compiled=True) == f"int8 {product}" and decoding_products(eager) == "int8 cpu"
     tokens = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(8))
+    traced, operator = [], int8_linear_cpu.int8_linear
+    monkeypatch.setattr(int8_linear_cpu, "int8_linear", lambda *arguments: traced.append(
+        torch.compiler.is_compiling()) or operator(*arguments))  # which kernel the traced step took
 
     def steps(model: Transformer) -> torch.Tensor:
         cache = model.new_cache(2, 32)
@@ -410,6 +413,7 @@ def test_int8_decoding_compiled_gives_the_eager_logits(backend, product, toleran
     with torch.no_grad():
         torch.testing.assert_close(steps(compiled), steps(eager), atol=tolerance, rtol=tolerance)
     assert compiled._compiled_step is not None and max(compiled._decode_calls.values()) >= 2  # it ran compiled
+    assert any(traced) == (product == "cpu")
 
 
 def counting_compiles(monkeypatch, model: Transformer, entry: str, stand_in) -> list[dict]:
