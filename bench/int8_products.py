@@ -62,8 +62,8 @@ def proposals(batch: int, gamma: int, context: int, rounds: int, repeats: int, l
     for linear in linears:
         for product in COMPILED_PRODUCTS:
             torch.manual_seed(0)
-            # made and compiled outside inference mode: the compiled step packs its weights as a
-            # decoding's does (Transformer.compile_decoding: the packed kernels)
+            # made and compiled outside inference mode: a packed step packs its weights as a
+            # decoding's does (Transformer.compile_decoding's packed kernels, the CPU default)
             draft = Transformer(load_config("spec-small-draft").model).eval()
             quantize_weights(draft, "int8")
             choose_products(draft, product)
