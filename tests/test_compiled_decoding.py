@@ -393,12 +393,14 @@ def test_int8_decoding_compiled_gives_the_eager_logits(backend, product, toleran
     from attnlab.model import int8_linear_cpu
     from attnlab.model.quantize import decoding_products, quantize_weights
 
-    if not int8_linear_cpu.available():
+    built = int8_linear_cpu.available()
+    if product == "cpu" and not built:
         pytest.skip("attnlab's int8 operator is not built here")
     eager, compiled = twins("full", backend=backend, max_seq_len=64)
     assert quantize_weights(eager) == quantize_weights(compiled) > 0
     assert (compiled._frozen_weights is not None) == (backend == "inductor")  # packed
-    assert decoding_products(compiled, compiled=True) == f"int8 {product}" and decoding_products(eager) == "int8 cpu"
+    assert decoding_products(compiled, compiled=True) == f"int8 {product}"
+    assert decoding_products(eager) == ("int8 cpu" if built else "int8 torch")
     tokens = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(8))
     traced, operator = [], int8_linear_cpu.int8_linear
     monkeypatch.setattr(int8_linear_cpu, "int8_linear", lambda *arguments: traced.append(
