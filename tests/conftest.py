@@ -3,7 +3,14 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+
+# Inductor compiles its C++ in a pool of one process per core unless told otherwise: under pytest -n,
+# every worker's pool would contend for the same few cores (and each pool's processes import torch).
+# One compile at a time per worker; read when torch is first imported, so set before it. Subprocesses
+# the tests start (scripts, launches) inherit it.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 # Hugging Face libraries (transformers, datasets, lm-eval) read these when imported: tests never reach

@@ -228,9 +228,10 @@ def test_decode_compile_options():
 
 def test_packed_linear_kernels_follow_the_weights():
     """The packed step (the CPU default: the weights frozen into it as constants, packed for
-    inductor's GEMM template) gives the eager logits over one-token steps and a verification-sized
-    chunk; after the weights change in place, it compiles again and follows them. That the weights
-    are constants of the step: with the check skipped, it keeps the old ones."""
+    inductor's GEMM template) gives the eager logits over one-token steps; after the weights change
+    in place, it compiles again and follows them. That the weights are constants of the step: with
+    the check skipped, it keeps the old ones. (Packed steps of verification-sized chunks:
+    test_compiled_decoding_of_one_row's inductor cases.)"""
     eager, compiled = twins("full", backend="inductor")
     assert compiled._frozen_weights is not None
     counters.clear()
@@ -239,8 +240,7 @@ def test_packed_linear_kernels_follow_the_weights():
     def steps(model: Transformer) -> torch.Tensor:
         cache = model.new_cache(1, 32)
         logits = [model(tokens[:, :10], cache=cache).logits]
-        logits += [model(tokens[:, p : p + 1], cache=cache).logits for p in range(10, 14)]
-        logits.append(model(tokens[:, 14:20], cache=cache).logits)
+        logits += [model(tokens[:, p : p + 1], cache=cache).logits for p in range(10, 16)]
         return torch.cat(logits, dim=1)
 
     def change_weights() -> None:

@@ -122,7 +122,7 @@ def test_a_compiled_model_decodes_through_it_as_the_eager_one(monkeypatch):
     it: a full model on backend=triton decodes, compiled, what it decodes eagerly (CUDA graphs:
     tests/test_gpu.py)."""
     torch.manual_seed(0)
-    config = variant_config("full-cpu-decode")
+    config = variant_config("full-cpu-decode", depth=1)
     config.attention.full.backend = "triton"
     eager, compiled = Transformer(config).eval(), Transformer(config).eval()
     compiled.load_state_dict(eager.state_dict())
