@@ -34,13 +34,13 @@ def test_compiled_speculative_sampling_follows_the_target(batch, n_samples):
     assert chi_square_p_value(counts, expected) > 0.01
 
 
-@pytest.mark.parametrize("batch", [1, 4])
-def test_speculative_and_generate_on_compiled_models(batch):
+def test_speculative_and_generate_on_compiled_models():
     """Greedy speculative decoding with both models compiled equals the target's greedy decoding,
-    per-row and shared rollback (the sampled distribution is the eager one's: the steps are)."""
+    per-row and shared rollback, at batch 4 (the sampled distribution is the eager one's: the steps
+    are). Compiled speculative decoding at batch 1: test_compiled_speculative_sampling_follows_the_target."""
     target, compiled_target = twins("nsa")
     draft, compiled_draft = twins("local")
-    prompt = torch.randint(0, 61, (batch, 9), generator=torch.Generator().manual_seed(batch))
+    prompt = torch.randint(0, 61, (4, 9), generator=torch.Generator().manual_seed(4))
     greedy = SamplingConfig(temperature=0.0)
     expected = generate(target, prompt, 24, greedy)
     assert torch.equal(generate(compiled_target, prompt, 24, greedy), expected)
