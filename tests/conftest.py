@@ -4,11 +4,14 @@ from pathlib import Path
 
 import pytest
 
-# Inductor compiles its C++ in a pool of one process per core unless told otherwise: under pytest -n,
-# every worker's pool would contend for the same few cores (and each pool's processes import torch).
-# One compile at a time per worker; read when torch is first imported, so set before it. Subprocesses
-# the tests start (scripts, launches) inherit it.
-os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+# Inductor compiles in a pool of one process per core unless told otherwise: under pytest -n, every
+# worker's pool would contend for the same cores (and each pool's processes import torch). Each
+# worker gets its share of the cores; read when torch is first imported, so set before it.
+# Subprocesses the tests start (scripts, launches) inherit it. Without workers, inductor's default.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    workers = int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(max(1, cores // workers)))
 
 import torch  # noqa: E402
 
