@@ -1,6 +1,9 @@
-"""Run by tests/test_distributed.py under torchrun: several training runs one after another in the
-same processes (one launch instead of one per run: starting the processes, torch and DeepSpeed is
-most of the time). argv: a JSON file holding a list of runs, each [preset, override, ...].
+"""Run by tests/test_distributed.py under torchrun: several `attnlab` command lines one after another
+in the same processes (one launch instead of one per run: starting the processes, torch and
+DeepSpeed is most of the time). argv: a JSON file holding a list of runs, each the arguments of one
+`attnlab` command (as `attnlab.cli.main.main` takes them). Rank 0 writes each run's exit status, in
+order, to the JSON file named like the list with `.status` added; a run that fails says why on
+stderr, as the command would, and the next one starts.
 
 After the last run it destroys the process groups and checks that none of their worker threads is
 left: a group still referenced (by an engine, an optimiser or a parameter) would be torn down only
@@ -16,9 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-from attnlab.config import load_config
+from attnlab.cli.main import main
 from attnlab.train import distributed
-from attnlab.train.loop import train
 
 with contextlib.suppress(ImportError):
     # before any process group exists: imported later (after a DDP run), DeepSpeed keeps the world
@@ -36,10 +38,12 @@ def process_group_threads() -> list[str]:
 
 
 if __name__ == "__main__":
+    listing = Path(sys.argv[1])
     destroy_process_groups = distributed.destroy_process_groups
     distributed.destroy_process_groups = lambda: None  # keep the process group for the next run
-    for preset, *overrides in json.loads(open(sys.argv[1]).read()):
-        train(load_config(preset, overrides))
+    statuses = [main(arguments) for arguments in json.loads(listing.read_text())]
+    if os.environ.get("RANK") == "0":
+        listing.with_name(listing.name + ".status").write_text(json.dumps(statuses))
     destroy_process_groups()
     gc.collect()
     for _ in range(20):  # a group freed joins its threads at once; a little grace for the system's view
