@@ -328,10 +328,12 @@ def nsa_pair() -> tuple[Transformer, Transformer]:
     return tiny("nsa", seed=0, depth=2, **narrow), tiny("full", seed=1, depth=1)
 
 
-@pytest.mark.parametrize("pair_name, batch, n_samples", [("local", 4, 2000), ("local", 2000, 6000),
-                                                         ("routing", 4, 2000), ("sinkhorn", 4, 2000),
-                                                         ("nsa", 4, 2000)])
-def test_local_routing_sinkhorn_nsa_per_row_rollback_follow_the_target(pair_name, batch, n_samples, request):
+@pytest.mark.parametrize("pair_name", ["local", "routing", "sinkhorn", "nsa"])
+def test_local_routing_sinkhorn_nsa_per_row_rollback_follow_the_target(pair_name, request):
+    """In 2000 rows each step keeps every possible number of draft tokens in some rows, so every
+    rollback length of each cache is drawn from (the per-row scheme at batch 4: full attention's
+    test_per_row_rollback_follows_the_target; the same code for every attention type)."""
+    batch, n_samples = 2000, 6000
     target, draft = request.getfixturevalue(f"{pair_name}_pair")
     _, expected = exact_distribution(target, SAMPLINGS["plain"])
     counts = sampled_counts(target, draft, batch, n_samples, SAMPLINGS["plain"], seed=batch + 2, per_row=True)
@@ -379,15 +381,14 @@ def test_accept_always_is_detected(pair, monkeypatch, verification):
 
 def test_ragged_batch_bug_is_detected(pair, monkeypatch):
     """A batch scheme that forgets which tokens a row ahead of the others has already committed
-    (and verifies them again as if drafted) is exact at batch 1 but biased at batch > 1."""
+    (and verifies them again as if drafted) is exact at batch 1 but biased at batch > 1: the
+    large-batch test (test_sampled_continuations_follow_the_target at batch 2000) tells."""
     target, draft = pair
     monkeypatch.setattr(
         speculative, "block_accept_reject",
         lambda p, q, tokens, known, uniforms: block_accept_reject(p, q, tokens, torch.zeros_like(known), uniforms),
     )
     _, expected = exact_distribution(target, SamplingConfig())
-    counts = sampled_counts(target, draft, 4, 3200, SamplingConfig(), seed=4, per_row=False)  # few rows ahead
-    assert chi_square_p_value(counts, expected) < 1e-6
     counts = sampled_counts(target, draft, 2000, 6000, SamplingConfig(), seed=2000, per_row=False)
     assert chi_square_p_value(counts, expected) < 1e-6
 
