@@ -64,3 +64,31 @@ def test_compiled_matches_eager(tmp_path, text_file):  # noqa: F811
 
     eager, compiled = losses("eager"), losses("compiled", "train.compile=true")
     assert compiled == pytest.approx(eager, abs=1e-4)
+
+
+def test_constant_marks_are_torchs_own_and_import_no_dynamo(monkeypatch):
+    """attnlab.compiler.assume_constant_result marks a function as torch.compiler's does, with
+    dynamo loaded or not; importing the model, sampling and the sample command loads no dynamo
+    (2-3 s of every such process's start)."""
+    import subprocess
+    import sys
+
+    from attnlab.compiler import assume_constant_result
+
+    def marked_by_torch() -> bool:
+        return True
+
+    def marked_by_attnlab() -> bool:
+        return True
+
+    def marked_without_dynamo() -> bool:
+        return True
+
+    torch.compiler.assume_constant_result(marked_by_torch)
+    assume_constant_result(marked_by_attnlab)
+    monkeypatch.delitem(sys.modules, "torch._dynamo")  # as before anything imported it
+    assume_constant_result(marked_without_dynamo)
+    assert vars(marked_by_torch) == vars(marked_by_attnlab) == vars(marked_without_dynamo) != {}
+    code = ("import sys, attnlab.model, attnlab.generate.sampling, attnlab.generate.speculative, attnlab.cli.sample; "
+            "print('torch._dynamo' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"

@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from attnlab.compiler import assume_constant_result
+
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 SOURCES = (HERE / "listed_cpu.cpp", HERE / "nsa_cpu.cpp")
@@ -134,7 +136,7 @@ def library() -> ctypes.CDLL | None:
     return _library
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def available() -> bool:
     """Whether the kernels can run here (built on first call). A constant for torch.compile: the
     answer does not change within a process."""
@@ -172,7 +174,7 @@ class OperatorLibrary:
         """The `available()` of the operator's module: whether it can run here (built and loaded on
         first call). A constant for torch.compile: the answer does not change within a process."""
 
-        @torch.compiler.assume_constant_result
+        @assume_constant_result
         def available() -> bool:
             return self.loaded()
 

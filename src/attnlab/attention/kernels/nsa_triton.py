@@ -34,15 +34,16 @@ import os
 import torch
 from torch import Tensor
 
+from attnlab.compiler import assume_constant_result
 from attnlab.errors import ConfigError
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def triton_installed() -> bool:
     try:
         import triton  # noqa: F401
