@@ -57,12 +57,23 @@ def test_training_step_through_inductor_equals_eager(monkeypatch):
     compiled_equals_eager("routing", "inductor", depth=1)
 
 
-def test_compiled_matches_eager(tmp_path, text_file):  # noqa: F811
+def test_compiled_matches_eager(tmp_path, text_file, monkeypatch):  # noqa: F811
+    """train.compile=true compiles the model's forward once and trains to eager's losses. Compiled
+    here by aot_eager (dynamo's graph and AOTAutograd's joint one, as inductor gets them): a training
+    step's code through inductor is test_training_step_through_inductor_equals_eager's."""
+    compiles = []
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda model, **options: compiles.append(options) or compile_(
+        model, **{**options, "backend": "aot_eager"}))
+
     def losses(name: str, *extra: str) -> list[float]:
         config = tiny(tmp_path, text_file, name, "model.depth=1", "train.max_steps=3", "train.eval_every=0", *extra)
         return [r["loss"] for r in read_metrics(train(config).run_dir) if "loss" in r]
 
-    eager, compiled = losses("eager"), losses("compiled", "train.compile=true")
+    eager = losses("eager")
+    assert compiles == []
+    compiled = losses("compiled", "train.compile=true")
+    assert compiles == [{}]  # inductor, torch.compile's default, for users
     assert compiled == pytest.approx(eager, abs=1e-4)
 
 
