@@ -45,10 +45,10 @@ if __name__ == "__main__":
     if os.environ.get("RANK") == "0":
         listing.with_name(listing.name + ".status").write_text(json.dumps(statuses))
     destroy_process_groups()
-    gc.collect()
-    for _ in range(20):  # a group freed joins its threads at once; a little grace for the system's view
+    for _ in range(50):  # a group freed joins its threads at once; a little grace for the system's view
+        gc.collect()  # again each time: a finaliser run by one pass can leave more garbage for the next
         if not (left := process_group_threads()):
             break
-        time.sleep(0.1)
+        time.sleep(0.2)
     else:
         sys.exit(f"process-group threads outlived every run: {left}")

@@ -352,8 +352,10 @@ def test_direct_calls_run_the_code_dynamo_made_for_each_chunk_length(direct_call
     the code dynamo made for it directly (its own graph: the entry whose guards pass, among the
     two under the step's code object), without the compiled function's frame evaluation (here it
     raises if called), and every step gives the eager logits. direct_calls=False, or a torch that
-    keeps its compiled code where attnlab does not look for it: every call goes through dynamo."""
-    eager, compiled = twins("nsa")
+    keeps its compiled code where attnlab does not look for it: every call goes through dynamo.
+    NSA's step (its branches under torch.cond) for the direct calls; full attention's, quicker to
+    trace, for the other two (what they check is the same for every attention type)."""
+    eager, compiled = twins("nsa" if direct_calls is True else "full")
     if direct_calls == "unavailable":
         monkeypatch.delattr(torch._dynamo.eval_frame, "_debug_get_cache_entry_list")
     compiled.compile_decoding(backend="aot_eager", direct_calls=bool(direct_calls))

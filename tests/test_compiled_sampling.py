@@ -136,9 +136,9 @@ def assert_draws_as_one_by_one(eager, compiled, n_calls: int, seed: int) -> torc
         model(prompt, cache=cache)
     graphs = None
     for call in range(n_calls):
-        uniforms = torch.rand(2, 4, generator=generator)
-        forced = torch.rand(2, 4, generator=generator) < 0.3
-        forced_tokens = torch.randint(0, 61, (2, 4), generator=generator)
+        uniforms = torch.rand(2, 3, generator=generator)
+        forced = torch.rand(2, 3, generator=generator) < 0.3
+        forced_tokens = torch.randint(0, 61, (2, 3), generator=generator)
         chunk = torch.randint(0, 61, (2, 1 + call % 2), generator=generator)  # catch-up chunks of 1 and 2
         expected = drawn_one_by_one(eager, caches[0], chunk, uniforms, sampling, forced_tokens, forced)
         probs, tokens = compiled.draw(chunk, caches[1], uniforms, sampling, forced_tokens, forced)
