@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch._dynamo  # noqa: F401 - before any process group exists (see below)
 import torch.distributed as dist
 from torch import nn
 
@@ -70,7 +71,12 @@ def strategy_for_launcher(config: RunConfig) -> RunConfig:
 
 
 def init_process_group(device: torch.device) -> None:
-    """Join the process group the launcher described in the environment (gloo on CPU, NCCL on CUDA)."""
+    """Join the process group the launcher described in the environment (gloo on CPU, NCCL on CUDA).
+
+    Dynamo is imported with this module, before any group: imported after one exists (by the
+    optimiser's constructor, which every run builds), it keeps the world group alive after
+    destroy_process_group (torch 2.13), to be torn down during the interpreter's shutdown, where a
+    process once aborted (tests/distributed_runs.py checks that no group's threads outlive a run)."""
     if not launched_by_torchrun():
         raise AttnlabError(
             "this strategy needs a launcher: `torchrun --nproc_per_node N -m attnlab.cli.main train ...` "
