@@ -2,8 +2,8 @@
 
 `torch.compiler.assume_constant_result` imports dynamo (2-3 s of a process's start on a CPU) to set
 one attribute on the function. attnlab marks functions at import in modules that every command
-loads, also those that compile nothing (`attnlab sample` without --compile: a tiny model's 8 tokens
-took 3.2 s instead of 5.9), so it sets that attribute itself where dynamo is not loaded yet;
+loads, also those that compile nothing (`attnlab sample` without --compile), so it sets that
+attribute itself where dynamo is not loaded yet;
 tests/test_compile.py checks that the mark is torch's own. (Training loads dynamo anyway: torch's
 optimisers import it, and train/distributed.py before any process group.)"""
 
