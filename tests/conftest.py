@@ -1,4 +1,5 @@
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -51,6 +52,45 @@ def _share_kernels(base: Path, cache: Path) -> None:
     shared.mkdir(exist_ok=True)
     cache.mkdir(parents=True, exist_ok=True)
     (cache / "kernels").symlink_to(shared, target_is_directory=True)
+
+
+PREBUILDER = pytest.StashKey[subprocess.Popen]()
+PREBUILD = """
+from attnlab.attention.kernels import cpu, decode_cpu
+from attnlab.generate import sampling_cpu
+from attnlab.model import int8_linear_cpu
+for module in (decode_cpu, int8_linear_cpu, sampling_cpu, cpu):  # the longest build first
+    module.available()
+"""
+
+
+def pytest_sessionstart(session):
+    """For the whole suite under pytest -n (`make test`), the controller starts building attnlab's
+    C++ kernels and operators at once, in a process of its own, into the kernels folder its workers
+    share (_share_kernels): while the workers collect, not when a test first needs one. A worker
+    that needs one still building waits on its lock (kernels/cpu.py) while the builder has the
+    core; built lazily, one worker's build left the other waiting with its core idle (half a minute
+    for the decode operator). A run of some files builds only what its tests need."""
+    config = session.config
+    if (os.environ.get("PYTEST_XDIST_WORKER") or not getattr(config.option, "numprocesses", None)
+            or config.args_source != pytest.Config.ArgsSource.TESTPATHS
+            or "ATTNLAB_TEST_CACHE" in os.environ or os.environ.get("ATTNLAB_CPU_KERNELS") == "0"):
+        return
+    base = config._tmp_path_factory.getbasetemp()
+    shared, cache = base / "attnlab-kernels", base / "attnlab-prebuild"
+    shared.mkdir(exist_ok=True)
+    cache.mkdir(exist_ok=True)
+    (cache / "kernels").symlink_to(shared, target_is_directory=True)
+    config.stash[PREBUILDER] = subprocess.Popen(
+        [sys.executable, "-c", PREBUILD], env={**os.environ, "ATTNLAB_CACHE": str(cache)},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def pytest_sessionfinish(session):
+    builder = session.config.stash.get(PREBUILDER, None)
+    if builder is not None and builder.poll() is None:  # a run stopped before the builds ended
+        builder.kill()
+        builder.wait()
 
 
 @pytest.fixture(params=["cpu", "torch"])
