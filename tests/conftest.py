@@ -42,13 +42,16 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("ATTNLAB_CACHE", cache)
 
 
+SHARED_KERNELS = "attnlab-kernels"  # the session's kernels folder, in its temporary folder
+
+
 def _share_kernels(base: Path, cache: Path) -> None:
     """Under pytest-xdist each worker's temporary folder lies in the session's: its cache's kernels
     folder links to one there, so a kernel is built once for the session (kernels/cpu.py locks each
     build), not once per worker (half a minute each for the decode and sampling operators)."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
-    shared = base.parent / "attnlab-kernels"
+    shared = base.parent / SHARED_KERNELS
     shared.mkdir(exist_ok=True)
     cache.mkdir(parents=True, exist_ok=True)
     (cache / "kernels").symlink_to(shared, target_is_directory=True)
@@ -70,14 +73,14 @@ def pytest_sessionstart(session):
     share (_share_kernels): while the workers collect, not when a test first needs one. A worker
     that needs one still building waits on its lock (kernels/cpu.py) while the builder has the
     core; built lazily, one worker's build left the other waiting with its core idle (half a minute
-    for the decode operator). A run of some files builds only what its tests need."""
+    for the decode operator). A run of chosen files builds only what its tests need."""
     config = session.config
     if (os.environ.get("PYTEST_XDIST_WORKER") or not getattr(config.option, "numprocesses", None)
             or config.args_source != pytest.Config.ArgsSource.TESTPATHS
             or "ATTNLAB_TEST_CACHE" in os.environ or os.environ.get("ATTNLAB_CPU_KERNELS") == "0"):
         return
     base = config._tmp_path_factory.getbasetemp()
-    shared, cache = base / "attnlab-kernels", base / "attnlab-prebuild"
+    shared, cache = base / SHARED_KERNELS, base / "attnlab-prebuild"
     shared.mkdir(exist_ok=True)
     cache.mkdir(exist_ok=True)
     (cache / "kernels").symlink_to(shared, target_is_directory=True)
