@@ -122,7 +122,7 @@ def split_runs(root: Path) -> dict[str, list[str]]:
 
 
 @pytest.fixture(scope="module")
-def launched(root, token_data) -> dict[str, int]:
+def launched(root, token_data) -> Launch:
     """Every two-process run of this file but the SIGTERM one, in two launches (launch_runs): the
     first halves of the split runs and every other run, then the split runs resumed in fresh
     processes. Each run's exit status by name, and (`stopped_at`) the checkpoints of each split run
@@ -140,13 +140,15 @@ def launched(root, token_data) -> dict[str, int]:
     statuses = launch_runs(root, runs)
     statuses.stopped_at = {name: [path.name for path in list_checkpoints(root / "runs" / name)] for name in split}
     resumed = {f"{name} resumed": [*arguments, "--resume"] for name, arguments in split.items()}
-    statuses.update(launch_runs(root, resumed))
+    resumptions = launch_runs(root, resumed)
+    statuses.update(resumptions)
+    statuses.output += resumptions.output
     return statuses
 
 
-def assert_trained(launched: dict[str, int], *names: str) -> None:
+def assert_trained(launched: Launch, *names: str) -> None:
     failed = {name: launched[name] for name in names if launched[name] != 0}
-    assert not failed, f"runs that failed (exit status; their errors are in the launch's output): {failed}"
+    assert not failed, f"runs that failed (exit status): {failed}; the output ends:\n{launched.output[-3000:]}"
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
@@ -200,8 +202,9 @@ def aux_runs(root: Path) -> dict[str, list[str]]:
 def test_auxiliary_losses_match_single(root, single_aux, launched):
     """Commitment and balance losses, routing centroids and MoE experts follow the single process
     under DDP, FSDP and DeepSpeed ZeRO-2."""
-    assert_trained(launched, *aux_runs(root))
-    for name in aux_runs(root):
+    names = list(aux_runs(root))
+    assert_trained(launched, *names)
+    for name in names:
         run_dir = root / "runs" / name
         assert_same_run(run_dir, single_aux)
         logged = [r for r in read_metrics(run_dir) if "commitment" in r]
