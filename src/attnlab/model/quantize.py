@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnlab.compiler import assume_constant_result
 from attnlab.model import int8_linear_cpu
 
 QUANTIZATIONS = ("none", "int8")
@@ -111,8 +112,13 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+@assume_constant_result
 def packed_step_compiling_now() -> bool:
-    """Whether a packed decode step (its weights frozen into it) is compiling now."""
+    """Whether a packed decode step (its weights frozen into it) is compiling now. A constant of the
+    graph being traced, not a guard on the flag: a step's graphs all compile under its model's one
+    setting (each compile_decoding makes new code objects), and a guard on the flag, false once the
+    compile is over, failed at every later call, so an int8 draft's steps never ran dynamo's code
+    directly (Transformer._run_compiled)."""
     from attnlab.model.transformer import COMPILING_PACKED_STEP
 
     return COMPILING_PACKED_STEP[0]
