@@ -346,13 +346,14 @@ def test_a_changed_model_is_checked_in_full():
 
 
 @pytest.mark.parametrize("direct_calls", [True, False, "unavailable"])
-def test_direct_calls_run_the_code_dynamo_made_for_each_chunk_length(direct_calls, monkeypatch):
+def test_direct_calls_run_the_code_dynamo_made_for_each_chunk_length(direct_calls, monkeypatch, caplog):
     """Steps of one token and chunks of three, in turn: after two calls of each (counted again after
     a compile: making a graph registers modules, STRUCTURE_CHANGES), each length runs
     the code dynamo made for it directly (its own graph: the entry whose guards pass, among the
     two under the step's code object), without the compiled function's frame evaluation (here it
     raises if called), and every step gives the eager logits. direct_calls=False, or a torch that
-    keeps its compiled code where attnlab does not look for it: every call goes through dynamo.
+    keeps its compiled code where attnlab does not look for it: every call goes through dynamo (the
+    latter said once for each chunk length in the log).
     NSA's step (its branches under torch.cond) for the direct calls; full attention's, quicker to
     trace, for the other two (what they check is the same for every attention type)."""
     eager, compiled = twins("nsa" if direct_calls is True else "full")
@@ -371,6 +372,7 @@ def test_direct_calls_run_the_code_dynamo_made_for_each_chunk_length(direct_call
     def refuse(*arguments):
         raise AssertionError("dynamo's frame evaluation ran")
 
+    caplog.set_level("INFO", logger="attnlab")
     with torch.no_grad():
         caches = compiled.new_cache(2, 80), eager.new_cache(2, 80)
         expected = [eager(tokens[:, :10], cache=caches[1]).logits, *steps(eager, caches[1], 10, 12)]
@@ -380,6 +382,7 @@ def test_direct_calls_run_the_code_dynamo_made_for_each_chunk_length(direct_call
             compiled._compiled_step = refuse
         got += steps(compiled, caches[0], 22, 9)
     torch.testing.assert_close(torch.cat(got, dim=1), torch.cat(expected, dim=1), atol=1e-5, rtol=1e-5)
+    assert caplog.text.count("cannot run dynamo's code directly") == (2 if direct_calls == "unavailable" else 0)
 
 
 @pytest.mark.parametrize("backend, product, tolerance", [("inductor", "torch", 2e-2), ("aot_eager", "cpu", 1e-5)])

@@ -611,6 +611,9 @@ class Transformer(nn.Module):
                 direct = dynamo_code_function(compiled, arguments)
                 if direct is not None:
                     self._direct_calls[key] = direct
+                else:  # a guard that fails after the compile (a flag read while tracing) lands here too
+                    log.info("compiled decoding (%s): calls like this one cannot run dynamo's code directly and go "
+                             "through its frame evaluation", name.removeprefix("_compiled_"))
             return output
         except torch._dynamo.exc.TorchDynamoException as error:  # this entry decodes eagerly from now on
             log.warning("compiled decoding (%s) failed, decoding eagerly: %s", name.removeprefix("_compiled_"),
