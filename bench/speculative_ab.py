@@ -24,6 +24,11 @@ are compared side by side as drafts are.
 the base decoding too; the warm-up round makes the graphs, so the timed rounds run them. --dtype:
 every model decodes in it (weights and caches), the base too.
 
+Each round also times the two prefills alone (compiled_speculative_costs.prefill_ms: the base's
+target over the prime, the speculative run's target and draft over the prime less its last token,
+eager as in the runs): `decoding_speedup` is the paired speedup with them taken off both sides,
+that of the decoding alone, where `speedup` counts the prefill both sides pay.
+
 One JSON line per round and draft, then one summary line per draft. `attnlab speculative` times
 one draft the same way (alternating base and speculative runs) and reports medians of each side.
 """
@@ -37,6 +42,7 @@ import statistics
 import time
 
 import torch
+from compiled_speculative_costs import prefill_ms  # this folder's: a prompt's prefill, timed alone
 
 from attnlab.bench.speculative import rollback_scheme  # --batch-scheme -> per_row
 from attnlab.cli import arguments  # the decoding commands' --dtype names (bf16 too)
@@ -112,6 +118,12 @@ def main() -> None:
                                       verification=verification)
         return time.perf_counter() - started, result
 
+    def prefills(draft) -> tuple[float, float]:
+        """ms of the base's prefill and of the speculative run's, each through fresh caches."""
+        with torch.inference_mode():
+            return (prefill_ms([target], prompt, args.max_new_tokens),
+                    prefill_ms([target, draft], prompt[:, :-1], args.max_new_tokens))
+
     # every (draft, gamma, rule, scheme) is a variant timed in each round
     variants = {}
     for name, gamma, verification, scheme in itertools.product(drafts, args.gamma, args.verification,
@@ -128,10 +140,14 @@ def main() -> None:
         for variant, (name, gamma, verification, scheme) in variants.items():
             base_s = base(round_index)
             speculative_s, result = speculative(drafts[name], gamma, verification, scheme, round_index)
+            base_prefill, speculative_prefill = prefills(drafts[name])  # ms
             row = {"round": round_index, "draft": name, "gamma": gamma, "verification": verification,
                    "batch_scheme": scheme, "per_row": result.per_row,
                    "base_ms": round(1000 * base_s, 1),
                    "speculative_ms": round(1000 * speculative_s, 1), "speedup": round(base_s / speculative_s, 3),
+                   "prefill_ms": [round(base_prefill, 1), round(speculative_prefill, 1)],
+                   "decoding_speedup": round((1000 * base_s - base_prefill)
+                                             / (1000 * speculative_s - speculative_prefill), 3),
                    "tokens_per_step": round(args.max_new_tokens / result.n_steps, 3)}
             rows[variant].append(row)
             print(json.dumps(row), flush=True)
@@ -142,7 +158,7 @@ def main() -> None:
     for variant, collected in rows.items():
         name, gamma, verification, scheme = variants[variant]
         medians = {key: round(statistics.median(row[key] for row in collected), 3)
-                   for key in ("speedup", "base_ms", "speculative_ms", "tokens_per_step")}
+                   for key in ("speedup", "decoding_speedup", "base_ms", "speculative_ms", "tokens_per_step")}
         products = {"target": decoding_products(target, args.compile),
                     "draft": decoding_products(drafts[name], args.compile)}
         print(json.dumps({"summary": variant, **settings, "batch_scheme": scheme, "gamma": gamma,

@@ -189,8 +189,14 @@ def test_speculative_ab_times_each_draft_at_each_gamma(scripts):
     names = ("float32", "int8", "dequantized")
     assert set(summaries) == {f"{name}@{gamma}" for name in names for gamma in (2, 3)}
     assert all(summary["gamma"] == int(name[-1]) and len(summary["speedups"]) == 2 and summary["speedup"] > 0
-               for name, summary in summaries.items())
+               and summary["decoding_speedup"] > 0 for name, summary in summaries.items())
     rounds = [line for line in lines if "round" in line]
+    # the prefills, timed alone, come off both sides of decoding_speedup
+    for line in rounds:
+        base_prefill, speculative_prefill = line["prefill_ms"]
+        assert 0 < base_prefill < line["base_ms"] and 0 < speculative_prefill < line["speculative_ms"]
+        assert line["decoding_speedup"] == pytest.approx(
+            (line["base_ms"] - base_prefill) / (line["speculative_ms"] - speculative_prefill), rel=0.05)  # ms rounded
     assert sorted((line["draft"], line["gamma"]) for line in rounds) == sorted(
         [(draft_name, gamma) for draft_name in names for gamma in (2, 3)] * 2)
     products = {name.split("@")[0]: summary["products"]["draft"] for name, summary in summaries.items()}
