@@ -51,7 +51,11 @@ def _share_kernels(base: Path, cache: Path) -> None:
     build), not once per worker (half a minute each for the decode and sampling operators)."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
-    shared = base.parent / SHARED_KERNELS
+    _link_kernels(cache, base.parent / SHARED_KERNELS)
+
+
+def _link_kernels(cache: Path, shared: Path) -> None:
+    """cache's kernels folder: a link to `shared` (both made as needed)."""
     shared.mkdir(exist_ok=True)
     cache.mkdir(parents=True, exist_ok=True)
     (cache / "kernels").symlink_to(shared, target_is_directory=True)
@@ -80,10 +84,8 @@ def pytest_sessionstart(session):
             or "ATTNLAB_TEST_CACHE" in os.environ or os.environ.get("ATTNLAB_CPU_KERNELS") == "0"):
         return
     base = config._tmp_path_factory.getbasetemp()
-    shared, cache = base / SHARED_KERNELS, base / "attnlab-prebuild"
-    shared.mkdir(exist_ok=True)
-    cache.mkdir(exist_ok=True)
-    (cache / "kernels").symlink_to(shared, target_is_directory=True)
+    cache = base / "attnlab-prebuild"
+    _link_kernels(cache, base / SHARED_KERNELS)
     config.stash[PREBUILDER] = subprocess.Popen(
         [sys.executable, "-c", PREBUILD], env={**os.environ, "ATTNLAB_CACHE": str(cache)},
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
