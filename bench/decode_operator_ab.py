@@ -9,13 +9,20 @@ Keys and values stay in cache between calls here unless `--copies` gives the cal
 storages to take in turn (enough to outgrow the last-level cache: a compiled step reads them cold,
 among the weights; bench/step_kernel_profile.py times the operator inside the step).
 
+--step CONTEXT ... times what a user sees instead: two full-attention models of bench/compiled_decoding.py's
+shape (dim 256, depth 4, 4 heads of 64), each compiled with compile_decoding's defaults, one whose
+cached calls go through this checkout's operator and one through the other revision's, decoding
+--calls tokens after a random prompt of each CONTEXT tokens, in turn, round after round (the order
+swapped every round); medians of each round's median token and of the rounds' time ratios.
+
     OMP_NUM_THREADS=2 python bench/decode_operator_ab.py --against REVISION [--rounds 9] [--calls 200] \
-        [--seen 200] [--copies 1] [--queries 1 7]
+        [--seen 200] [--copies 1] [--queries 1 7] [--step 256 4096]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import subprocess
 import tempfile
@@ -23,6 +30,7 @@ import time
 from pathlib import Path
 
 import torch
+from compiled_decoding import build, ms_per_token  # bench/, on sys.path when run as a script
 
 from attnlab.attention.kernels import decode_cpu
 from attnlab.attention.kernels.cpu import HEADERS, OperatorLibrary
@@ -46,9 +54,48 @@ def load_revision(revision: str) -> object:
             text = text.replace("TORCH_LIBRARY_FRAGMENT(attnlab,", "TORCH_LIBRARY_FRAGMENT(attnlab_against,")
             text = text.replace("TORCH_LIBRARY_IMPL(attnlab,", "TORCH_LIBRARY_IMPL(attnlab_against,")
         (folder / name).write_text(text)
-    if not OperatorLibrary("attnlab_decode_against", folder / "decode_cpu.cpp", lambda: None, "").loaded():
+    if not OperatorLibrary("attnlab_decode_against", folder / "decode_cpu.cpp", register_fake, "").loaded():
         raise SystemExit(f"the decode operator of {revision} does not build here (the warning above says why)")
     return torch.ops.attnlab_against.cached_attention_cpu
+
+
+def register_fake() -> None:
+    """The other revision's operator's shape for torch.compile: the same as this checkout's."""
+    torch.library.register_fake("attnlab_against::cached_attention_cpu")(
+        lambda q, keys, values, positions, window, lanes=0: decode_cpu.out_layout(q))
+
+
+@contextlib.contextmanager
+def cached_calls_through(operator):
+    """decode_cpu.cached_attention calling `operator` for the time of the context: a step compiled in it
+    calls that operator, and its later calls run in it too (so its guards, if it checks them, pass)."""
+    original = decode_cpu.cached_attention
+    decode_cpu.cached_attention = lambda q, keys, values, positions, window=0, lanes=0: operator(
+        q, keys, values, positions, window, lanes)
+    try:
+        yield
+    finally:
+        decode_cpu.cached_attention = original
+
+
+def compare_steps(against, revision: str, contexts: list[int], tokens: int, rounds: int) -> None:
+    """A compiled full-attention step through each operator at each context, in turn (--step)."""
+    print(f"threads {torch.get_num_threads()}, against {revision}: ms a token of a compiled full-attention step")
+    operators = {"this": contextlib.nullcontext, "against": lambda: cached_calls_through(against)}
+    for context in contexts:
+        models = {name: build("full", context + tokens, "compiled") for name in operators}
+        prompt = torch.randint(0, 256, (1, context), generator=torch.Generator().manual_seed(context))
+        times = {name: [] for name in operators}
+        for round_ in range(rounds + 1):  # round 0 warms up (and compiles)
+            for name in list(operators)[::-1] if round_ % 2 else operators:
+                with operators[name]():
+                    elapsed = ms_per_token(models[name], prompt, tokens, seed=round_)
+                if round_:
+                    times[name].append(elapsed)
+        ratios = sorted(this / against for this, against in zip(times["this"], times["against"]))
+        print(f"context {context}: {revision} {statistics.median(times['against']):.3f}, "
+              f"this {statistics.median(times['this']):.3f}, "
+              f"this / {revision} {statistics.median(ratios):.3f} ({ratios[0]:.3f}-{ratios[-1]:.3f})", flush=True)
 
 
 def case(batch: int, queries: int, width: int, dtype: torch.dtype, seen: int, copies: int = 1):
@@ -83,10 +130,14 @@ def main() -> None:
     parser.add_argument("--seen", type=int, default=200, help="keys each row's first query sees")
     parser.add_argument("--copies", type=int, default=1, help="storages the calls take in turn")
     parser.add_argument("--queries", type=int, nargs="+", default=[1, 7], help="queries a call makes")
+    parser.add_argument("--step", type=int, nargs="+", metavar="CONTEXT",
+                        help="time compiled full-attention steps at these contexts instead (--calls tokens each)")
     args = parser.parse_args()
     if not decode_cpu.available():
         raise SystemExit("the decode operator cannot be built here (no C++ compiler)")
     operators = {"this": torch.ops.attnlab.cached_attention_cpu, "against": load_revision(args.against)}
+    if args.step:
+        return compare_steps(operators["against"], args.against, args.step, args.calls, args.rounds)
     print(f"threads {torch.get_num_threads()}, against {args.against}, {args.seen} keys seen, "
           f"{args.copies} storage(s) in turn; microseconds a call")
     for width in (64, 128):
