@@ -257,10 +257,10 @@ void score_block(const Task& task, int64_t stride, int64_t j0, Rows keys) {
 // A task reads its keys, then its values, once each and in order, and at long contexts they are
 // most of what a decode step reads from memory. Each block's rows are prefetched PREFETCH_AHEAD bytes
 // before it is scored or weighed, as non-temporal data (locality 0), so that the stream keeps less of
-// the last-level cache from the step's weights. On a 2-core AVX2 EPYC with 4096 keys of width 64
-// seen, 8 KiB ahead took the float32 operator 0.75-0.81x its time and a compiled full-attention
-// step 0.87-0.99x (4 and 16 KiB: about the same; a temporal prefetch: less gain in the step), and
-// changed nothing measurable at 256 and 1024 (docs/bench/decode-operator/).
+// the last-level cache from the step's weights. On a 2-core AMD EPYC with AVX-512 (Zen 5) and 4096
+// keys of width 64 seen, 8 KiB ahead took the float32 operator 0.75-0.81x its time and a compiled
+// full-attention step 0.77-0.99x (4 and 16 KiB: about the same; a temporal prefetch: less gain in
+// the step), and changed nothing measurable at 256 and 1024 (docs/bench/decode-operator/).
 constexpr int64_t PREFETCH_AHEAD = 8192;
 constexpr int64_t CACHE_LINE = 64;
 
