@@ -10,7 +10,8 @@
 // in vector lanes and the W lane sums are taken together by a ladder of shuffles; then each block
 // of W value rows, read once, is weighed into the output rows of up to 8 queries at a time, held
 // in registers. Only the keys some query sees are read, not the whole storage (torch's fused
-// attention reads every position of it, masked); float32 storage is read in place. bfloat16
+// attention reads every position of it, masked), each block prefetched a few blocks ahead as
+// non-temporal data (PREFETCH_AHEAD); float32 storage is read in place. bfloat16
 // storage is loaded two vectors at a time, in an order of the elements the queries are put in too
 // (a shift or a mask a vector: for one query as fast as the memory on an AVX2 EPYC, where widening
 // each half took 1.1-1.6x the time, and for 7 queries 0.87-0.97x the time of converting each block
