@@ -20,7 +20,9 @@ model cast to bfloat16, weights and cache: `attnlab sample --dtype bfloat16`), `
 step through dynamo's frame evaluation, most guards skipped, instead of the code dynamo made for it
 called directly, compile_decoding(direct_calls=False)), `separate-products` (the default step with
 a layer's queries, keys and values made by three products, as before revision 0e8353d, instead of
-one over their weights concatenated: CONCATENATED_PRODUCTS off). --dtype: every
+one over their weights concatenated: CONCATENATED_PRODUCTS off), `parallel-elementwise` (the default
+step with its elementwise loops on every thread as inductor decides, compile_decoding(elementwise=
+"parallel"), instead of one). --dtype: every
 model's weights and caches (float32 unless told). --spare: each cache's storage holds that many
 positions beyond the prompt and the new tokens (a cache made for a longer text than the one
 decoded: a step whose cost follows the storage, not the position, shows it).
@@ -55,7 +57,7 @@ SAMPLING = SamplingConfig(top_k=26)
 OTHER_STEPS = {"library": {"linear": "library"}, "python-wrapper": {"cpp_wrapper": False},
                "torch-attention": {"backend": "torch"}, "bfloat16-cache": {"cache_dtype": torch.bfloat16},
                "bfloat16": {"model_dtype": torch.bfloat16}, "dynamo-calls": {"direct_calls": False},
-               "separate-products": {"separate_products": True}}
+               "separate-products": {"separate_products": True}, "parallel-elementwise": {"elementwise": "parallel"}}
 BACKEND_KINDS = ("full", "local", "routing", "sinkhorn", "nsa")  # the kinds whose cached calls have a cpu back-end
 
 

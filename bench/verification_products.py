@@ -2,8 +2,9 @@
 of gamma + 1 tokens (Transformer.decode_then with the acceptance rule, as the loop calls it), with
 compile_decoding's packed linear kernels (inductor's C++ template over weights packed once) and
 with `--against` (`library`: ATen's calls; `separate-products`: packed, but a layer's queries, keys
-and values made by three products instead of one over their weights concatenated), side by side in
-one process, at each batch size.
+and values made by three products instead of one over their weights concatenated;
+`parallel-elementwise`: the default step with its elementwise loops on every thread as inductor
+decides, compile_decoding(elementwise="parallel")), side by side in one process, at each batch size.
 
 Each forward is timed warm (a cache filled with `--context` tokens once, then `--repeats` calls, the
 cache rolled back after each, untimed), the two models in turn, round after round; the figure is the
@@ -29,7 +30,7 @@ from attnlab.cli import arguments  # the decoding commands' --dtype names (bf16 
 from attnlab.config import load_config
 from attnlab.model import Transformer
 
-AGAINST = ("library", "separate-products")
+AGAINST = ("library", "separate-products", "parallel-elementwise")
 KINDS = ("target token", "verification")  # compiled_speculative_costs.timed_call's: a one-token step, a verification
 
 
@@ -40,6 +41,8 @@ def build(variant: str, dtype: torch.dtype) -> Transformer:
     if variant == "separate-products":
         with separate_products():
             model.compile_decoding()
+    elif variant == "parallel-elementwise":
+        model.compile_decoding(elementwise="parallel")
     else:
         model.compile_decoding(linear=variant)
     return model

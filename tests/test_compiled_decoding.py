@@ -206,16 +206,22 @@ def test_a_compiled_decodings_cache_is_a_power_of_two_long_within_the_model():
 
 
 def test_decode_compile_options():
-    """The C++ wrapper and the packed linear kernels: by default for inductor on the CPU without a
-    mode; asked for where they cannot be, one error."""
-    from attnlab.model.transformer import PACKED_LINEAR_OPTIONS, decode_compile_options, packed_linear_options
+    """The C++ wrapper, the packed linear kernels and serial elementwise loops: by default for
+    inductor on the CPU without a mode; asked for where they cannot be, one error."""
+    from attnlab.model.transformer import (
+        PACKED_LINEAR_OPTIONS,
+        SERIAL_ELEMENTWISE,
+        decode_compile_options,
+        packed_linear_options,
+    )
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     packed = packed_linear_options()
     assert packed.items() >= PACKED_LINEAR_OPTIONS.items()
-    assert decode_compile_options(cpu, None, "inductor", None) == {"cpp_wrapper": True, **packed}
-    assert decode_compile_options(cpu, None, "inductor", False, "library") is None
-    assert decode_compile_options(cpu, None, "inductor", False) == packed
+    assert decode_compile_options(cpu, None, "inductor", None) == {"cpp_wrapper": True, **packed, **SERIAL_ELEMENTWISE}
+    assert decode_compile_options(cpu, None, "inductor", False, "library", "parallel") is None
+    assert decode_compile_options(cpu, None, "inductor", False, "library") == SERIAL_ELEMENTWISE
+    assert decode_compile_options(cpu, None, "inductor", False, None, "parallel") == packed
     assert decode_compile_options(cuda, "reduce-overhead", "inductor", None) is None
     assert decode_compile_options(cpu, None, "aot_eager", None) is None
     with pytest.raises(ValueError, match="cpp_wrapper is an option of the inductor back-end without a mode"):
@@ -224,6 +230,10 @@ def test_decode_compile_options():
         decode_compile_options(cuda, None, "inductor", None, "packed")
     with pytest.raises(ValueError, match="linear kernels are one of library, packed; got 'blas'"):
         decode_compile_options(cpu, None, "inductor", None, "blas")
+    with pytest.raises(ValueError, match="serial elementwise loops are inductor's for the CPU, without a mode"):
+        decode_compile_options(cuda, "reduce-overhead", "inductor", None, None, "serial")
+    with pytest.raises(ValueError, match="elementwise loops are one of serial, parallel; got 'omp'"):
+        decode_compile_options(cpu, None, "inductor", None, None, "omp")
 
 
 def test_packed_linear_kernels_follow_the_weights():

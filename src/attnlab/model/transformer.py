@@ -229,6 +229,16 @@ PACKED_LINEAR_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_g
 # concatenated: one kernel and one pass over the rows instead of three
 CONCATENATED_PRODUCTS = "cpp.enable_concat_linear"
 LINEAR_KERNELS = ("library", "packed")
+# A decode step's elementwise kernels and reductions (norms, activations, rotary positions, cache
+# writes, the draw) touch rows x width numbers: a few thousand in a small model's verification.
+# Inductor runs a loop on every thread once each thread gets cpp.min_chunk_size (512) of them, and
+# opening that OpenMP region costs more than such work. "serial" (the default for inductor on the
+# CPU) keeps every such loop on one thread; the products (the GEMM template) and attention's
+# operators still use all. Elementwise work grows as rows x width, the products' as rows x width^2,
+# so the serial share stays small for larger models. docs/benchmarks.md "Compiled decoding" has the
+# effect; "parallel" is inductor's own rule.
+SERIAL_ELEMENTWISE = {"cpp.min_chunk_size": 2**31 - 1}
+ELEMENTWISE_THREADS = ("serial", "parallel")
 COMPILING_PACKED_STEP = [False]  # set while a packed decode step may compile (Transformer._tracing_settings)
 
 
@@ -353,10 +363,11 @@ def packed_step_compiling():
 
 
 def decode_compile_options(device: torch.device, mode: str | None, backend: str, cpp_wrapper: bool | None,
-                           linear: str | None = None) -> dict | None:
-    """Inductor's options for a compiled decode step (Transformer.compile_decoding): the C++ wrapper
-    and the packed linear kernels when asked, or by default on the CPU; none by default where a
-    `mode` is given (torch.compile takes one or the other) or the back-end is not inductor."""
+                           linear: str | None = None, elementwise: str | None = None) -> dict | None:
+    """Inductor's options for a compiled decode step (Transformer.compile_decoding): the C++ wrapper,
+    the packed linear kernels and serial elementwise loops when asked, or by default on the CPU;
+    none by default where a `mode` is given (torch.compile takes one or the other) or the back-end
+    is not inductor."""
     cpu_default = device.type == "cpu" and backend == "inductor" and mode is None
     if cpp_wrapper and (backend != "inductor" or mode is not None):
         raise ValueError(f"cpp_wrapper is an option of the inductor back-end without a mode (got backend={backend!r}, "
@@ -366,11 +377,18 @@ def decode_compile_options(device: torch.device, mode: str | None, backend: str,
     if linear == "packed" and not cpu_default:
         raise ValueError(f"packed linear kernels are inductor's for the CPU, without a mode (got device "
                          f"{device.type}, backend={backend!r}, mode={mode!r})")
+    if elementwise not in (None, *ELEMENTWISE_THREADS):
+        raise ValueError(f"elementwise loops are one of {', '.join(ELEMENTWISE_THREADS)}; got {elementwise!r}")
+    if elementwise == "serial" and not cpu_default:
+        raise ValueError(f"serial elementwise loops are inductor's for the CPU, without a mode (got device "
+                         f"{device.type}, backend={backend!r}, mode={mode!r})")
     options = {}
     if cpp_wrapper or (cpp_wrapper is None and cpu_default):
         options["cpp_wrapper"] = True
     if linear == "packed" or (linear is None and cpu_default):
         options.update(packed_linear_options())
+    if elementwise == "serial" or (elementwise is None and cpu_default):
+        options.update(SERIAL_ELEMENTWISE)
     return options or None
 
 
@@ -779,7 +797,7 @@ class Transformer(nn.Module):
                 torch.is_inference_mode_enabled(), self.training, parameter.dtype, parameter.device)
 
     def compile_decoding(self, mode: str | None = None, backend: str = "inductor", cpp_wrapper: bool | None = None,
-                         linear: str | None = None, direct_calls: bool = True) -> bool:
+                         linear: str | None = None, direct_calls: bool = True, elementwise: str | None = None) -> bool:
         """Compile the cached forward of a chunk after earlier tokens (a decode step, a speculative
         verification): one graph per chunk length, fullgraph (the static caches give it the same
         shapes at every position, so it never recompiles per token); on CUDA with CUDA graphs
@@ -803,6 +821,10 @@ class Transformer(nn.Module):
         weights are checked at every step: a step after they changed (training, loading a state
         dict, quantising) compiles again.
 
+        elementwise: "serial" (inductor on the CPU without a `mode`; the default there) runs the
+        step's elementwise loops and reductions on one thread (SERIAL_ELEMENTWISE), "parallel" as
+        inductor decides.
+
         direct_calls: a call like one a graph has served twice (through dynamo, every guard
         checked) runs the code dynamo made for it directly, without dynamo's frame evaluation
         (dynamo_code_function); False: through dynamo at every call, most guards skipped, which
@@ -816,9 +838,9 @@ class Transformer(nn.Module):
         config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, DECODE_GRAPH_LIMIT)
         mode = mode or ("reduce-overhead" if device.type == "cuda" and backend == "inductor" else None)
         linear = self._linear_for_weights(linear)
-        options = decode_compile_options(device, mode, backend, cpp_wrapper, linear)
+        options = decode_compile_options(device, mode, backend, cpp_wrapper, linear, elementwise)
         self._compile_arguments = {"mode": mode, "backend": backend, "cpp_wrapper": cpp_wrapper, "linear": linear,
-                                   "direct_calls": direct_calls}
+                                   "direct_calls": direct_calls, "elementwise": elementwise}
         self._compile_settings = (device, mode, backend, sorted((options or {}).items()))
         frozen = bool(options and options.get("freezing"))
         self._frozen_weights = FrozenWeights(self) if frozen else None
