@@ -236,6 +236,18 @@ def test_decode_compile_options():
         decode_compile_options(cpu, None, "inductor", None, None, "omp")
 
 
+def test_compile_decoding_takes_the_elementwise_rule_into_its_step():
+    """compile_decoding's elementwise argument reaches the options its steps compile with (and the
+    arguments it compiles again with): serial by default on the CPU, inductor's rule when asked."""
+    from attnlab.model.transformer import SERIAL_ELEMENTWISE
+
+    model = Transformer(variant_config("full", max_seq_len=16)).eval()
+    for elementwise, serial in ((None, True), ("serial", True), ("parallel", False)):
+        assert model.compile_decoding(elementwise=elementwise)
+        options = dict(model._compile_settings[3])
+        assert (options.items() >= SERIAL_ELEMENTWISE.items()) is serial
+        assert model._compile_arguments["elementwise"] == elementwise
+
 def test_packed_linear_kernels_follow_the_weights():
     """The packed step (the CPU default: the weights frozen into it as constants, packed for
     inductor's GEMM template) gives the eager logits over one-token steps; after the weights change

@@ -258,10 +258,10 @@ void score_block(const Task& task, int64_t stride, int64_t j0, Rows keys) {
 // A task reads its keys, then its values, once each and in order, and at long contexts they are
 // most of what a decode step reads from memory. Each block's rows are prefetched PREFETCH_AHEAD bytes
 // before it is scored or weighed, as non-temporal data (locality 0), so that the stream keeps less of
-// the last-level cache from the step's weights. On a 2-core AMD EPYC with AVX-512 (Zen 5) and 4096
-// keys of width 64 seen, 8 KiB ahead took the float32 operator 0.75-0.81x its time and a compiled
-// full-attention step 0.77-0.99x (4 and 16 KiB: about the same; a temporal prefetch: less gain in
-// the step), and changed nothing measurable at 256 and 1024 (docs/bench/decode-operator/).
+// the last-level cache from the step's weights. On a 2-core AMD EPYC with AVX-512 (Zen 5), 8 KiB
+// ahead took a compiled full-attention step at 4096 tokens of context 0.77-0.92x its time and at 256
+// 0.98-1.03x, and the calls of width 64 over 4000 keys read cold 0.70-0.95x; calls over keys already
+// in cache take about 0.5 us more (docs/bench/decode-operator/, bench/decode_operator_ab.py).
 constexpr int64_t PREFETCH_AHEAD = 8192;
 constexpr int64_t CACHE_LINE = 64;
 
