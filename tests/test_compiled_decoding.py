@@ -206,8 +206,10 @@ def test_a_compiled_decodings_cache_is_a_power_of_two_long_within_the_model():
 
 
 def test_decode_compile_options():
-    """The C++ wrapper, the packed linear kernels and serial elementwise loops: by default for
-    inductor on the CPU without a mode; asked for where they cannot be, one error."""
+    """The C++ wrapper, attnlab's products over packed weights (inductor's where the operator is not
+    built) and serial elementwise loops: by default for inductor on the CPU without a mode; asked
+    for where they cannot be, one error."""
+    from attnlab.model import linear_cpu
     from attnlab.model.transformer import (
         PACKED_LINEAR_OPTIONS,
         SERIAL_ELEMENTWISE,
@@ -218,17 +220,22 @@ def test_decode_compile_options():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     packed = packed_linear_options()
     assert packed.items() >= PACKED_LINEAR_OPTIONS.items()
-    assert decode_compile_options(cpu, None, "inductor", None) == {"cpp_wrapper": True, **packed, **SERIAL_ELEMENTWISE}
+    operator = {**packed, "post_grad_custom_post_pass": linear_cpu.PACKED_PRODUCTS}
+    default = operator if linear_cpu.available() else packed
+    assert decode_compile_options(cpu, None, "inductor", None) == {"cpp_wrapper": True, **default, **SERIAL_ELEMENTWISE}
     assert decode_compile_options(cpu, None, "inductor", False, "library", "parallel") is None
     assert decode_compile_options(cpu, None, "inductor", False, "library") == SERIAL_ELEMENTWISE
-    assert decode_compile_options(cpu, None, "inductor", False, None, "parallel") == packed
+    assert decode_compile_options(cpu, None, "inductor", False, None, "parallel") == default
+    assert decode_compile_options(cpu, None, "inductor", False, "packed", "parallel") == packed
     assert decode_compile_options(cuda, "reduce-overhead", "inductor", None) is None
     assert decode_compile_options(cpu, None, "aot_eager", None) is None
     with pytest.raises(ValueError, match="cpp_wrapper is an option of the inductor back-end without a mode"):
         decode_compile_options(cuda, "reduce-overhead", "inductor", True)
     with pytest.raises(ValueError, match="packed linear kernels are inductor's for the CPU, without a mode"):
         decode_compile_options(cuda, None, "inductor", None, "packed")
-    with pytest.raises(ValueError, match="linear kernels are one of library, packed; got 'blas'"):
+    with pytest.raises(ValueError, match="cpu linear kernels are inductor's for the CPU, without a mode"):
+        decode_compile_options(cuda, None, "inductor", None, "cpu")
+    with pytest.raises(ValueError, match="linear kernels are one of library, packed, cpu; got 'blas'"):
         decode_compile_options(cpu, None, "inductor", None, "blas")
     with pytest.raises(ValueError, match="serial elementwise loops are inductor's for the CPU, without a mode"):
         decode_compile_options(cuda, "reduce-overhead", "inductor", None, None, "serial")

@@ -330,16 +330,19 @@ def test_draw_then_decode_is_one_compiled_call_of_the_draws_and_the_forward(monk
 
 
 def test_models_compiled_alike_once_their_settings_resolve_fuse_their_step():
-    """A draft compiled with linear="packed" beside a target left at the CPU's default (packed too)
-    makes speculative decoding's step one call; a draft with the library's products, two. Nothing
-    compiles: the check reads the settings each compile_decoding resolved."""
+    """A draft compiled with the CPU's default linear kernels named ("cpu" where attnlab's operator is
+    built, else "packed") beside a target left at the default makes speculative decoding's step one
+    call; a draft with the library's products, two. Nothing compiles: the check reads the settings
+    each compile_decoding resolved."""
+    from attnlab.model import linear_cpu
     target, draft = (Transformer(variant_config("full", depth=1)).eval() for _ in range(2))
     tokens = torch.randint(0, 61, (1, 8))
     caches = [model.new_cache(1, 32) for model in (draft, target)]
     with torch.no_grad():
         for model, cache in zip((draft, target), caches):
             model(tokens, cache=cache)  # a prefill, eager
-    assert target.compile_decoding() and draft.compile_decoding(linear="packed")
+    default = "cpu" if linear_cpu.available() else "packed"
+    assert target.compile_decoding() and draft.compile_decoding(linear=default)
     assert target._draws_then_decodes_compiled(draft, *caches)
     assert draft.compile_decoding(linear="library")
     assert not target._draws_then_decodes_compiled(draft, *caches)

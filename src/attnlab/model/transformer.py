@@ -228,7 +228,7 @@ PACKED_LINEAR_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_g
 # keys and values; a gated feed-forward's gate and up) made as one product with the weights
 # concatenated: one kernel and one pass over the rows instead of three
 CONCATENATED_PRODUCTS = "cpp.enable_concat_linear"
-LINEAR_KERNELS = ("library", "packed")
+LINEAR_KERNELS = ("library", "packed", "cpu")
 # A decode step's elementwise kernels and reductions (norms, activations, rotary positions, cache
 # writes, the draw) touch rows x width numbers: a few thousand in a small model's verification.
 # Inductor runs a loop on every thread once each thread gets cpp.min_chunk_size (512) of them, and
@@ -374,8 +374,8 @@ def decode_compile_options(device: torch.device, mode: str | None, backend: str,
                          f"mode={mode!r})")
     if linear not in (None, *LINEAR_KERNELS):
         raise ValueError(f"linear kernels are one of {', '.join(LINEAR_KERNELS)}; got {linear!r}")
-    if linear == "packed" and not cpu_default:
-        raise ValueError(f"packed linear kernels are inductor's for the CPU, without a mode (got device "
+    if linear in ("packed", "cpu") and not cpu_default:
+        raise ValueError(f"{linear} linear kernels are inductor's for the CPU, without a mode (got device "
                          f"{device.type}, backend={backend!r}, mode={mode!r})")
     if elementwise not in (None, *ELEMENTWISE_THREADS):
         raise ValueError(f"elementwise loops are one of {', '.join(ELEMENTWISE_THREADS)}; got {elementwise!r}")
@@ -385,11 +385,29 @@ def decode_compile_options(device: torch.device, mode: str | None, backend: str,
     options = {}
     if cpp_wrapper or (cpp_wrapper is None and cpu_default):
         options["cpp_wrapper"] = True
-    if linear == "packed" or (linear is None and cpu_default):
-        options.update(packed_linear_options())
+    options.update(linear_options(linear, cpu_default))
     if elementwise == "serial" or (elementwise is None and cpu_default):
         options.update(SERIAL_ELEMENTWISE)
     return options or None
+
+
+def linear_options(linear: str | None, cpu_default: bool) -> dict:
+    """Inductor's options for the step's products (LINEAR_KERNELS; None: "cpu" where attnlab's
+    operator is built, else "packed", for inductor on the CPU without a mode; else the library's).
+    "cpu" freezes and multiplies as "packed" does, and PackedProducts (model/linear_cpu.py) then
+    gives attnlab's operator every float32 product with a frozen weight."""
+    from attnlab.model import linear_cpu  # imports inductor's pass types: only where a step compiles
+
+    if linear is None and cpu_default:
+        linear = "cpu" if linear_cpu.available() else "packed"
+    if linear == "cpu" and not linear_cpu.available():
+        raise ValueError("cpu linear kernels are attnlab's operator, not built here (no C++ compiler, or "
+                         "ATTNLAB_CPU_KERNELS=0): choose 'packed' or 'library'")
+    if linear == "packed":
+        return packed_linear_options()
+    if linear == "cpu":
+        return {**packed_linear_options(), "post_grad_custom_post_pass": linear_cpu.PACKED_PRODUCTS}
+    return {}
 
 
 def packed_linear_options() -> dict:
@@ -743,7 +761,7 @@ class Transformer(nn.Module):
     def _draws_then_decodes_compiled(self, model: Transformer | None, draft_cache: ModelCache, cache: ModelCache
                                      ) -> bool:
         """Whether draw_then_decode with a draft drawing through `model`'s blocks is one compiled call:
-        both models compiled alike (the same settings once resolved: "packed" asked of one, left to
+        both models compiled alike (the same settings once resolved: "cpu" asked of one, left to
         the CPU's default of the other, is alike), and neither cache empty (a prefill stays eager)."""
         return (model is not None and self._compiled_draw_then_decode is not None
                 and model._compiled_draw is not None and model._compile_settings == self._compile_settings
@@ -811,15 +829,17 @@ class Transformer(nn.Module):
 
         linear: the kernels of the products with a weight matrix. "library": ATen's calls (MKL,
         oneDNN, cuBLAS), the weights read as the step's inputs. "packed" (inductor on the CPU without
-        a `mode`; the default there): the weights frozen into the step as constants, packed once,
-        and multiplied by inductor's C++ GEMM template (PACKED_LINEAR_OPTIONS). A one-token step
-        reads every weight once, so the product's kernel sets its speed; the template's
-        micro-kernels read a packed weight once for all of a step's rows (a speculative
-        verification's too), and the products of one input (queries, keys and values) are one
-        product over their weights concatenated (CONCATENATED_PRODUCTS). docs/benchmarks.md
-        "Compiled decoding" has the effect. The frozen
-        weights are checked at every step: a step after they changed (training, loading a state
-        dict, quantising) compiles again.
+        a `mode`): the weights frozen into the step as constants, packed once, and multiplied by
+        inductor's C++ GEMM template (PACKED_LINEAR_OPTIONS). A one-token step reads every weight
+        once, so the product's kernel sets its speed; the template's micro-kernels read a packed
+        weight once for all of a step's rows (a speculative verification's too), and the products
+        of one input (queries, keys and values) are one product over their weights concatenated
+        (CONCATENATED_PRODUCTS). "cpu" (the default there where attnlab's operator is built): as
+        "packed", but every float32 product of more than one row by attnlab's operator over its
+        own packing of the weight (model/linear_cpu.py: register blocks of 6 rows by 4 AVX-512
+        vectors, or 2 AVX2 ones); a batch-4 verification's products run faster, see
+        docs/benchmarks.md "Compiled decoding". The frozen weights are checked at every step: a step
+        after they changed (training, loading a state dict, quantising) compiles again.
 
         elementwise: "serial" (inductor on the CPU without a `mode`; the default there) runs the
         step's elementwise loops and reductions on one thread (SERIAL_ELEMENTWISE), "parallel" as
@@ -883,8 +903,8 @@ class Transformer(nn.Module):
         changed (one warning; asking for "packed" then is a one-line error)."""
         if not any(tensor.is_inference() for tensor in weight_tensors(self)):
             return linear
-        if linear == "packed":
-            raise ValueError("packed linear kernels need weights made outside torch.inference_mode (their changes "
+        if linear in ("packed", "cpu"):
+            raise ValueError(f"{linear} linear kernels need weights made outside torch.inference_mode (their changes "
                              "are tracked by version); make the model under torch.no_grad() instead")
         if linear is None:
             log.warning("the model's weights were made under torch.inference_mode, so the decode step cannot tell "
