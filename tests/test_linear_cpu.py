@@ -75,11 +75,12 @@ def product_graph(rows: int, width: int = 8, outputs: int = 70) -> tuple[fx.Grap
     return fx.GraphModule(module, graph), [str(node.target) for node in graph.nodes if node.op == "call_function"]
 
 
-def test_the_pass_takes_the_multi_row_float32_products_of_constant_weights():
+def test_the_pass_takes_the_float32_products_of_constant_weights_a_register_block_high():
     """Both float32 products become the operator over one packed copy of their weight, and the graph
     gives the products it gave; the float64 one keeps its kernel."""
-    module, _ = product_graph(rows=3)
-    x, x64 = torch.randn(3, 8), torch.randn(3, 8, dtype=torch.float64)
+    rows = linear_cpu.BLOCK_ROWS
+    module, _ = product_graph(rows)
+    x, x64 = torch.randn(rows, 8), torch.randn(rows, 8, dtype=torch.float64)
     expected = module(x, x64)
     linear_cpu.PACKED_PRODUCTS(module.graph)
     module.recompile()
@@ -90,27 +91,28 @@ def test_the_pass_takes_the_multi_row_float32_products_of_constant_weights():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_the_pass_leaves_one_row_products_to_inductor():
-    module, before = product_graph(rows=1)
+@pytest.mark.parametrize("rows", [1, linear_cpu.BLOCK_ROWS - 1])
+def test_the_pass_leaves_products_of_fewer_rows_to_inductor(rows):
+    module, before = product_graph(rows)
     linear_cpu.PACKED_PRODUCTS(module.graph)
     assert [str(node.target) for node in module.graph.nodes if node.op == "call_function"] == before
 
 
 def test_a_compiled_verification_multiplies_through_the_operator():
-    """compile_decoding's CPU default: a chunk of three tokens after a prefill calls attnlab's
+    """compile_decoding's CPU default: a chunk of six tokens after a prefill calls attnlab's
     product (the one-token steps keep inductor's) and gives the eager logits."""
     torch.manual_seed(0)
     config = variant_config("full", max_seq_len=32, depth=1)
     model, reference = Transformer(config).eval(), Transformer(config).eval()
     reference.load_state_dict(model.state_dict())
     assert model.compile_decoding()
-    tokens = torch.randint(0, 61, (1, 12), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(0, 61, (1, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         cache, eager_cache = model.new_cache(1, 32), reference.new_cache(1, 32)
         model(tokens[:, :8], cache=cache)
         reference(tokens[:, :8], cache=eager_cache)
         with profile() as profiled:
-            logits = model(tokens[:, 8:11], cache=cache).logits
-        expected = reference(tokens[:, 8:11], cache=eager_cache).logits
+            logits = model(tokens[:, 8:14], cache=cache).logits
+        expected = reference(tokens[:, 8:14], cache=eager_cache).logits
     assert any(event.name == "attnlab::linear_cpu" for event in profiled.events())
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
