@@ -61,22 +61,21 @@ def _require() -> None:
                            "compile with linear='packed' or 'library'")
 
 
-BLOCK_ROWS = 6  # the rows of the operator's register block (linear_cpu.cpp's ROWS)
+# the fewest rows of a product the pass takes: a one-row product multiplies a vector by the weight, at
+# the pace of memory, where inductor's template makes it in a kernel called directly, its bias,
+# activation and residual fused in; from two rows the operator's register blocks reuse each weight
+# vector loaded across the rows
+MIN_ROWS = 2
 
 
 class PackedProducts(CustomGraphPass):
     """Inductor's post-grad pass for linear="cpu": each float32 product of activations [N, K] with a
-    constant weight (N >= BLOCK_ROWS) becomes attnlab::linear_cpu over the weight packed once (one packed constant per
+    constant weight becomes attnlab::linear_cpu over the weight packed once (one packed constant per
     weight, however many products use it: a draw's forwards share theirs). The products it takes:
     - torch.ops.mkl._mkl_linear(x, mkl_packed, weight [O, K], bias, N): inductor's freezing makes
       every linear with a frozen weight one of these where torch has MKL;
     - aten.mm(x, weight^T [K, O]) and aten.addmm(bias [O], x, weight^T), the weight a constant;
-    each of at least BLOCK_ROWS rows (a speculative verification; a batch of six or more). A product
-    of fewer rows (a token of one sequence, or of a small batch) reads each weight for less than one
-    of the operator's register blocks, at the pace of memory, and inductor's template makes it in a
-    kernel called directly, its bias, activation and residual fused in, where the operator's call
-    goes through torch's dispatcher and the operations after it run as kernels of their own. A
-    product it does not take keeps inductor's kernel."""
+    each of at least MIN_ROWS rows. A product it does not take keeps inductor's kernel."""
 
     def __call__(self, graph: fx.Graph) -> None:
         module = graph.owning_module
@@ -128,7 +127,7 @@ def matched_product(module: fx.GraphModule, node: fx.Node) -> tuple[fx.Node, str
         return None
     weight_value, activations = tensor_of(module, weight), tensor_of(module, x)
     if not (is_float32_cpu(weight_value) and weight_value.dim() == 2 and is_float32_cpu(activations)
-            and activations.dim() == 2 and activations.shape[0] >= BLOCK_ROWS
+            and activations.dim() == 2 and activations.shape[0] >= MIN_ROWS
             and (bias is None or is_bias(tensor_of(module, bias), tensor_of(module, node)))):
         return None
     return x, weight.target, transposed, bias

@@ -835,7 +835,7 @@ class Transformer(nn.Module):
         weight once for all of a step's rows (a speculative verification's too), and the products
         of one input (queries, keys and values) are one product over their weights concatenated
         (CONCATENATED_PRODUCTS). "cpu" (the default there where attnlab's operator is built): as
-        "packed", but every float32 product of at least 6 rows by attnlab's operator over its own
+        "packed", but every float32 product of more than one row by attnlab's operator over its own
         packing of the weight (model/linear_cpu.py: register blocks of 6 rows by 4 AVX-512 vectors,
         or 2 AVX2 ones); a batch-4 verification's products run faster, see
         docs/benchmarks.md "Compiled decoding". The frozen weights are checked at every step: a step
