@@ -21,19 +21,16 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
-#if defined(__AVX2__) || defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 #include <algorithm>
 #include <cstring>
 
-#include "../attention/kernels/cpu_vec.h"  // LANES, vf, load, sum_lanes
+#include "../attention/kernels/cpu_vec.h"  // LANES, vf, load, sum_lanes, multiply_add (and immintrin.h)
 
 namespace {
 
 using attnlab_cpu::LANES;
 using attnlab_cpu::load;
+using attnlab_cpu::multiply_add;
 using attnlab_cpu::sum_lanes;
 using attnlab_cpu::vf;
 
@@ -62,20 +59,6 @@ inline vf widen(const int8_t* p) {
   vb bytes;
   std::memcpy(&bytes, p, sizeof(bytes));
   return __builtin_convertvector(__builtin_convertvector(bytes, attnlab_cpu::vi), vf);
-#endif
-}
-
-// sum + a * b in one rounding where the CPU has fused multiply-add (the compiler does not contract
-// a * b + c under ISO C++)
-inline vf multiply_add(vf a, vf b, vf sum) {
-#if defined(__AVX512F__)
-  return reinterpret_cast<vf>(_mm512_fmadd_ps(reinterpret_cast<__m512>(a), reinterpret_cast<__m512>(b),
-                                              reinterpret_cast<__m512>(sum)));
-#elif defined(__FMA__)
-  return reinterpret_cast<vf>(_mm256_fmadd_ps(reinterpret_cast<__m256>(a), reinterpret_cast<__m256>(b),
-                                              reinterpret_cast<__m256>(sum)));
-#else
-  return a * b + sum;
 #endif
 }
 

@@ -22,22 +22,15 @@
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
-#if defined(__AVX2__) || defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 #include <algorithm>
 #include <cstring>
 #include <optional>
 
-#include "../attention/kernels/cpu_vec.h"  // LANES, vf, load, store
+#include "../attention/kernels/cpu_vec.h"  // LANES, vf, load, store, multiply_add
 
 namespace {
 
-using attnlab_cpu::LANES;
-using attnlab_cpu::load;
-using attnlab_cpu::store;
-using attnlab_cpu::vf;
+using namespace attnlab_cpu;  // LANES, vf and its loads, stores and multiply-adds
 
 #if defined(__AVX512F__)
 constexpr int COLUMNS = 4;  // weight vectors of a panel row
@@ -51,20 +44,6 @@ constexpr int64_t PREFETCH_ROWS = 8;
 // torch's grain size for its own elementwise loops (at::internal::GRAIN_SIZE, ATen/TensorIterator.h),
 // counted here in multiply-adds: a product smaller than it runs on the calling thread
 constexpr int64_t GRAIN_SIZE = 32768;
-
-// sum + a * b in one rounding where the CPU has fused multiply-add (the compiler does not contract
-// a * b + c under ISO C++)
-inline vf multiply_add(vf a, vf b, vf sum) {
-#if defined(__AVX512F__)
-  return reinterpret_cast<vf>(_mm512_fmadd_ps(reinterpret_cast<__m512>(a), reinterpret_cast<__m512>(b),
-                                              reinterpret_cast<__m512>(sum)));
-#elif defined(__FMA__)
-  return reinterpret_cast<vf>(_mm256_fmadd_ps(reinterpret_cast<__m256>(a), reinterpret_cast<__m256>(b),
-                                              reinterpret_cast<__m256>(sum)));
-#else
-  return a * b + sum;
-#endif
-}
 
 struct Product {
   const float* x;  // [N, K], rows x_stride apart, each contiguous

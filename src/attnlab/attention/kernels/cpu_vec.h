@@ -1,10 +1,15 @@
-// Vector helpers shared by the CPU attention kernels (listed_cpu.cpp, nsa_cpu.cpp): GCC/Clang
-// vector extensions of 16 floats, loads and stores, a fixed-order lane sum and a vectorised exp.
+// Vector helpers shared by the CPU kernels (attention's, and model/'s products): GCC/Clang vector
+// extensions of 16 floats, loads and stores, a fused multiply-add, a fixed-order lane sum and a
+// vectorised exp.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace attnlab_cpu {
 
@@ -27,6 +32,20 @@ inline vf load(const float* p) {
   return v;
 }
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
+
+// sum + a * b in one rounding where the CPU has fused multiply-add (the compiler does not contract
+// a * b + c under ISO C++)
+inline vf multiply_add(vf a, vf b, vf sum) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<vf>(_mm512_fmadd_ps(reinterpret_cast<__m512>(a), reinterpret_cast<__m512>(b),
+                                              reinterpret_cast<__m512>(sum)));
+#elif defined(__FMA__)
+  return reinterpret_cast<vf>(_mm256_fmadd_ps(reinterpret_cast<__m256>(a), reinterpret_cast<__m256>(b),
+                                              reinterpret_cast<__m256>(sum)));
+#else
+  return a * b + sum;
+#endif
+}
 template <class V>
 inline float sum_lanes(V v) {  // a fixed order; V: a vector of floats of any width (vf, or narrower)
   float total = 0.0f;
