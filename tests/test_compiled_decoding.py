@@ -231,9 +231,9 @@ def test_decode_compile_options():
     assert decode_compile_options(cpu, None, "aot_eager", None) is None
     with pytest.raises(ValueError, match="cpp_wrapper is an option of the inductor back-end without a mode"):
         decode_compile_options(cuda, "reduce-overhead", "inductor", True)
-    with pytest.raises(ValueError, match="packed linear kernels are inductor's for the CPU, without a mode"):
+    with pytest.raises(ValueError, match="packed linear kernels are for inductor on the CPU, without a mode"):
         decode_compile_options(cuda, None, "inductor", None, "packed")
-    with pytest.raises(ValueError, match="cpu linear kernels are inductor's for the CPU, without a mode"):
+    with pytest.raises(ValueError, match="cpu linear kernels are for inductor on the CPU, without a mode"):
         decode_compile_options(cuda, None, "inductor", None, "cpu")
     with pytest.raises(ValueError, match="linear kernels are one of library, packed, cpu; got 'blas'"):
         decode_compile_options(cpu, None, "inductor", None, "blas")

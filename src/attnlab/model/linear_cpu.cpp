@@ -71,6 +71,8 @@ void block(const Product& p, int64_t row, int64_t panel) {
   const float* weights = p.packed + panel * p.width * PANEL;  // [K, PANEL]
   const float* x = p.x + row * p.x_stride;
   for (int64_t k = 0; k < p.width; ++k) {
+    // near the panel's end this points past it (into the next panel, or past the last one): a
+    // prefetch is a hint that never faults, and a wasted one costs a cache line
     const float* ahead = weights + (k + PREFETCH_ROWS) * PANEL;
     for (int c = 0; c < COLUMNS * LANES; c += 64 / sizeof(float)) __builtin_prefetch(ahead + c, 0, 3);
     vf panel_row[COLUMNS];

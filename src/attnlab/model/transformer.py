@@ -375,7 +375,7 @@ def decode_compile_options(device: torch.device, mode: str | None, backend: str,
     if linear not in (None, *LINEAR_KERNELS):
         raise ValueError(f"linear kernels are one of {', '.join(LINEAR_KERNELS)}; got {linear!r}")
     if linear in ("packed", "cpu") and not cpu_default:
-        raise ValueError(f"{linear} linear kernels are inductor's for the CPU, without a mode (got device "
+        raise ValueError(f"{linear} linear kernels are for inductor on the CPU, without a mode (got device "
                          f"{device.type}, backend={backend!r}, mode={mode!r})")
     if elementwise not in (None, *ELEMENTWISE_THREADS):
         raise ValueError(f"elementwise loops are one of {', '.join(ELEMENTWISE_THREADS)}; got {elementwise!r}")
@@ -395,7 +395,7 @@ def linear_options(linear: str | None, cpu_default: bool) -> dict:
     """Inductor's options for the step's products (LINEAR_KERNELS; None: "cpu" where attnlab's
     operator is built, else "packed", for inductor on the CPU without a mode; else the library's).
     "cpu" freezes and multiplies as "packed" does, and PackedProducts (model/linear_cpu.py) then
-    gives attnlab's operator every float32 product with a frozen weight."""
+    gives attnlab's operator every float32 product of two rows or more with a frozen weight."""
     from attnlab.model import linear_cpu  # imports inductor's pass types: only where a step compiles
 
     if linear is None and cpu_default:
