@@ -54,6 +54,7 @@ def script_commands(folder: Path) -> dict[str, list[str]]:
         "static_cache_reference": ["static_cache_reference.py", "--context", "8", "--rounds", "1", "--repeats", "2",
                                    "--backend", "aot_eager"],
         "small_gemm": ["small_gemm.py", "--rows", "1", "3", "--repeats", "3", "--attainable-size", "64"],
+        "linear_kernels": ["linear_kernels.py", "--shapes", "3x70x8", "--rounds", "1"],
         "cached_attention_gpu": ["cached_attention_gpu.py", "--device", "cpu", "--dtype", "fp32", "--contexts", "300",
                                  "--batch-sizes", "2", "--queries", "1", "6", "--heads", "4", "--kv-heads", "2",
                                  "--dim-head", "16", "--calls", "1", "--repeats", "1", "--out", str(folder / "cached")],
@@ -140,6 +141,14 @@ def test_small_gemm_prints_each_shape_then_the_attainable_rate(scripts):
     assert all(set(line["microseconds"]) == {"1", "3"} and line["most_over_fewest_rows"] > 0
                and line["gflop_per_s_most_rows"] > 0 for line in lines)
     assert attainable["attainable"] == [64, 64, 64] and attainable["gflop_per_s"] > 0
+
+
+def test_linear_kernels_times_each_kernel_at_each_shape(scripts):
+    printed = printed_by(scripts, "linear_kernels")
+    reports = [json.loads(line) for line in printed.splitlines() if line.startswith("{")]
+    assert [report["shape"] for report in reports] == ["3x70x8"]
+    assert all(reports[0][kernel]["us"] > 0 and reports[0][kernel]["gflops"] > 0 for kernel in ("cpu", "packed",
+                                                                                                "library"))
 
 
 def test_cached_attention_gpu_dry_run_times_both_back_ends(scripts):
