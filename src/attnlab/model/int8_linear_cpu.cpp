@@ -24,7 +24,7 @@
 #include <algorithm>
 #include <cstring>
 
-#include "../attention/kernels/cpu_vec.h"  // LANES, vf, load, sum_lanes, multiply_add (and immintrin.h)
+#include "../attention/kernels/cpu_vec.h"  // LANES, vf, load, sum_lanes, multiply_add, grain_of_tasks (and immintrin.h)
 
 namespace {
 
@@ -38,9 +38,6 @@ typedef int8_t vb __attribute__((vector_size(LANES)));  // LANES int8 weights
 
 constexpr int64_t MAX_ROWS = 4;  // activation rows in one register block
 constexpr int64_t TILE = 24;     // outputs a task takes at a time: a multiple of every block's C
-// torch's grain size for its own elementwise loops (at::internal::GRAIN_SIZE, ATen/TensorIterator.h):
-// work below it runs on the calling thread
-constexpr int64_t GRAIN_SIZE = 32768;
 
 // outputs computed together beside R activation rows: R * C sums, R activation vectors and one
 // weight vector within AVX2's 16 vector registers
@@ -131,8 +128,7 @@ at::Tensor int8_linear_cpu(const at::Tensor& x, const at::Tensor& weight_in, con
   const Product p{activations.data_ptr<float>(), activations.stride(0), weight.data_ptr<int8_t>(),
                   scale.data_ptr<float>(), y.data_ptr<float>(), n_rows, width, n_outputs};
   const int64_t n_tiles = (n_outputs + TILE - 1) / TILE;
-  // GRAIN_SIZE counted in multiply-adds: a product smaller than it runs on the calling thread
-  const int64_t grain = std::max<int64_t>(1, GRAIN_SIZE / std::max<int64_t>(1, TILE * width * n_rows));
+  const int64_t grain = attnlab_cpu::grain_of_tasks(TILE * width * n_rows);  // small products: one thread
   at::parallel_for(0, n_tiles, grain, [&](int64_t first, int64_t last) {
     outputs_over(p, first * TILE, std::min(n_outputs, last * TILE));
   });

@@ -30,7 +30,7 @@
 
 namespace {
 
-using namespace attnlab_cpu;  // LANES, vf and its loads, stores and multiply-adds
+using namespace attnlab_cpu;  // LANES, vf and its loads, stores and multiply-adds, grain_of_tasks
 
 #if defined(__AVX512F__)
 constexpr int COLUMNS = 4;  // weight vectors of a panel row
@@ -41,9 +41,6 @@ constexpr int PANEL = COLUMNS * LANES;  // outputs of a panel: 64 with AVX-512, 
 constexpr int ROWS = 6;                 // activation rows of a register block
 // weight rows of the panel fetched ahead of the one being read (a kernel constant, like ROWS)
 constexpr int64_t PREFETCH_ROWS = 8;
-// torch's grain size for its own elementwise loops (at::internal::GRAIN_SIZE, ATen/TensorIterator.h),
-// counted here in multiply-adds: a product smaller than it runs on the calling thread
-constexpr int64_t GRAIN_SIZE = 32768;
 
 struct Product {
   const float* x;  // [N, K], rows x_stride apart, each contiguous
@@ -146,7 +143,7 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& packed_in, const st
   const Product p{activations.data_ptr<float>(), activations.stride(0), packed.data_ptr<float>(),
                   bias.defined() ? bias.data_ptr<float>() : nullptr, y.data_ptr<float>(), n_rows, width, n_outputs};
   const int64_t n_panels = packed.size(0);
-  const int64_t grain = std::max<int64_t>(1, GRAIN_SIZE / std::max<int64_t>(1, PANEL * width * n_rows));
+  const int64_t grain = grain_of_tasks(PANEL * width * n_rows);  // small products: one thread
   at::parallel_for(0, n_panels, grain, [&](int64_t first, int64_t last) {
     for (int64_t panel = first; panel < last; ++panel) panel_over(p, panel);
   });

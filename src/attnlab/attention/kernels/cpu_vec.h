@@ -46,6 +46,15 @@ inline vf multiply_add(vf a, vf b, vf sum) {
   return a * b + sum;
 #endif
 }
+// torch's grain size for its own elementwise loops (at::internal::GRAIN_SIZE, ATen/TensorIterator.h),
+// counted in multiply-adds by the products' kernels: the tasks of at::parallel_for's grain when each
+// task does `multiply_adds` of them, so that a product smaller than GRAIN_SIZE runs on the calling
+// thread
+constexpr int64_t GRAIN_SIZE = 32768;
+inline int64_t grain_of_tasks(int64_t multiply_adds) {
+  return multiply_adds >= GRAIN_SIZE ? 1 : GRAIN_SIZE / (multiply_adds > 0 ? multiply_adds : 1);
+}
+
 template <class V>
 inline float sum_lanes(V v) {  // a fixed order; V: a vector of floats of any width (vf, or narrower)
   float total = 0.0f;
