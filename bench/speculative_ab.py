@@ -7,7 +7,8 @@ the tokens committed per step). The drafts are interleaved, so they see the same
 
     python bench/speculative_ab.py TARGET_RUN NAME=DRAFT_RUN[:int8[/PRODUCT]] [NAME=...] [--rounds 9]
         [--batch-size 1] [--batch-scheme auto [shared ...]] [--temperature 1] [--top-k K] [--gamma 5 [6 ...]]
-        [--max-new-tokens 256] [--compile] [--dtype bfloat16] [--verification block [token]]
+        [--max-new-tokens 256] [--compile [--target-linear default [packed ...]]] [--dtype bfloat16]
+        [--verification block [token]]
 
 --gamma with several values: each draft decodes at each of them, every (draft, gamma) pair a
 variant of its own in the rounds (named NAME, or NAME@GAMMA with several gammas), so draft lengths
@@ -15,6 +16,9 @@ are compared side by side as drafts are. --verification with several rules (spec
 VERIFICATIONS) does the same for the rules (NAME/RULE), --batch-scheme with several for the ways a
 batch's caches roll back (NAME+SCHEME; at batch 1 the schemes are one algorithm, drawing the same
 tokens: per-row commits a step inside the compiled step, the shared window between steps).
+--target-linear with several kernels (compile_decoding's `linear`: LINEAR_KERNELS, or "default")
+compiles a target for each, so the target's product kernels are compared side by side
+(NAME~KERNEL), each variant's base decoding with its own target.
 
 :int8 quantizes a draft's weights (model/quantize.py), /PRODUCT names the kernel its products
 take (PRODUCTS: cpu, torch, dequantized; default: each call's, Int8Linear.product_for), so kernels
@@ -51,6 +55,7 @@ from attnlab.data.sampler import eval_windows
 from attnlab.generate.sampling import SamplingConfig, generate
 from attnlab.generate.speculative import VERIFICATIONS, speculative_generate
 from attnlab.model.quantize import PRODUCTS, choose_products, decoding_products, quantize_weights
+from attnlab.model.transformer import LINEAR_KERNELS
 from attnlab.train.checkpoint import load_model
 
 
@@ -81,6 +86,9 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--prime-length", type=int, default=128)
     parser.add_argument("--compile", action="store_true", help="compiled decoding for every model, the base's too")
+    parser.add_argument("--target-linear", nargs="+", choices=["default", *LINEAR_KERNELS], default=["default"],
+                        help="with --compile: the target's product kernels (compile_decoding's linear); several: "
+                             "variants, a target compiled for each")
     parser.add_argument("--dtype", type=arguments.dtype, default="float32",
                         help="every model's weights and caches, the base's too")
     parser.add_argument("--dynamo-calls", action="store_true",
@@ -88,29 +96,33 @@ def main() -> None:
                              "(compile_decoding(direct_calls=False)), as before revision 265678e")
     args = parser.parse_args()
 
+    if args.target_linear != ["default"] and not args.compile:
+        parser.error("--target-linear chooses compiled kernels: it needs --compile")
     dtype = getattr(torch, args.dtype)
-    target = load_model(args.target, dtype=dtype).eval()
+    targets = {linear: load_model(args.target, dtype=dtype).eval() for linear in args.target_linear}
     drafts = {}
     for name, run, quantization, product in args.drafts:
         drafts[name] = load_model(run, dtype=dtype).eval()
         quantize_weights(drafts[name], quantization)
         choose_products(drafts[name], product)
     if args.compile:
-        for model in (target, *drafts.values()):
-            if not model.compile_decoding(direct_calls=not args.dynamo_calls):
+        kernels = [(model, None) for model in drafts.values()]
+        kernels += [(model, None if linear == "default" else linear) for linear, model in targets.items()]
+        for model, linear in kernels:
+            if not model.compile_decoding(direct_calls=not args.dynamo_calls, linear=linear):
                 raise SystemExit("compiled decoding is unavailable here (the warning above says why)")
-    corpus = load_corpus(target.run_config.data)
+    corpus = load_corpus(next(iter(targets.values())).run_config.data)
     # the primes `attnlab speculative --prime-from-val` uses
     prompt = eval_windows(corpus.val, args.prime_length, args.batch_size, seed=0)[:, : args.prime_length].long()
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k)
 
-    def base(seed: int) -> float:
+    def base(target, seed: int) -> float:
         started = time.perf_counter()
         with torch.inference_mode():
             generate(target, prompt, args.max_new_tokens, sampling, generator=torch.Generator().manual_seed(seed))
         return time.perf_counter() - started
 
-    def speculative(draft, gamma: int, verification: str, scheme: str, seed: int):
+    def speculative(target, draft, gamma: int, verification: str, scheme: str, seed: int):
         started = time.perf_counter()
         result = speculative_generate(target, draft, prompt, args.max_new_tokens, gamma, sampling,
                                       generator=torch.Generator().manual_seed(seed),
@@ -118,31 +130,33 @@ def main() -> None:
                                       verification=verification)
         return time.perf_counter() - started, result
 
-    def prefills(draft) -> tuple[float, float]:
+    def prefills(target, draft) -> tuple[float, float]:
         """ms of the base's prefill and of the speculative run's, each through fresh caches."""
         with torch.inference_mode():
             return (prefill_ms([target], prompt, args.max_new_tokens),
                     prefill_ms([target, draft], prompt[:, :-1], args.max_new_tokens))
 
-    # every (draft, gamma, rule, scheme) is a variant timed in each round
+    # every (draft, gamma, rule, scheme, target's kernels) is a variant timed in each round
     variants = {}
-    for name, gamma, verification, scheme in itertools.product(drafts, args.gamma, args.verification,
-                                                                args.batch_scheme):
+    for name, gamma, verification, scheme, linear in itertools.product(drafts, args.gamma, args.verification,
+                                                                        args.batch_scheme, args.target_linear):
         variant = name + (f"@{gamma}" if len(args.gamma) > 1 else "")
         variant += f"/{verification}" if len(args.verification) > 1 else ""
         variant += f"+{scheme}" if len(args.batch_scheme) > 1 else ""
-        variants[variant] = (name, gamma, verification, scheme)
-    for name, gamma, verification, scheme in variants.values():  # warm-up: allocator, first calls, the graphs
-        base(0)
-        speculative(drafts[name], gamma, verification, scheme, 0)
+        variant += f"~{linear}" if len(args.target_linear) > 1 else ""
+        variants[variant] = (name, gamma, verification, scheme, linear)
+    for name, gamma, verification, scheme, linear in variants.values():  # warm-up: first calls, the graphs
+        base(targets[linear], 0)
+        speculative(targets[linear], drafts[name], gamma, verification, scheme, 0)
     rows = {variant: [] for variant in variants}
     for round_index in range(args.rounds):
-        for variant, (name, gamma, verification, scheme) in variants.items():
-            base_s = base(round_index)
-            speculative_s, result = speculative(drafts[name], gamma, verification, scheme, round_index)
-            base_prefill, speculative_prefill = prefills(drafts[name])  # ms
+        for variant, (name, gamma, verification, scheme, linear) in variants.items():
+            base_s = base(targets[linear], round_index)
+            speculative_s, result = speculative(targets[linear], drafts[name], gamma, verification, scheme,
+                                                round_index)
+            base_prefill, speculative_prefill = prefills(targets[linear], drafts[name])  # ms
             row = {"round": round_index, "draft": name, "gamma": gamma, "verification": verification,
-                   "batch_scheme": scheme, "per_row": result.per_row,
+                   "batch_scheme": scheme, "target_linear": linear, "per_row": result.per_row,
                    "base_ms": round(1000 * base_s, 1),
                    "speculative_ms": round(1000 * speculative_s, 1), "speedup": round(base_s / speculative_s, 3),
                    "prefill_ms": [round(base_prefill, 1), round(speculative_prefill, 1)],
@@ -156,12 +170,13 @@ def main() -> None:
                 "rounds": args.rounds, "threads": torch.get_num_threads(), "compiled": args.compile,
                 "dtype": args.dtype, "direct_calls": args.compile and not args.dynamo_calls}
     for variant, collected in rows.items():
-        name, gamma, verification, scheme = variants[variant]
+        name, gamma, verification, scheme, linear = variants[variant]
         medians = {key: round(statistics.median(row[key] for row in collected), 3)
                    for key in ("speedup", "decoding_speedup", "base_ms", "speculative_ms", "tokens_per_step")}
-        products = {"target": decoding_products(target, args.compile),
+        products = {"target": decoding_products(targets[linear], args.compile),
                     "draft": decoding_products(drafts[name], args.compile)}
         print(json.dumps({"summary": variant, **settings, "batch_scheme": scheme, "gamma": gamma,
+                          "target_linear": linear,
                           "verification": verification, **medians,
                           "products": products,
                           "speedups": [row["speedup"] for row in collected]}), flush=True)
