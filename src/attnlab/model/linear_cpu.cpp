@@ -75,7 +75,7 @@ void block(const Product& p, int64_t row, int64_t panel) {
     vf panel_row[COLUMNS];
     for (int c = 0; c < COLUMNS; ++c) panel_row[c] = load(weights + k * PANEL + c * LANES);
     for (int r = 0; r < R; ++r) {
-      const vf activation = vf{} + x[r * p.x_stride + k];  // broadcast
+      const vf activation = broadcast(x[r * p.x_stride + k]);
       for (int c = 0; c < COLUMNS; ++c) sums[r][c] = multiply_add(activation, panel_row[c], sums[r][c]);
     }
   }
