@@ -7,8 +7,8 @@ the tokens committed per step). The drafts are interleaved, so they see the same
 
     python bench/speculative_ab.py TARGET_RUN NAME=DRAFT_RUN[:int8[/PRODUCT]] [NAME=...] [--rounds 9]
         [--batch-size 1] [--batch-scheme auto [shared ...]] [--temperature 1] [--top-k K] [--gamma 5 [6 ...]]
-        [--max-new-tokens 256] [--compile [--target-linear default [packed ...]]] [--dtype bfloat16]
-        [--verification block [token]]
+        [--max-new-tokens 256] [--compile [--target-linear default [packed ...]] [--prefill-chunk eager [64 ...]]]
+        [--dtype bfloat16] [--verification block [token]]
 
 --gamma with several values: each draft decodes at each of them, every (draft, gamma) pair a
 variant of its own in the rounds (named NAME, or NAME@GAMMA with several gammas), so draft lengths
@@ -18,7 +18,10 @@ batch's caches roll back (NAME+SCHEME; at batch 1 the schemes are one algorithm,
 tokens: per-row commits a step inside the compiled step, the shared window between steps).
 --target-linear with several kernels (compile_decoding's `linear`: LINEAR_KERNELS, or "default")
 compiles a target for each, so the target's product kernels are compared side by side
-(NAME~KERNEL), each variant's base decoding with its own target.
+(NAME~KERNEL), each variant's base decoding with its own target. --prefill-chunk with several values
+(compile_decoding's prefill_chunk: "eager", or the chunk C of a prefill by the compiled step) sets
+every model's prefill so for the variant (NAME^C), its base's too: the models and their other
+graphs are shared.
 
 :int8 quantizes a draft's weights (model/quantize.py), /PRODUCT names the kernel its products
 take (PRODUCTS: cpu, torch, dequantized; default: each call's, Int8Linear.product_for), so kernels
@@ -30,8 +33,9 @@ every model decodes in it (weights and caches), the base too.
 
 Each round also times the two prefills alone (compiled_speculative_costs.prefill_ms: the base's
 target over the prime, the speculative run's target and draft over the prime less its last token,
-eager as in the runs): `decoding_speedup` is the paired speedup with them taken off both sides,
-that of the decoding alone, where `speedup` counts the prefill both sides pay.
+as the runs make them: eagerly, or by the compiled step with --prefill-chunk): `decoding_speedup`
+is the paired speedup with them taken off both sides, that of the decoding alone, where `speedup`
+counts the prefill both sides pay.
 
 One JSON line per round and draft, then one summary line per draft. `attnlab speculative` times
 one draft the same way (alternating base and speculative runs) and reports medians of each side.
@@ -70,6 +74,15 @@ def parse_draft(text: str) -> tuple[str, str, str, str | None]:
     return name, run, quantization or "none", product or None
 
 
+def prefill_chunk(text: str) -> int | None:
+    """--prefill-chunk's value: "eager" -> None, or a positive number of tokens."""
+    if text == "eager":
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"a prefill chunk is 'eager' or a positive number of tokens, got {text!r}")
+    return int(text)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("target")
@@ -89,6 +102,9 @@ def main() -> None:
     parser.add_argument("--target-linear", nargs="+", choices=["default", *LINEAR_KERNELS], default=["default"],
                         help="with --compile: the target's product kernels (compile_decoding's linear); several: "
                              "variants, a target compiled for each")
+    parser.add_argument("--prefill-chunk", nargs="+", type=prefill_chunk, default=[None], metavar="eager|C",
+                        help="with --compile: prefills by the compiled step C tokens at a time (compile_decoding's "
+                             "prefill_chunk), or eager; several: variants")
     parser.add_argument("--dtype", type=arguments.dtype, default="float32",
                         help="every model's weights and caches, the base's too")
     parser.add_argument("--dynamo-calls", action="store_true",
@@ -98,6 +114,8 @@ def main() -> None:
 
     if args.target_linear != ["default"] and not args.compile:
         parser.error("--target-linear chooses compiled kernels: it needs --compile")
+    if args.prefill_chunk != [None] and not args.compile:
+        parser.error("--prefill-chunk prefills by the compiled step: it needs --compile")
     dtype = getattr(torch, args.dtype)
     targets = {linear: load_model(args.target, dtype=dtype).eval() for linear in args.target_linear}
     drafts = {}
@@ -136,27 +154,37 @@ def main() -> None:
             return (prefill_ms([target], prompt, args.max_new_tokens),
                     prefill_ms([target, draft], prompt[:, :-1], args.max_new_tokens))
 
-    # every (draft, gamma, rule, scheme, target's kernels) is a variant timed in each round
+    # every (draft, gamma, rule, scheme, target's kernels, prefill chunk) is a variant timed in each round
     variants = {}
-    for name, gamma, verification, scheme, linear in itertools.product(drafts, args.gamma, args.verification,
-                                                                        args.batch_scheme, args.target_linear):
+    for name, gamma, verification, scheme, linear, chunk in itertools.product(
+            drafts, args.gamma, args.verification, args.batch_scheme, args.target_linear, args.prefill_chunk):
         variant = name + (f"@{gamma}" if len(args.gamma) > 1 else "")
         variant += f"/{verification}" if len(args.verification) > 1 else ""
         variant += f"+{scheme}" if len(args.batch_scheme) > 1 else ""
         variant += f"~{linear}" if len(args.target_linear) > 1 else ""
-        variants[variant] = (name, gamma, verification, scheme, linear)
-    for name, gamma, verification, scheme, linear in variants.values():  # warm-up: first calls, the graphs
+        variant += f"^{chunk or 'eager'}" if len(args.prefill_chunk) > 1 else ""
+        variants[variant] = (name, gamma, verification, scheme, linear, chunk)
+
+    def prefill_by(chunk: int | None, *models) -> None:
+        for model in models:
+            if args.compile:
+                model.prefill_chunk = chunk
+
+    for name, gamma, verification, scheme, linear, chunk in variants.values():  # warm-up: first calls, the graphs
+        prefill_by(chunk, targets[linear], drafts[name])
         base(targets[linear], 0)
         speculative(targets[linear], drafts[name], gamma, verification, scheme, 0)
     rows = {variant: [] for variant in variants}
     for round_index in range(args.rounds):
-        for variant, (name, gamma, verification, scheme, linear) in variants.items():
+        for variant, (name, gamma, verification, scheme, linear, chunk) in variants.items():
+            prefill_by(chunk, targets[linear], drafts[name])
             base_s = base(targets[linear], round_index)
             speculative_s, result = speculative(targets[linear], drafts[name], gamma, verification, scheme,
                                                 round_index)
             base_prefill, speculative_prefill = prefills(targets[linear], drafts[name])  # ms
             row = {"round": round_index, "draft": name, "gamma": gamma, "verification": verification,
-                   "batch_scheme": scheme, "target_linear": linear, "per_row": result.per_row,
+                   "batch_scheme": scheme, "target_linear": linear, "prefill_chunk": chunk,
+                   "per_row": result.per_row,
                    "base_ms": round(1000 * base_s, 1),
                    "speculative_ms": round(1000 * speculative_s, 1), "speedup": round(base_s / speculative_s, 3),
                    "prefill_ms": [round(base_prefill, 1), round(speculative_prefill, 1)],
@@ -170,13 +198,13 @@ def main() -> None:
                 "rounds": args.rounds, "threads": torch.get_num_threads(), "compiled": args.compile,
                 "dtype": args.dtype, "direct_calls": args.compile and not args.dynamo_calls}
     for variant, collected in rows.items():
-        name, gamma, verification, scheme, linear = variants[variant]
+        name, gamma, verification, scheme, linear, chunk = variants[variant]
         medians = {key: round(statistics.median(row[key] for row in collected), 3)
                    for key in ("speedup", "decoding_speedup", "base_ms", "speculative_ms", "tokens_per_step")}
         products = {"target": decoding_products(targets[linear], args.compile),
                     "draft": decoding_products(drafts[name], args.compile)}
         print(json.dumps({"summary": variant, **settings, "batch_scheme": scheme, "gamma": gamma,
-                          "target_linear": linear,
+                          "target_linear": linear, "prefill_chunk": chunk,
                           "verification": verification, **medians,
                           "products": products,
                           "speedups": [row["speedup"] for row in collected]}), flush=True)

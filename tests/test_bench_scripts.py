@@ -72,6 +72,8 @@ def script_commands(folder: Path) -> dict[str, list[str]]:
         "speculative_ab bad draft": ["speculative_ab.py", str(target), f"bad={draft}:int8/fast", "--rounds", "1"],
         "speculative_ab eager kernels": ["speculative_ab.py", str(target), f"float32={draft}", "--target-linear",
                                          "default", "packed"],
+        "speculative_ab eager prefill": ["speculative_ab.py", str(target), f"float32={draft}", "--prefill-chunk",
+                                         "eager", "8"],
         "speculative_ab rules": ["speculative_ab.py", str(target), f"float32={draft}", "--rounds", "1", "--gamma", "2",
                                  "--verification", "block", "token", *pair],
         "speculative_ab schemes": ["speculative_ab.py", str(target), f"float32={draft}", "--rounds", "1", "--gamma",
@@ -217,6 +219,8 @@ def test_speculative_ab_times_each_draft_at_each_gamma(scripts):
     assert status == 2 and "PRODUCT one of cpu, torch, dequantized), got 'bad=" in error
     status, _, error = scripts["speculative_ab eager kernels"]  # the target's kernels are compiled ones
     assert status == 2 and "--target-linear chooses compiled kernels: it needs --compile" in error
+    status, _, error = scripts["speculative_ab eager prefill"]  # a prefill by the compiled step
+    assert status == 2 and "--prefill-chunk prefills by the compiled step: it needs --compile" in error
 
 
 def test_speculative_ab_times_each_verification_rule(scripts):

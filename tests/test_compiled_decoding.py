@@ -25,7 +25,8 @@ NAMES = ["full", "local", "routing", "sinkhorn", "nsa", "full-cpu-decode", "loca
 LISTED = ["routing-cpu-decode", "sinkhorn-cpu-decode", "nsa-cpu-decode"]  # the cpu back-end's listed blocks
 
 
-def twins(name: str, backend: str = "aot_eager", **overrides) -> tuple[Transformer, Transformer]:
+def twins(name: str, backend: str = "aot_eager", prefill_chunk: int | None = None, **overrides
+          ) -> tuple[Transformer, Transformer]:
     """The same model twice, in eval mode: eager, and with compiled decoding. One block unless
     `depth` says more: a compile's time grows with the blocks it traces, and what a block's step
     does is the same in each (the contract tests, tests/test_attention_contract.py, cover depth)."""
@@ -34,7 +35,7 @@ def twins(name: str, backend: str = "aot_eager", **overrides) -> tuple[Transform
     config = variant_config(name, **{"max_seq_len": 512, "depth": 1, **overrides})
     eager, compiled = Transformer(config).eval(), Transformer(config).eval()
     compiled.load_state_dict(eager.state_dict())
-    assert compiled.compile_decoding(backend=backend)
+    assert compiled.compile_decoding(backend=backend, prefill_chunk=prefill_chunk)
     return eager, compiled
 
 
@@ -68,6 +69,40 @@ def test_compiled_decoding_equals_eager_and_never_recompiles(name):
         for position in range(11, 267):  # 256 decode steps
             compiled(tokens[:, position : position + 1], cache=cache)
     assert counters["stats"]["unique_graphs"] == graphs, "a decode step compiled again"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_compiled_prefill_in_chunks_equals_eager(name):
+    """compile_decoding(prefill_chunk=8): prompts of 21 tokens (8 + 8 + 5 padded to 8 and rolled
+    back), 8 and 3 give the eager prefill's logits of every token, and the steps after them the
+    eager steps' (so the rollback of the padding was exact); a prompt whose padded chunk would pass
+    the cache's room finishes eagerly. The graph of 8 tokens serves every prompt length: after the
+    first prompt, none compiles anything new."""
+    eager, compiled = twins(name, prefill_chunk=8)
+    tokens = torch.randint(0, 61, (2, 40), generator=torch.Generator().manual_seed(3))
+
+    def prefill_then_steps(model: Transformer, length: int, room: int) -> torch.Tensor:
+        cache = model.new_cache(2, room)
+        logits = [model(tokens[:, :length], cache=cache).logits]
+        logits += [model(tokens[:, p : p + 1], cache=cache).logits for p in range(length, length + 2)]
+        return torch.cat(logits, dim=1)  # [B, length + 2, V]
+
+    # 19 in a room of 21: 8 + 8, then 3 eagerly (for one variant: a cache of another room is another
+    # layout, with graphs of its own to compile)
+    cases = [(21, 32), (8, 32), (3, 32)] + [(19, 21)] * (name == "routing")
+    with torch.no_grad():
+        graphs = None
+        for length, room in cases:
+            torch.testing.assert_close(prefill_then_steps(compiled, length, room),
+                                       prefill_then_steps(eager, length, room), atol=1e-5, rtol=1e-5)
+            if graphs is None:
+                graphs = counters["stats"]["unique_graphs"]
+            elif room == 32:
+                assert counters["stats"]["unique_graphs"] == graphs, "a prompt of another length compiled a graph"
+    chunks = [call[0] for _, call in compiled._decode_calls]  # the shapes of the compiled step's tokens
+    assert torch.Size([2, 8]) in chunks, "the prefill never ran by the compiled step"
+    with pytest.raises(ValueError, match="prefill_chunk must be a positive number of tokens"):
+        compiled.compile_decoding(backend="aot_eager", prefill_chunk=0)
 
 
 @pytest.mark.parametrize("name, backend", [("sinkhorn", "aot_eager"), ("nsa", "aot_eager"),

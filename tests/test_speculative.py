@@ -641,6 +641,8 @@ def test_bad_settings_are_one_line():
 
     with pytest.raises(AttnlabError, match="^--verification typical: choose from block, token$"):
         SpeculativeBench(target="T", draft="D", verification="typical")  # refused before loading anything
+    with pytest.raises(AttnlabError, match="^--prefill-chunk prefills by the compiled step: add --compile$"):
+        SpeculativeBench(target="T", draft="D", prefill_chunk=64)
     target, draft = model(depth=1), model(seed=1, depth=1)
     prompt = torch.tensor([[1, 2, 3]])
     for settings, message in ((dict(verification="typical"), "verification must be one of block, token, got "

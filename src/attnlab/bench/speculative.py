@@ -63,6 +63,7 @@ class SpeculativeBench:
     dtype: str = "float32"  # both models' weights and caches (torch's name): the base decodes in it too
     cache_dtype: str | None = None  # both models' and the base's caches' keys and values, if not dtype
     compile: bool = False  # both models decode with compiled steps (Transformer.compile_decoding)
+    prefill_chunk: int | None = None  # with compile: both models prefill by the compiled step, C tokens at a time
     attention_backend: str | None = None  # both models' attention back-end (load_model); None: each run's
 
     def __post_init__(self) -> None:  # worded for `attnlab speculative`, whose flags these fields are
@@ -75,6 +76,8 @@ class SpeculativeBench:
                                "layers are the target's")
         if self.verification not in VERIFICATIONS:
             raise AttnlabError(f"--verification {self.verification}: choose from {', '.join(VERIFICATIONS)}")
+        if self.prefill_chunk is not None and not self.compile:
+            raise AttnlabError("--prefill-chunk prefills by the compiled step: add --compile")
 
 
 def timed(function: Callable[[], object], device: torch.device) -> tuple[object, float]:
@@ -93,7 +96,7 @@ def load_pair(bench: SpeculativeBench, device: torch.device) -> tuple[Transforme
     target = load_model(bench.target, device=device, weights=bench.weights, dtype=getattr(torch, bench.dtype),
                         attention_backend=bench.attention_backend)
     if bench.compile:
-        target.compile_decoding()
+        target.compile_decoding(prefill_chunk=bench.prefill_chunk)
     if bench.early_exit is not None:
         if not 1 <= bench.early_exit <= target.config.depth:
             raise AttnlabError(f"--early-exit {bench.early_exit}: the target has {target.config.depth} layers; give "
@@ -108,7 +111,7 @@ def load_pair(bench: SpeculativeBench, device: torch.device) -> tuple[Transforme
     if quantize_weights(draft, bench.draft_quantize):
         draft_name += f" ({bench.draft_quantize} weights)"
     if bench.compile:
-        draft.compile_decoding()
+        draft.compile_decoding(prefill_chunk=bench.prefill_chunk)
     return target, draft, draft_name
 
 
@@ -231,6 +234,7 @@ def run_speculative_bench(bench: SpeculativeBench) -> dict[str, Any]:
         "draft": draft_name,
         "draft_quantize": bench.draft_quantize,
         "compile": bench.compile,  # both models decode with compiled steps
+        "prefill_chunk": bench.prefill_chunk,  # and prefill by them, so many tokens at a time (None: eagerly)
         # what still ran compiled at the end (an entry that failed decodes eagerly, after a warning)
         "compiled_entries": {"target": target.compiled_entries(), "draft": draft.compiled_entries()},
         "device": str(device),

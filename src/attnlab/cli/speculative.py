@@ -4,7 +4,7 @@ training a draft with its target.
     attnlab speculative --target RUN (--draft RUN | --early-exit K) [--gamma 5]
         (--prompt TEXT | --prime-from-val) [--batch-size B] [--max-new-tokens N] [--repeats R]
         [--temperature T --top-k K --top-p P --min-p M] [--draft-quantize int8] [--dtype bfloat16]
-        [--cache-dtype bfloat16] [--compile] [--json]
+        [--cache-dtype bfloat16] [--compile [--prefill-chunk C]] [--json]
     attnlab speculative train (--target-preset P | --target RUN [--draft-steps N]) --draft-preset Q [--distill W]
         [key.path=value (both) | target.key.path=value | draft.key.path=value ...] [--resume]
 
@@ -68,6 +68,9 @@ def register(subparsers) -> None:
     )
     parser.add_argument("--compile", action="store_true",
                         help="both models decode with compiled steps (torch.compile; CUDA graphs on a GPU)")
+    parser.add_argument("--prefill-chunk", type=arguments.positive, default=None, metavar="C",
+                        help="with --compile: both models prefill the prompt by their compiled step, C tokens at a "
+                        "time (one graph more each, for prompts of every length); the base too")
     parser.add_argument("--repeats", type=arguments.positive, default=1,
                         help="timed runs of each decoder; medians reported")
     parser.add_argument("--weights", choices=["auto", "model", "ema"], default="auto")
@@ -121,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
         sampling=SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p),
         seed=args.seed, batch_scheme=args.batch_scheme, repeats=args.repeats, weights=args.weights,
         device=arguments.usable_device(args.device), dtype=args.dtype, cache_dtype=args.cache_dtype,
-        compile=args.compile, attention_backend=args.attention_backend,
+        compile=args.compile, prefill_chunk=args.prefill_chunk, attention_backend=args.attention_backend,
     )
     report = run_speculative_bench(bench)
     if args.json:

@@ -87,14 +87,17 @@ class ModelCache:
         """[B, T]: the positions of each row's next n_new tokens."""
         return self.lengths[:, None] + torch.arange(n_new, device=self.lengths.device)
 
-    def begin(self, n_new: int) -> None:
-        """Before a forward of n_new tokens: refuse more than max_len, and tell the layers whether every
-        row is empty (a prefill: each may compute it as a whole sequence)."""
+    def begin(self, n_new: int, whole_sequence: bool | None = None) -> None:
+        """Before a forward of n_new tokens: refuse more than max_len, and tell the layers whether the
+        chunk is a whole sequence (a prefill: each may compute it so). whole_sequence: None for
+        "every row is empty"; False for a chunk the layers read as one after earlier tokens even
+        where there are none (a compiled prefill's first chunk: the step's graph serves it)."""
         if self.length + n_new > self.max_len:
             raise ValueError(f"the cache holds {self.max_len} tokens a row; {self.length} fed and {n_new} more asked "
                              "(make a larger cache: new_cache(batch, max_len))")
+        whole = self.length == 0 if whole_sequence is None else whole_sequence
         for layer in self.layers:
-            layer.prefill = self.length == 0
+            layer.prefill = whole
 
     def end(self, n_new: int) -> None:
         """After that forward (whose layers wrote n_new tokens a row): count them."""
@@ -529,6 +532,7 @@ class Transformer(nn.Module):
             self.head.weight = self.token_embedding.embed.weight
         self._aux_modules: list[nn.Module] | None = None  # modules reporting aux_losses, found on first use
         self._compiled_step = None  # compile_decoding()
+        self._prefill_chunk: int | None = None  # compile_decoding(): the compiled prefill's chunk, None: eager
         self._compiled_draw = None  # compile_decoding(): draw()'s graph
         self._compiled_decode_then = None  # compile_decoding(): decode_then()'s graphs
         self._compiled_draw_then_decode = None  # compile_decoding(): draw_then_decode()'s graphs
@@ -577,18 +581,52 @@ class Transformer(nn.Module):
     ) -> ModelOutput:
         """tokens [B, T]; targets [B, T] (next tokens) for the loss; loss_mask [B, T] (0 = ignore).
         With a cache: tokens are each row's next T tokens. A chunk after earlier tokens runs the
-        compiled decode step once compile_decoding() made one."""
+        compiled decode step once compile_decoding() made one; a prefill too, in chunks, where it
+        was given a prefill_chunk."""
         if cache is None:
             return self.run(tokens, targets, None, loss_mask)
+        if self._compiled_step is not None and cache.length > 0:
+            return self._cached_forward(tokens, targets, cache, loss_mask, compiled=True)
+        if self._compiled_step is not None and self._prefill_chunk is not None and targets is None:
+            return self._prefill_in_chunks(tokens, cache)
+        return self._cached_forward(tokens, targets, cache, loss_mask, compiled=False)  # an eager prefill
+
+    def _cached_forward(self, tokens, targets, cache, loss_mask, compiled: bool) -> ModelOutput:
+        """The forward of tokens [B, T] through the cache, inside its bookkeeping: by the compiled
+        step's graph for T tokens (its layers read the chunk as one after earlier tokens, even where
+        there are none) or eagerly (an empty cache's chunk then a whole sequence)."""
         n_tokens = tokens.shape[1]
         self._check_positions(cache, n_tokens)
-        cache.begin(n_tokens)
-        if cache.length == 0 or self._compiled_step is None:  # a prefill stays eager
-            output = self.run(tokens, targets, cache, loss_mask)
-        else:
+        cache.begin(n_tokens, whole_sequence=False if compiled else None)
+        if compiled:
             output = self._compiled_decode(tokens, targets, cache, loss_mask)
+        else:
+            output = self.run(tokens, targets, cache, loss_mask)
         cache.end(n_tokens)
         return output
+
+    def _prefill_in_chunks(self, tokens: Tensor, cache: ModelCache) -> ModelOutput:
+        """A prefill of tokens [B, T] by the compiled step (compile_decoding's prefill_chunk C): C
+        tokens at a time, the last chunk padded to C with copies of its last token and the padding
+        rolled back after it (cache.truncate), so that one graph serves prompts of every length. The
+        attention contract makes a sequence fed in chunks equal to the sequence fed whole, and a
+        rollback exact. A padded chunk that would pass the cache's room or the model's max_seq_len
+        runs eagerly instead. Returns the logits of the T tokens [B, T, V] (no auxiliary losses)."""
+        chunk = self._prefill_chunk
+        room = min(cache.max_len, self.config.max_seq_len)
+        logits = []
+        for start in range(0, tokens.shape[1], chunk):
+            piece = tokens[:, start : start + chunk]  # [B, n], n <= C
+            n_real = piece.shape[1]
+            if n_real < chunk and start + chunk > room:
+                logits.append(self._cached_forward(piece, None, cache, None, compiled=False).logits)
+                continue
+            if n_real < chunk:
+                piece = torch.cat((piece, piece[:, -1:].expand(-1, chunk - n_real)), dim=1)  # [B, C]
+            logits.append(self._cached_forward(piece, None, cache, None, compiled=True).logits[:, :n_real])
+            if n_real < chunk:
+                cache.truncate(start + n_real)
+        return ModelOutput(logits=torch.cat(logits, dim=1))  # [B, T, V]
 
     def _check_positions(self, cache: ModelCache, n_tokens: int) -> None:
         if self.position_embedding is not None and cache.length + n_tokens > self.config.max_seq_len:
@@ -693,7 +731,7 @@ class Transformer(nn.Module):
         verification: the forward, the target's distribution and the acceptance rule), compiled once
         per function. `function` is tensor code torch.compile can trace; its other arguments are
         tensors or settings (a SamplingConfig)."""
-        if cache.length == 0 or self._compiled_decode_then is None:  # a prefill stays eager, as in forward
+        if cache.length == 0 or self._compiled_decode_then is None:  # a prefill: forward's, eager or in chunks
             return function(self(tokens, cache=cache).logits, *arguments)
         return self._compiled_chunk("_compiled_decode_then", tokens.shape[1], tokens, cache,
                                     (function, *map(call_key, arguments)), self._run_then, function, tokens, cache,
@@ -815,12 +853,18 @@ class Transformer(nn.Module):
                 torch.is_inference_mode_enabled(), self.training, parameter.dtype, parameter.device)
 
     def compile_decoding(self, mode: str | None = None, backend: str = "inductor", cpp_wrapper: bool | None = None,
-                         linear: str | None = None, direct_calls: bool = True, elementwise: str | None = None) -> bool:
+                         linear: str | None = None, direct_calls: bool = True, elementwise: str | None = None,
+                         prefill_chunk: int | None = None) -> bool:
         """Compile the cached forward of a chunk after earlier tokens (a decode step, a speculative
         verification): one graph per chunk length, fullgraph (the static caches give it the same
         shapes at every position, so it never recompiles per token); on CUDA with CUDA graphs
-        ("reduce-overhead") unless `mode` says otherwise. Prefill stays eager. Returns False, with
-        one warning, where torch.compile cannot serve this device.
+        ("reduce-overhead") unless `mode` says otherwise. Returns False, with one warning, where
+        torch.compile cannot serve this device.
+
+        prefill_chunk: None (the default), the prefill stays eager; C, the prefill runs by the same
+        step C tokens at a time, its last chunk padded (_prefill_in_chunks): one graph more, for
+        prompts of every length. It pays where a model prefills many prompts (a server, a benchmark)
+        and the graph's compile is spent once; an eager prefill pays every operation's overhead.
 
         cpp_wrapper: inductor calls the step's kernels from generated C++ rather than Python. A
         small model's CPU step is mostly per-kernel calls, so this is the default there (None: on
@@ -850,6 +894,7 @@ class Transformer(nn.Module):
         (dynamo_code_function); False: through dynamo at every call, most guards skipped, which
         took a small model's CPU step 1.13-1.24x the time (docs/benchmarks.md "Compiled decoding
         on an Intel Xeon")."""
+        self.prefill_chunk = prefill_chunk  # checked
         device = next(self.parameters()).device
         # each model's step has a code object of its own (own_code), under which dynamo keeps its graphs
         # (one per chunk length and cache layout): room for many before it gives up
@@ -860,7 +905,8 @@ class Transformer(nn.Module):
         linear = self._linear_for_weights(linear)
         options = decode_compile_options(device, mode, backend, cpp_wrapper, linear, elementwise)
         self._compile_arguments = {"mode": mode, "backend": backend, "cpp_wrapper": cpp_wrapper, "linear": linear,
-                                   "direct_calls": direct_calls, "elementwise": elementwise}
+                                   "direct_calls": direct_calls, "elementwise": elementwise,
+                                   "prefill_chunk": prefill_chunk}
         self._compile_settings = (device, mode, backend, sorted((options or {}).items()))
         frozen = bool(options and options.get("freezing"))
         self._frozen_weights = FrozenWeights(self) if frozen else None
@@ -877,6 +923,20 @@ class Transformer(nn.Module):
             self._compiled_step = self._compiled_draw = self._compiled_decode_then = None
             self._compiled_draw_then_decode = None
         return self._compiled_step is not None
+
+    @property
+    def prefill_chunk(self) -> int | None:
+        """The compiled prefill's chunk (compile_decoding's prefill_chunk; None: prefills stay eager).
+        It may change between generations: the graph of a new chunk is made at its first prefill."""
+        return self._prefill_chunk
+
+    @prefill_chunk.setter
+    def prefill_chunk(self, chunk: int | None) -> None:
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+            raise ValueError(f"prefill_chunk must be a positive number of tokens or None, got {chunk!r}")
+        self._prefill_chunk = chunk
+        if self._compile_arguments:  # a compile again (its weights changed) keeps it
+            self._compile_arguments["prefill_chunk"] = chunk
 
     def _forget_calls(self) -> None:
         """Every decode call counts as new again (the graphs or the modules changed)."""
