@@ -39,8 +39,9 @@ constexpr int COLUMNS = 2;
 #endif
 constexpr int PANEL = COLUMNS * LANES;  // outputs of a panel: 64 with AVX-512, 16 otherwise
 constexpr int ROWS = 6;                 // activation rows of a register block
-// weight rows of the panel fetched ahead of the one being read (a kernel constant, like ROWS)
-constexpr int64_t PREFETCH_ROWS = 8;
+// weight rows of the panel fetched ahead of the one being read: 2 KiB ahead whatever the vector width
+// (8 rows of 64 floats with AVX-512, 32 rows of 16 with AVX2), a kernel constant like ROWS
+constexpr int64_t PREFETCH_ROWS = 2048 / (PANEL * sizeof(float));
 
 struct Product {
   const float* x;  // [N, K], rows x_stride apart, each contiguous
