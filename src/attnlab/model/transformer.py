@@ -587,7 +587,8 @@ class Transformer(nn.Module):
             return self.run(tokens, targets, None, loss_mask)
         if self._compiled_step is not None and cache.length > 0:
             return self._cached_forward(tokens, targets, cache, loss_mask, compiled=True)
-        if self._compiled_step is not None and self._prefill_chunk is not None and targets is None:
+        chunked = self._compiled_step is not None and self._prefill_chunk is not None and targets is None
+        if chunked and tokens.shape[1] > 0:
             return self._prefill_in_chunks(tokens, cache)
         return self._cached_forward(tokens, targets, cache, loss_mask, compiled=False)  # an eager prefill
 
