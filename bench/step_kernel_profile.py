@@ -4,10 +4,11 @@ under torch's profiler with inductor's kernel profile on (each generated C++ ker
 name beside the library calls it makes, such as torch's fused attention).
 
 The cache holds `--context` tokens in a storage of `--capacity` (speculative_generate's is the
-prompt, the new tokens and two windows: 128 + 256 + 12 = 396 for the benchmark's settings); a
-step attends over the whole storage, masked. Prints the median time of each step unprofiled, then
-for each the share of torch's fused attention and of the products (the GEMM kernels), and the
-profiler's table. The profiler adds its own cost to every kernel: compare shares, not times.
+prompt, the new tokens and two windows: 128 + 256 + 12 = 396 for the benchmark's settings, which a
+compiled model rounds up to 512). Prints the median time of each step unprofiled, then for each the
+share of the attention's call and of the products (the GEMM template's kernels, attnlab's operator
+or ATen's calls), and the profiler's table. The profiler adds its own cost to every kernel: compare
+shares, not times.
 
     OMP_NUM_THREADS=2 python bench/step_kernel_profile.py [--batch-size 4] [--dtype bfloat16]
 """
@@ -28,13 +29,15 @@ from attnlab.config import load_config
 from attnlab.model import Transformer
 
 ATTENTION_CALLS = ("scaled_dot_product", "cached_attention_cpu")  # torch's fused attention, kernels/decode_cpu.py
+# the products: inductor's GEMM template kernels, attnlab's operator (model/linear_cpu.py), ATen's calls
+PRODUCT_CALLS = ("_gemm_", "attnlab::linear_cpu", "aten::mm", "aten::addmm", "mkl_linear")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--context", type=int, default=200)
-    parser.add_argument("--capacity", type=int, default=396)
+    parser.add_argument("--capacity", type=int, default=512)
     parser.add_argument("--gamma", type=int, default=5)
     parser.add_argument("--calls", type=int, default=50)
     parser.add_argument("--dtype", type=arguments.dtype, default="float32")
@@ -73,7 +76,8 @@ def main() -> None:
             # kernel fused around it, which carries the op's name too)
             attention = sum(event.self_cpu_time_total for event in events
                             if any(name in event.key for name in ATTENTION_CALLS) and "cpp_fused" not in event.key)
-            products = sum(event.self_cpu_time_total for event in events if "_gemm_" in event.key)
+            products = sum(event.self_cpu_time_total for event in events
+                           if any(name in event.key for name in PRODUCT_CALLS))
             print(json.dumps({"step": name, "batch_size": args.batch_size, "dtype": args.dtype,
                               "context": args.context, "capacity": args.capacity,
                               "median_ms": statistics.median(times) * 1e3,
