@@ -166,9 +166,8 @@ def main() -> None:
         variants[variant] = (name, gamma, verification, scheme, linear, chunk)
 
     def prefill_by(chunk: int | None, *models) -> None:
-        for model in models:
-            if args.compile:
-                model.prefill_chunk = chunk
+        for model in models:  # None on an eager model: it prefills eagerly anyway
+            model.prefill_chunk = chunk
 
     for name, gamma, verification, scheme, linear, chunk in variants.values():  # warm-up: first calls, the graphs
         prefill_by(chunk, targets[linear], drafts[name])
