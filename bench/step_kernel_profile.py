@@ -7,8 +7,10 @@ The cache holds `--context` tokens in a storage of `--capacity` (speculative_gen
 prompt, the new tokens and two windows: 128 + 256 + 12 = 396 for the benchmark's settings, which a
 compiled model rounds up to 512). Prints the median time of each step unprofiled, then for each the
 share of the attention's call and of the products (the GEMM template's kernels, attnlab's operator
-or ATen's calls), and the profiler's table. The profiler adds its own cost to every kernel: compare
-shares, not times.
+or ATen's calls), the products' arithmetic rate (each row multiplies every weight of the model's
+Linear layers, in the products' share of the unprofiled median), and the profiler's table. The
+profiler adds its own cost to every kernel: compare shares, not times. bench/small_gemm.py prints
+the rate a large product attains on the machine (its `attainable` line).
 
     OMP_NUM_THREADS=2 python bench/step_kernel_profile.py [--batch-size 4] [--dtype bfloat16]
 """
@@ -47,6 +49,8 @@ def main() -> None:
     inductor_config.cpp.enable_kernel_profile = True
     torch.manual_seed(0)
     model = Transformer(load_config("spec-small-target").model).to(getattr(torch, args.dtype)).eval()
+    # multiply-adds of the products per row of a step: every weight of the Linear layers once
+    multiply_adds = sum(module.weight.numel() for module in model.modules() if isinstance(module, torch.nn.Linear))
     model.compile_decoding(backend=args.backend)
     tokens = torch.randint(0, 256, (args.batch_size, args.context + args.gamma + 1))
     widths = {"one token": 1, "verification": args.gamma + 1}
@@ -78,10 +82,12 @@ def main() -> None:
                             if any(name in event.key for name in ATTENTION_CALLS) and "cpp_fused" not in event.key)
             products = sum(event.self_cpu_time_total for event in events
                            if any(name in event.key for name in PRODUCT_CALLS))
+            median = statistics.median(times)
+            products_seconds = median * products / total  # a step's, unprofiled
             print(json.dumps({"step": name, "batch_size": args.batch_size, "dtype": args.dtype,
-                              "context": args.context, "capacity": args.capacity,
-                              "median_ms": statistics.median(times) * 1e3,
-                              "attention_share": attention / total, "products_share": products / total}))
+                              "context": args.context, "capacity": args.capacity, "median_ms": median * 1e3,
+                              "attention_share": attention / total, "products_share": products / total,
+                              "products_gflops": 2 * multiply_adds * args.batch_size * width / products_seconds / 1e9}))
             print(events.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60),
                   flush=True)
 

@@ -189,6 +189,7 @@ def test_step_kernel_profile_prints_each_steps_shares(scripts):
     assert [step["step"] for step in steps] == ["one token", "verification"]
     assert all(0 < step["attention_share"] < 1 and step["median_ms"] > 0 for step in steps)
     assert all(0 < step["products_share"] < 1 for step in steps)  # ATen's products, under aot_eager
+    assert all(step["products_gflops"] > 0 for step in steps)
 
 
 def test_inference_mode_decoding_prints_the_ratio(scripts):
