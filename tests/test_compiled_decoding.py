@@ -290,6 +290,24 @@ def test_compile_decoding_takes_the_elementwise_rule_into_its_step():
         assert (options.items() >= SERIAL_ELEMENTWISE.items()) is serial
         assert model._compile_arguments["elementwise"] == elementwise
 
+def test_decoding_linear_names_the_products_of_the_compiled_step():
+    """Transformer.decoding_linear is compile_decoding's `linear` as it resolved (None: attnlab's
+    operator where it is built, else inductor's template, on the CPU; the library's through another
+    back-end), and None for a model decoding eagerly; benchmark reports name it for float layers."""
+    from attnlab.model import linear_cpu
+    from attnlab.model.quantize import decoding_products
+
+    model = Transformer(variant_config("full", max_seq_len=16)).eval()
+    assert model.decoding_linear is None and decoding_products(model, compiled=True) == "F.linear"
+    default = "cpu" if linear_cpu.available() else "packed"
+    for arguments, linear in (({}, default), ({"linear": "library"}, "library"), ({"linear": "packed"}, "packed"),
+                              ({"backend": "aot_eager"}, "library")):
+        assert model.compile_decoding(**arguments)
+        assert model.decoding_linear == linear
+        assert decoding_products(model, compiled=True) == f"linear {linear}"
+        assert decoding_products(model) == "F.linear"  # its eager forward's
+
+
 def test_packed_linear_kernels_follow_the_weights():
     """The packed step (the CPU default: the weights frozen into it as constants, packed for
     inductor's GEMM template) gives the eager logits over one-token steps; after the weights change

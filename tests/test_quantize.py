@@ -184,6 +184,9 @@ def test_decoding_products_names_what_a_model_multiplies_with():
     packed = model[1][0].product_for(torch.randn(1, 16), compiled=True, packed=True)
     assert decoding_products(model, compiled=True) == f"F.linear+int8 {packed}"
     assert decoding_products(model) == f"F.linear+int8 {default}"
+    model.decoding_linear = "cpu"  # as a Transformer compiled with linear="cpu"
+    assert decoding_products(model, compiled=True) == f"int8 {packed}+linear cpu"
+    assert decoding_products(model) == f"F.linear+int8 {default}"
     choose_products(model, "dequantized")
     assert decoding_products(model) == "F.linear+int8 dequantized"
 

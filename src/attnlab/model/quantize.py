@@ -125,10 +125,13 @@ def packed_step_compiling_now() -> bool:
 
 
 def decoding_products(model: nn.Module, compiled: bool = False) -> str:
-    """How `model`'s linear layers multiply when decoding: "F.linear", "int8 KERNEL" (quantized
-    layers, KERNEL the product one row of the model's activations takes, in its compiled step where
-    `compiled`: PRODUCTS), or several joined by "+" (benchmark records say which ran)."""
+    """How `model`'s linear layers multiply when decoding: "F.linear", or "linear KERNELS" in its
+    compiled step where `compiled` (Transformer.decoding_linear: compile_decoding's `linear`), "int8
+    KERNEL" (quantized layers, KERNEL the product one row of the model's activations takes, in its
+    compiled step where `compiled`: PRODUCTS), or several joined by "+" (benchmark records say which
+    ran)."""
     packed = compiled and getattr(model, "_frozen_weights", None) is not None  # compile_decoding's packed kernels
+    compiled_linear = getattr(model, "decoding_linear", None) if compiled else None
     floats = [tensor for tensor in model.parameters() if tensor.is_floating_point()]
     dtype = floats[0].dtype if floats else torch.float32  # the activations' (an embedding's, where quantized)
     kinds = set()
@@ -137,7 +140,7 @@ def decoding_products(model: nn.Module, compiled: bool = False) -> str:
             row = torch.empty(1, module.in_features, dtype=dtype, device=module.weight.device)
             kinds.add(f"int8 {module.product or module.product_for(row, compiled, packed)}")
         elif isinstance(module, nn.Linear):
-            kinds.add("F.linear")
+            kinds.add(f"linear {compiled_linear}" if compiled_linear else "F.linear")
     return "+".join(sorted(kinds)) or "none"
 
 

@@ -371,7 +371,7 @@ def decode_compile_options(device: torch.device, mode: str | None, backend: str,
     the packed linear kernels and serial elementwise loops when asked, or by default on the CPU;
     none by default where a `mode` is given (torch.compile takes one or the other) or the back-end
     is not inductor."""
-    cpu_default = device.type == "cpu" and backend == "inductor" and mode is None
+    cpu_default = takes_cpu_defaults(device, mode, backend)
     if cpp_wrapper and (backend != "inductor" or mode is not None):
         raise ValueError(f"cpp_wrapper is an option of the inductor back-end without a mode (got backend={backend!r}, "
                          f"mode={mode!r})")
@@ -394,15 +394,32 @@ def decode_compile_options(device: torch.device, mode: str | None, backend: str,
     return options or None
 
 
+def takes_cpu_defaults(device: torch.device, mode: str | None, backend: str) -> bool:
+    """Whether a step compiled so takes compile_decoding's CPU defaults (inductor on the CPU without
+    a mode: the C++ wrapper, packed products, serial elementwise loops)."""
+    return device.type == "cpu" and backend == "inductor" and mode is None
+
+
+def resolved_linear(linear: str | None, cpu_default: bool) -> str:
+    """The step's products (one of LINEAR_KERNELS) that compile_decoding's `linear` gives: None is
+    "cpu" where attnlab's operator is built, else "packed", for inductor on the CPU without a mode
+    (cpu_default); else the library's."""
+    if linear is not None:
+        return linear
+    if not cpu_default:
+        return "library"
+    from attnlab.model import linear_cpu
+
+    return "cpu" if linear_cpu.available() else "packed"
+
+
 def linear_options(linear: str | None, cpu_default: bool) -> dict:
-    """Inductor's options for the step's products (LINEAR_KERNELS; None: "cpu" where attnlab's
-    operator is built, else "packed", for inductor on the CPU without a mode; else the library's).
-    "cpu" freezes and multiplies as "packed" does, and PackedProducts (model/linear_cpu.py) then
-    gives attnlab's operator every float32 product of two rows or more with a frozen weight."""
+    """Inductor's options for the step's products (resolved_linear's). "cpu" freezes and multiplies
+    as "packed" does, and PackedProducts (model/linear_cpu.py) then gives attnlab's operator every
+    float32 product of two rows or more with a frozen weight."""
     from attnlab.model import linear_cpu  # imports inductor's pass types: only where a step compiles
 
-    if linear is None and cpu_default:
-        linear = "cpu" if linear_cpu.available() else "packed"
+    linear = resolved_linear(linear, cpu_default)
     if linear == "cpu" and not linear_cpu.available():
         raise ValueError("cpu linear kernels are attnlab's operator, not built here (no C++ compiler, or "
                          "ATTNLAB_CPU_KERNELS=0): choose 'packed' or 'library'")
@@ -542,6 +559,7 @@ class Transformer(nn.Module):
         self._decode_structure = -1  # STRUCTURE_CHANGES when _decode_calls was last cleared
         self._compile_arguments: dict = {}  # what compile_decoding() was last asked, to compile again
         self._compile_settings: tuple | None = None  # what it resolved them to: graphs made alike compare equal
+        self._decoding_linear: str | None = None  # the compiled step's products (resolved_linear)
         self._frozen_weights: FrozenWeights | None = None  # the weights a packed step holds as constants
         self._frozen_drafts: dict[int, FrozenWeights] = {}  # drafts' weights draw_then_decode's packed graphs hold
         self.initialise()
@@ -909,6 +927,7 @@ class Transformer(nn.Module):
                                    "direct_calls": direct_calls, "elementwise": elementwise,
                                    "prefill_chunk": prefill_chunk}
         self._compile_settings = (device, mode, backend, sorted((options or {}).items()))
+        self._decoding_linear = resolved_linear(linear, takes_cpu_defaults(device, mode, backend))
         frozen = bool(options and options.get("freezing"))
         self._frozen_weights = FrozenWeights(self) if frozen else None
         try:
@@ -924,6 +943,12 @@ class Transformer(nn.Module):
             self._compiled_step = self._compiled_draw = self._compiled_decode_then = None
             self._compiled_draw_then_decode = None
         return self._compiled_step is not None
+
+    @property
+    def decoding_linear(self) -> str | None:
+        """The products' kernels of the compiled step (one of LINEAR_KERNELS: compile_decoding's
+        `linear` as it resolved); None where the model decodes eagerly."""
+        return self._decoding_linear if self._compiled_step is not None else None
 
     @property
     def prefill_chunk(self) -> int | None:
