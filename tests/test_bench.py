@@ -45,6 +45,26 @@ def test_bench_decode_keeps_its_cache_in_the_dtype_asked_for(monkeypatch):
     assert [cache.layers[0].keys.dtype for cache in caches] == [torch.bfloat16]
 
 
+def test_bench_decode_records_whether_its_steps_ran_compiled(monkeypatch):
+    """A decode record's `compiled` says whether the compiled step served the timed tokens (not only
+    that it was asked for), and `linear` names its products; an eager run records neither."""
+    from attnlab.bench.measure import measure_decode
+    from attnlab.bench.runner import model_values
+    from attnlab.model import Transformer
+
+    compile_decoding = Transformer.compile_decoding
+    monkeypatch.setattr(Transformer, "compile_decoding", lambda self: compile_decoding(self, backend="eager"))
+    values = model_values(32, 1, 2, "full", [])
+    compiled = measure_decode(values, context=8, new_tokens=3, use_cache=True, compile=True)
+    assert (compiled["compiled"], compiled["linear"]) == (True, "library")  # dynamo alone: ATen's products
+    eager = measure_decode(values, context=8, new_tokens=3, use_cache=True)
+    assert (eager["compiled"], eager["linear"]) == (False, None)
+    # a compile that fails leaves the decoding eager (one warning): the record says it did not run compiled
+    monkeypatch.setattr(Transformer, "compile_decoding", lambda self: compile_decoding(self, backend="no-such-backend"))
+    fallen_back = measure_decode(values, context=8, new_tokens=3, use_cache=True, compile=True)
+    assert (fallen_back["compiled"], fallen_back["linear"]) == (False, None)
+
+
 def test_cpu_training_times_with_the_default_allocator(monkeypatch):
     """Peak memory comes from a run whose allocator follows live memory; the timing from a run with
     the allocator users have (the memory setting slows some variants more than others)."""

@@ -174,7 +174,9 @@ def measure_decode(
     median = statistics.median(times[1:] if len(times) > 1 else times)
     return {
         "kind": "decode", "attention": config.attention.kind, "context": context, "cache": use_cache,
-        "ms_per_token": median * 1e3, "tokens_per_s": 1 / median, "new_tokens": new_tokens, "compiled": compile,
+        "ms_per_token": median * 1e3, "tokens_per_s": 1 / median, "new_tokens": new_tokens,
+        # whether the compiled step served to the end (a failed one leaves decoding eager), and its products
+        "compiled": model.decoding_linear is not None, "linear": model.decoding_linear,
         "cache_dtype": (cache_dtype or dtype) if use_cache else None,
         "kv_tokens_loaded": statistics.mean(loaded) if loaded else None,  # paper NSA's Table 4 quantity
         **environment(torch_device, dtype),
