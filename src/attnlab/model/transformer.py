@@ -559,7 +559,6 @@ class Transformer(nn.Module):
         self._decode_structure = -1  # STRUCTURE_CHANGES when _decode_calls was last cleared
         self._compile_arguments: dict = {}  # what compile_decoding() was last asked, to compile again
         self._compile_settings: tuple | None = None  # what it resolved them to: graphs made alike compare equal
-        self._decoding_linear: str | None = None  # the compiled step's products (resolved_linear)
         self._frozen_weights: FrozenWeights | None = None  # the weights a packed step holds as constants
         self._frozen_drafts: dict[int, FrozenWeights] = {}  # drafts' weights draw_then_decode's packed graphs hold
         self.initialise()
@@ -927,7 +926,6 @@ class Transformer(nn.Module):
                                    "direct_calls": direct_calls, "elementwise": elementwise,
                                    "prefill_chunk": prefill_chunk}
         self._compile_settings = (device, mode, backend, sorted((options or {}).items()))
-        self._decoding_linear = resolved_linear(linear, takes_cpu_defaults(device, mode, backend))
         frozen = bool(options and options.get("freezing"))
         self._frozen_weights = FrozenWeights(self) if frozen else None
         try:
@@ -948,7 +946,10 @@ class Transformer(nn.Module):
     def decoding_linear(self) -> str | None:
         """The products' kernels of the compiled step (one of LINEAR_KERNELS: compile_decoding's
         `linear` as it resolved); None where the model decodes eagerly."""
-        return self._decoding_linear if self._compiled_step is not None else None
+        if self._compiled_step is None:
+            return None
+        device, mode, backend, _ = self._compile_settings
+        return resolved_linear(self._compile_arguments["linear"], takes_cpu_defaults(device, mode, backend))
 
     @property
     def prefill_chunk(self) -> int | None:
