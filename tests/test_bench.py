@@ -25,6 +25,24 @@ def test_bench_decode_and_train_tables(tmp_path, capsys):
     assert "| local | 32 | 1 |" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("command, message", [
+    (["decode", "--attention", "full", "routnig"], "unknown attention 'routnig'. Did you mean 'routing'?"),
+    (["train", "--attention", "local", "--set", "attention.local.window_size=0"],
+     "attention.local.window_size must be >= 1"),
+    (["suite", "--quick", "--attention", "full", "bogus"], "unknown attention 'bogus'"),
+])
+def test_bench_refuses_a_bad_model_in_one_line_before_measuring(command, message, tmp_path, monkeypatch, capsys):
+    """A variant no model can be built from is refused before the first measurement's process starts
+    (the earlier variants not measured in vain, no error buried in a worker's output)."""
+    import attnlab.bench.runner as runner
+
+    monkeypatch.setattr(runner, "_worker", lambda *arguments, **keywords: pytest.fail("a benchmark ran"))
+    out = ["--out", str(tmp_path / "suite")] if command[0] == "suite" else []
+    assert main(["bench", *command, *out]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith(f"attnlab bench: error: {message}") and "\n" not in error
+
+
 def test_bench_decode_keeps_its_cache_in_the_dtype_asked_for(monkeypatch):
     """`attnlab bench decode --cache-dtype bf16`: the timed cache holds bfloat16 keys and values beside
     float32 weights, and the record says so (in-process: the measurement the worker runs)."""

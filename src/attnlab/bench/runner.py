@@ -14,19 +14,25 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-from attnlab.config import parse_override
+from attnlab.config import ModelConfig, config_from_dict, parse_override
 from attnlab.errors import AttnlabError
+from attnlab.registry import ATTENTION
 
 log = logging.getLogger(__name__)
 
 
 def model_values(dim: int, depth: int, heads: int, attention: str, overrides: list[str]) -> dict[str, Any]:
     """Model config values for a benchmark: the given size and attention, then `key=value` overrides
-    relative to the model config (e.g. attention.local.window_size=64)."""
+    relative to the model config (e.g. attention.local.window_size=64). Checked here, before any
+    measurement starts: an unknown attention or a bad value is a one-line ConfigError, not a
+    failure in each benchmark's process."""
     values: dict[str, Any] = {"dim": dim, "depth": depth, "heads": heads, "dim_head": dim // heads,
                               "attention": {"kind": attention}}
     for override in overrides:
         _merge(values, parse_override(override))
+    import attnlab.attention  # noqa: F401 - registers the variants ATTENTION names
+
+    ATTENTION.get(config_from_dict(values, ModelConfig).attention.kind)
     return values
 
 

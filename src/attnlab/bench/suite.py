@@ -87,6 +87,8 @@ def git_revision() -> str | None:
 def run_suite(plan: SuitePlan, out_dir: Path, command: str, progress: bool = False) -> list[dict[str, Any]]:
     """Every measurement of `plan`, each in a fresh process, into out_dir (suite.jsonl as they come,
     then the report and plots). progress: a bar over the measurements, the log lines above it."""
+    variants = {attention: model_values(plan.dim, plan.depth, plan.heads, attention, plan.overrides)
+                for attention in plan.attention}  # every one checked before the first is measured
     out_dir.mkdir(parents=True, exist_ok=True)
     jsonl = out_dir / "suite.jsonl"
     jsonl.write_text("")
@@ -94,16 +96,17 @@ def run_suite(plan: SuitePlan, out_dir: Path, command: str, progress: bool = Fal
     n_jobs = len(plan.attention) * (2 * len(plan.lengths) + len(plan.contexts))
     bar = tqdm(total=n_jobs, desc="bench suite", unit=" measurements", disable=not progress)
     with bar, logging_redirect_tqdm():
-        for attention in plan.attention:
-            results += _measure_variant(plan, attention, jsonl, bar)
+        for attention, values in variants.items():
+            results += _measure_variant(plan, attention, values, jsonl, bar)
     write_report(plan, results, out_dir, command)
     return results
 
 
-def _measure_variant(plan: SuitePlan, attention: str, jsonl: Path, bar: tqdm) -> list[dict[str, Any]]:
-    """One variant's training, layer and decoding measurements, appended to `jsonl` one by one."""
+def _measure_variant(plan: SuitePlan, attention: str, values: dict[str, Any], jsonl: Path, bar: tqdm
+                     ) -> list[dict[str, Any]]:
+    """One variant's (model config `values`) training, layer and decoding measurements, appended to
+    `jsonl` one by one."""
     results = []
-    values = model_values(plan.dim, plan.depth, plan.heads, attention, plan.overrides)
     jobs: list[tuple[str, dict[str, Any]]] = []
     for length in plan.lengths:
         jobs.append(("train", dict(model_values=values, seq_len=length, batch_size=plan.batch_size,

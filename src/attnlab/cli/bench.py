@@ -64,8 +64,9 @@ def run(args: argparse.Namespace) -> int:
     if args.bench_kind == "suite":
         return run_suite_command(args)
     results = []
-    for attention in args.attention:
-        values = model_values(args.dim, args.depth, args.heads, attention, args.overrides)
+    variants = [model_values(args.dim, args.depth, args.heads, attention, args.overrides)
+                for attention in args.attention]  # every one checked before the first is measured
+    for values in variants:
         if args.bench_kind == "train":
             jobs = train_jobs(values, args.seq_len, args.batch_size, args.steps, args.warmup, args.device, args.dtype)
         else:
