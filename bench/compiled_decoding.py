@@ -44,7 +44,7 @@ import torch
 from attnlab.bench.measure import model_config
 from attnlab.cli import arguments  # the decoding commands' --dtype names (bf16 too)
 from attnlab.generate.sampling import SamplingConfig, draw_last
-from attnlab.model import Transformer, transformer
+from attnlab.model import Transformer, decode_compile
 
 MODEL = dict(dim=256, depth=4, heads=4, dim_head=64)
 WINDOW = dict(local={"window_size": 64}, routing={"window_size": 64}, sinkhorn={"bucket_size": 64},
@@ -84,12 +84,12 @@ def build(kind: str, max_len: int, variant: str, dtype: torch.dtype = torch.floa
 def separate_products():
     """compile_decoding's packed options without CONCATENATED_PRODUCTS, for the time of the context
     (the options are read when it is called; the step compiles later with them)."""
-    original = transformer.packed_linear_options
-    transformer.packed_linear_options = lambda: dict(transformer.PACKED_LINEAR_OPTIONS)
+    original = decode_compile.packed_linear_options
+    decode_compile.packed_linear_options = lambda: dict(decode_compile.PACKED_LINEAR_OPTIONS)
     try:
         yield
     finally:
-        transformer.packed_linear_options = original
+        decode_compile.packed_linear_options = original
 
 
 @torch.inference_mode()

@@ -22,7 +22,7 @@ import torch
 from torch._inductor import config as inductor_config
 
 from attnlab.model import linear_cpu
-from attnlab.model.transformer import packed_linear_options
+from attnlab.model.decode_compile import packed_linear_options
 
 SHAPES = ("6x1024x256", "24x1024x256", "6x4096x4096", "24x4096x4096", "24x1024x4096", "96x4096x1024")
 

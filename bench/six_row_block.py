@@ -1,4 +1,4 @@
-"""The packed decode step with and without the six-row AVX2 register block (transformer.SIX_ROW_BLOCK),
+"""The packed decode step with and without the six-row AVX2 register block (decode_compile.SIX_ROW_BLOCK),
 side by side in one process: for each attention type, the bench decode model (bench/compiled_decoding.py:
 dim 256, depth 4, 4 heads of 64) compiled twice with compile_decoding's CPU defaults, once offering
 the template the block and once not; then, round after round and model after model, ms per sampled
@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import compiled_decoding  # noqa: E402 - the bench decode model and its token timing
 
-import attnlab.model.transformer as transformer  # noqa: E402
+import attnlab.model.decode_compile as decode_compile  # noqa: E402
 
 VARIANTS = ("with", "without")
 
@@ -35,15 +35,15 @@ VARIANTS = ("with", "without")
 def build(kind: str, max_len: int, variant: str, prompt: torch.Tensor, new_tokens: int, rows: int):
     """A compiled model whose steps (one token, `rows` tokens) were compiled with (or without) the
     six-row block offered."""
-    offered = transformer.six_row_micro_kernels
+    offered = decode_compile.six_row_micro_kernels
     if variant == "without":
-        transformer.six_row_micro_kernels = contextlib.nullcontext
+        decode_compile.six_row_micro_kernels = contextlib.nullcontext
     try:
         model = compiled_decoding.build(kind, max_len, "compiled")
         compiled_decoding.ms_per_token(model, prompt, new_tokens, seed=0)  # compiles the one-token step
         verification_ms(model, prompt, rows, repeats=2)  # and the verification's
     finally:
-        transformer.six_row_micro_kernels = offered
+        decode_compile.six_row_micro_kernels = offered
     return model
 
 

@@ -58,8 +58,8 @@ from attnlab.data.corpus import load_corpus
 from attnlab.data.sampler import eval_windows
 from attnlab.generate.sampling import SamplingConfig, generate
 from attnlab.generate.speculative import VERIFICATIONS, speculative_generate
+from attnlab.model.decode_compile import LINEAR_KERNELS
 from attnlab.model.quantize import PRODUCTS, choose_products, decoding_products, quantize_weights
-from attnlab.model.transformer import LINEAR_KERNELS
 from attnlab.train.checkpoint import load_model
 
 

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from attnlab.bench.measure import model_config
 from attnlab.model import Transformer
-from attnlab.model.transformer import decode_compile_options
+from attnlab.model.decode_compile import decode_compile_options
 
 DIM, HEADS, DEPTH, VOCABULARY = 256, 4, 4, 256
 

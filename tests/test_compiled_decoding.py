@@ -17,7 +17,7 @@ from torch._dynamo.utils import counters
 
 from attnlab.generate.sampling import SamplingConfig, generate
 from attnlab.model import Transformer
-from attnlab.model.transformer import FrozenWeights
+from attnlab.model.decode_compile import FrozenWeights
 from variants import variant_config
 
 pytestmark = pytest.mark.slow
@@ -245,7 +245,7 @@ def test_decode_compile_options():
     built) and serial elementwise loops: by default for inductor on the CPU without a mode; asked
     for where they cannot be, one error."""
     from attnlab.model import linear_cpu
-    from attnlab.model.transformer import (
+    from attnlab.model.decode_compile import (
         PACKED_LINEAR_OPTIONS,
         SERIAL_ELEMENTWISE,
         decode_compile_options,
@@ -281,7 +281,7 @@ def test_decode_compile_options():
 def test_compile_decoding_takes_the_elementwise_rule_into_its_step():
     """compile_decoding's elementwise argument reaches the options its steps compile with (and the
     arguments it compiles again with): serial by default on the CPU, inductor's rule when asked."""
-    from attnlab.model.transformer import SERIAL_ELEMENTWISE
+    from attnlab.model.decode_compile import SERIAL_ELEMENTWISE
 
     model = Transformer(variant_config("full", max_seq_len=16)).eval()
     for elementwise, serial in ((None, True), ("serial", True), ("parallel", False)):
@@ -346,7 +346,7 @@ def test_packed_step_makes_queries_keys_and_values_in_one_product(rows):
     """A packed step concatenates the frozen weights of the products of one input: a layer's
     queries, keys and values come from one template kernel (one pass over the rows, where three
     made them before), and equal the eager projections."""
-    from attnlab.model.transformer import CONCATENATED_PRODUCTS, packed_linear_options, packed_step_compiling
+    from attnlab.model.decode_compile import CONCATENATED_PRODUCTS, packed_linear_options, packed_step_compiling
 
     if CONCATENATED_PRODUCTS not in packed_linear_options():
         pytest.skip("this torch's inductor does not concatenate products")
@@ -371,7 +371,7 @@ def test_six_row_block_makes_a_verification_product_in_one_pass():
     from torch._inductor.cpu_vec_isa import VecAVX2, pick_vec_isa
     from torch._inductor.utils import run_and_get_code
 
-    from attnlab.model.transformer import PACKED_LINEAR_OPTIONS, packed_step_compiling
+    from attnlab.model.decode_compile import PACKED_LINEAR_OPTIONS, packed_step_compiling
 
     if not isinstance(pick_vec_isa(), VecAVX2):
         pytest.skip("the six-row block is an AVX2 micro-kernel; this CPU's vector ISA is another")
@@ -394,10 +394,10 @@ def test_six_row_block_skipped_where_inductor_keeps_its_kernels_otherwise(monkey
     import torch._inductor.select_algorithm  # noqa: F401 - before cpp_micro_gemm: inductor's own import order
     from torch._inductor.codegen import cpp_micro_gemm
 
-    from attnlab.model.transformer import six_row_micro_kernels
+    from attnlab.model.decode_compile import six_row_micro_kernels
 
     monkeypatch.setattr(cpp_micro_gemm, "micro_gemm_configs", {})
-    with caplog.at_level("INFO", logger="attnlab.model.transformer"), six_row_micro_kernels():
+    with caplog.at_level("INFO", logger="attnlab.model.decode_compile"), six_row_micro_kernels():
         assert cpp_micro_gemm.micro_gemm_configs == {}
     assert "compiling without the six-row block" in caplog.text
 
@@ -604,7 +604,7 @@ def test_constants_of_equal_contents_are_found_by_their_fingerprints():
     """constant_twin: among a graph's constants, the one whose dtype, shape, strides and values equal
     a new one's (a transposed view too); none for other values, dtypes or strides, or for a tensor
     whose values cannot be read (not strided)."""
-    from attnlab.model.transformer import constant_fingerprint, constant_twin
+    from attnlab.model.decode_compile import constant_fingerprint, constant_twin
 
     weight = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
     constants = {"ones": torch.ones(8, 4), "weight": weight, "transposed": weight.t()}
@@ -624,9 +624,9 @@ def test_constants_kept_apart_where_inductor_names_them_otherwise(monkeypatch, c
     says so in the log."""
     from torch._inductor.graph import GraphLowering
 
-    from attnlab.model.transformer import constants_shared_by_contents
+    from attnlab.model.decode_compile import constants_shared_by_contents
 
     monkeypatch.delattr(GraphLowering, "allocate_non_dup_const_name")
-    with caplog.at_level("INFO", logger="attnlab.model.transformer"), constants_shared_by_contents():
+    with caplog.at_level("INFO", logger="attnlab.model.decode_compile"), constants_shared_by_contents():
         assert not hasattr(GraphLowering, "allocate_non_dup_const_name")
     assert "compiling without sharing equal ones" in caplog.text

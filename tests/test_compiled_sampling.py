@@ -170,7 +170,7 @@ def test_a_packed_draw_keeps_one_copy_of_each_packed_weight(monkeypatch):
     from torch._inductor import config as inductor_config
     from torch._inductor.graph import GraphLowering
 
-    import attnlab.model.transformer as transformer
+    import attnlab.model.decode_compile as decode_compile
 
     compiled_constants = []  # each graph's constants, as compiled
     compile_to_module = GraphLowering.compile_to_module
@@ -178,8 +178,8 @@ def test_a_packed_draw_keeps_one_copy_of_each_packed_weight(monkeypatch):
         dict(graph.constants)) or compile_to_module(graph))
     naming = GraphLowering.allocate_non_dup_const_name
     twins_found = []
-    constant_twin = transformer.constant_twin
-    monkeypatch.setattr(transformer, "constant_twin",
+    constant_twin = decode_compile.constant_twin
+    monkeypatch.setattr(decode_compile, "constant_twin",
                         lambda *arguments: twins_found.append(constant_twin(*arguments)) or twins_found[-1])
     eager, compiled = twins("full", backend="inductor")
     assert compiled._frozen_weights is not None  # the packed kernels

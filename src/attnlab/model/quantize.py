@@ -119,7 +119,7 @@ def packed_step_compiling_now() -> bool:
     setting (each compile_decoding makes new code objects), and a guard on the flag, false once the
     compile is over, failed at every later call, so an int8 draft's steps never ran dynamo's code
     directly (Transformer._run_compiled)."""
-    from attnlab.model.transformer import COMPILING_PACKED_STEP
+    from attnlab.model.decode_compile import COMPILING_PACKED_STEP
 
     return COMPILING_PACKED_STEP[0]
 
@@ -148,7 +148,7 @@ def choose_products(model: nn.Module, product: str | None) -> None:
     """Every int8 layer of `model` multiplies by `product` (PRODUCTS; None: each call's default,
     Int8Linear.product_for), as a benchmark compares them. A compiled decoding checks its calls
     in full again after (counted as a change of structure), so it compiles for the new kernels."""
-    from attnlab.model.transformer import STRUCTURE_CHANGES
+    from attnlab.model.decode_compile import STRUCTURE_CHANGES
 
     if product is not None and product not in PRODUCTS:
         raise ValueError(f"an int8 product is one of {', '.join(PRODUCTS)}; got {product!r}")
