@@ -594,8 +594,8 @@ class Transformer(nn.Module):
         linear: the kernels of the products with a weight matrix. "library": ATen's calls (MKL,
         oneDNN, cuBLAS), the weights read as the step's inputs. "packed" (inductor on the CPU without
         a `mode`): the weights frozen into the step as constants, packed once, and multiplied by
-        inductor's C++ GEMM template (PACKED_LINEAR_OPTIONS). A one-token step reads every weight
-        once, so the product's kernel sets its speed; the template's micro-kernels read a packed
+        inductor's C++ GEMM template (decode_compile.PACKED_LINEAR_OPTIONS). A one-token step reads
+        every weight once, so the product's kernel sets its speed; the template's micro-kernels read a packed
         weight once for all of a step's rows (a speculative verification's too), and the products
         of one input (queries, keys and values) are one product over their weights concatenated
         (CONCATENATED_PRODUCTS). "cpu" (the default there where attnlab's operator is built): as
@@ -606,8 +606,8 @@ class Transformer(nn.Module):
         after they changed (training, loading a state dict, quantising) compiles again.
 
         elementwise: "serial" (inductor on the CPU without a `mode`; the default there) runs the
-        step's elementwise loops and reductions on one thread (SERIAL_ELEMENTWISE), "parallel" as
-        inductor decides.
+        step's elementwise loops and reductions on one thread (decode_compile.SERIAL_ELEMENTWISE),
+        "parallel" as inductor decides.
 
         direct_calls: a call like one a graph has served twice (through dynamo, every guard
         checked) runs the code dynamo made for it directly, without dynamo's frame evaluation
