@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
@@ -87,3 +88,16 @@ def test_transformers_loads_it(tokenizer_dir, tokenizer):
     assert loaded(text)["input_ids"] == tokenizer.encode(text)
     assert (loaded.bos_token_id, loaded.eos_token_id, loaded.pad_token_id) == (1, 2, 0)
     assert loaded.decode(tokenizer.encode(text)) == text
+
+
+def test_cli_encode_takes_bytes_that_are_not_utf8(tokenizer_dir, tokenizer, capsys, monkeypatch):
+    """A command line or standard input that is not UTF-8 (Python surrogate-escapes the bytes) is
+    encoded byte for byte, as encode_bytes does, not a traceback from the tokenizers library."""
+    data = b"abc \xff\xfe def"
+    expected = " ".join(str(index) for index in tokenizer.encode_bytes(data)) + "\n"
+    argument = data.decode("utf-8", "surrogateescape")
+    assert main(["tokenizer", "encode", "--tokenizer", str(tokenizer_dir), argument]) == 0
+    assert capsys.readouterr().out == expected
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(data), encoding="utf-8", errors="strict"))
+    assert main(["tokenizer", "encode", "--tokenizer", str(tokenizer_dir)]) == 0
+    assert capsys.readouterr().out == expected

@@ -39,8 +39,10 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def run_encode(args: argparse.Namespace) -> int:
-    text = sys.stdin.read() if args.text is None else args.text
-    print(" ".join(str(i) for i in Tokenizer(args.tokenizer).encode(text)))
+    """Encodes bytes, not text: standard input or an argument that is not UTF-8 (surrogate-escaped,
+    as Python gives a command line) is encoded byte for byte, as training prompts are."""
+    data = sys.stdin.buffer.read() if args.text is None else args.text.encode("utf-8", "surrogateescape")
+    print(" ".join(str(i) for i in Tokenizer(args.tokenizer).encode_bytes(data)))
     return 0
 
 
