@@ -250,6 +250,22 @@ def test_prepare_never_replaces_a_folder_of_other_files(tmp_path, tokenizer_dir,
                                    "--out", str(tmp_path / "file")], capsys)
 
 
+@pytest.mark.parametrize("out", [".", "./", "..", "inner/.."])
+def test_prepare_refuses_the_folder_it_runs_in(out, tmp_path, tokenizer_dir, capsys, monkeypatch):
+    """`--out .` (or a folder above) said ValueError: PosixPath('.') has an empty name, a traceback;
+    replacing the working folder would pull it from under the process and the user's shell."""
+    documents = write_jsonl(tmp_path / "a.jsonl", TEXTS)
+    working = tmp_path / "empty" / "inner"
+    working.mkdir(parents=True)
+    monkeypatch.chdir(working)
+    line = refused(["data", "prepare", "--input", str(documents), "--tokenizer", str(tokenizer_dir), "--out", out,
+                    "--workers", "1"], capsys)
+    assert "is the current folder or one above it" in line
+    assert working.is_dir() and list(working.iterdir()) == []
+    result = prepare_token_shards([documents], tokenizer_dir, "data/../data", workers=1)  # a name once normalised
+    assert result.out_dir == working / "data" and prepared_documents(working / "data") == len(TEXTS)
+
+
 # --------------------------------------------------------------------------------------------
 # Tokenizers other than MiniMind's: special tokens from the folder, known names, or the command line
 

@@ -147,6 +147,11 @@ OWN_NAMES = re.compile(rf"{re.escape(META_FILE)}|{TOKENIZER_FOLDER}|{SHARD_FILE.
 
 
 def _check_out_dir(out_dir: Path) -> None:
+    """`out_dir` (absolute) may be replaced: a new folder, or one of nothing but prepared data, and
+    not the folder this process is in (nor one above it), which the swap would pull from under it."""
+    if Path.cwd().is_relative_to(out_dir):
+        raise DataError(f"--out {out_dir} is the current folder or one above it: preparing replaces the whole "
+                        "folder, so give a new one (such as ./data)")
     if out_dir.exists() and not out_dir.is_dir():
         raise DataError(f"--out {out_dir} is a file, not a folder")
     foreign = sorted(entry.name for entry in out_dir.iterdir() if not OWN_NAMES.fullmatch(entry.name)) \
@@ -263,7 +268,8 @@ def prepare_token_shards(
     for path in inputs:
         if not path.is_file():
             raise DataError(f"input file {path} {'is not a regular file' if path.exists() else 'does not exist'}")
-    tokenizer_dir, out_dir = Path(tokenizer_dir), Path(out_dir)
+    tokenizer_dir = Path(tokenizer_dir)
+    out_dir = Path(os.path.abspath(out_dir))  # "." or "data/.." have no name to put the staging folder beside
     tokenizer = Tokenizer(tokenizer_dir, special_tokens)  # fails early with a clear message if there is none
     if shard_tokens < 1:
         raise DataError(f"shard_tokens must be positive, got {shard_tokens}")
