@@ -282,3 +282,17 @@ def test_metrics_lines_and_tqdm_aware_logging_in_a_batch_job(tmp_path, text_file
     lines = [record.getMessage() for record in caplog.records if record.getMessage().startswith("step ")]
     assert [line.split(":")[0] for line in lines if "tokens/s" in line] == ["step 5", "step 10"]
     assert "_TqdmLoggingHandler" in handlers
+
+
+@pytest.mark.parametrize("device, message", [
+    ("mps", "train.device=mps but MPS is not available"),
+    ("cuda:3", "train.device=cuda:3 but this machine has 1 CUDA device(s)"),
+])
+def test_a_device_the_machine_lacks_is_one_line(tmp_path, text_file, monkeypatch, capsys, device, message):
+    """Refused before the data is loaded, not a traceback from torch when the model moves."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a one-GPU machine, as far as cuda:3 is asked
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    assert main(["train", "-p", "demo", *cli_args(tmp_path, text_file), f"train.device={device}"]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and message in error

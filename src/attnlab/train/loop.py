@@ -90,11 +90,20 @@ class TrainResult:
 
 
 def resolve_device(name: str) -> torch.device:
+    """The device of train.device, checked to exist on this machine before anything is built: torch
+    itself fails only when the model is moved, after the data is loaded, with a traceback."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise AttnlabError(f"train.device={name} but CUDA is not available")
+    available = {
+        "cuda": torch.cuda.is_available,
+        "mps": torch.backends.mps.is_available,
+        "xpu": lambda: hasattr(torch, "xpu") and torch.xpu.is_available(),
+    }.get(device.type, lambda: True)
+    if not available():
+        raise AttnlabError(f"train.device={name} but {device.type.upper()} is not available")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise AttnlabError(f"train.device={name} but this machine has {torch.cuda.device_count()} CUDA device(s)")
     return device
 
 
