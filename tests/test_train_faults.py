@@ -296,3 +296,13 @@ def test_a_device_the_machine_lacks_is_one_line(tmp_path, text_file, monkeypatch
     assert main(["train", "-p", "demo", *cli_args(tmp_path, text_file), f"train.device={device}"]) == 2
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and message in error
+
+
+def test_resume_from_a_folder_says_it_wants_a_checkpoint_file(tmp_path, text_file, capsys):
+    """A run directory passed to --resume is not reported as missing."""
+    assert main(["train", "-p", "demo", *cli_args(tmp_path, text_file), "--until-step", "5"]) == 0
+    capsys.readouterr()
+    run_dir = tmp_path / "runs" / "run"
+    assert main(["train", "-p", "demo", *cli_args(tmp_path, text_file), "--resume", str(run_dir)]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "a folder, not a checkpoint file; --resume alone continues" in error

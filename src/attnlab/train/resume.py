@@ -51,6 +51,10 @@ def choose_checkpoint(
         return None
     if resume not in (True, "auto"):
         path = Path(str(resume))
+        if path.is_dir():  # read_checkpoint would say it "does not exist"
+            raise CheckpointError(f"--resume {path}: a folder, not a checkpoint file; --resume alone continues "
+                                  f"{run_dir} from its newest checkpoint, --resume RUN/checkpoints/step-N.pt "
+                                  "from that one")
         try:
             return path, checked(read_intact(path, engine_folder), config, path)
         except CheckpointError as error:
