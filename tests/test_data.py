@@ -166,6 +166,15 @@ def test_sampler_rejects_mismatched_state_and_short_data():
         RandomWindowSampler(10, 16, 4, seed=0)
 
 
+def test_short_splits_are_named():
+    """A packed token corpus can hold a long training split and a validation split of a few tokens:
+    the error said "data has 6 tokens", which the user's 3,000-token data contradicts."""
+    with pytest.raises(DataError, match="the training split has 10 tokens"):
+        RandomWindowSampler(10, 16, 4, seed=0)
+    with pytest.raises(DataError, match="the validation split has 6 tokens.*data.val_fraction"):
+        eval_windows(np.arange(6), 64, 2)
+
+
 def test_eval_windows_deterministic():
     data = np.arange(5000) % 256
     assert np.array_equal(eval_windows(data, 32, 5).numpy(), eval_windows(data, 32, 5).numpy())

@@ -30,10 +30,13 @@ def fetch_windows(data: np.ndarray, starts: np.ndarray, seq_len: int) -> torch.T
     return torch.from_numpy(np.asarray(data[offsets.ravel()], dtype=np.int64).reshape(offsets.shape))
 
 
-def _check_length(n_tokens: int, seq_len: int) -> None:
+def _check_length(n_tokens: int, seq_len: int, split: str) -> None:
+    """DataError naming the split (training or validation) that is too short for one window: a
+    packed corpus may have plenty of training tokens and a validation split of a few."""
     if n_tokens < seq_len + 2:
         raise DataError(
-            f"data has {n_tokens} tokens; windows of seq_len + 1 = {seq_len + 1} need at least {seq_len + 2}"
+            f"the {split} split has {n_tokens} tokens; windows of seq_len + 1 = {seq_len + 1} need at least "
+            f"{seq_len + 2} (give more data, a shorter train.seq_len, or another data.val_fraction)"
         )
 
 
@@ -41,7 +44,7 @@ class RandomWindowSampler:
     def __init__(
         self, n_tokens: int, seq_len: int, batch_size: int, seed: int, rank: int = 0, world_size: int = 1
     ) -> None:
-        _check_length(n_tokens, seq_len)
+        _check_length(n_tokens, seq_len, "training")
         self.n_tokens, self.seq_len, self.batch_size, self.seed = n_tokens, seq_len, batch_size, seed
         self.rank, self.world_size = rank, world_size
         self.position = 0  # index of the next global batch
@@ -74,7 +77,7 @@ class RandomWindowSampler:
 
 def eval_windows(data: np.ndarray, seq_len: int, n_windows: int, seed: int = 1234) -> torch.Tensor:
     """Deterministic evaluation windows [n_windows, seq_len + 1] at seeded random starts."""
-    _check_length(len(data), seq_len)
+    _check_length(len(data), seq_len, "validation")
     starts = np.random.default_rng(seed).integers(0, len(data) - seq_len - 1, size=n_windows)
     return fetch_windows(data, starts, seq_len)
 
