@@ -87,6 +87,14 @@ def test_bad_distillation_is_refused(tmp_path, text_file, extra, message):  # no
         train(tiny(tmp_path, text_file, "student", f"train.distill_from={teacher.run_dir}", *extra))
 
 
+def test_a_teacher_whose_learned_positions_end_before_the_windows_is_refused(tmp_path, text_file):  # noqa: F811
+    teacher = train(tiny(tmp_path, text_file, "teacher", "train.max_steps=1", "model.position=learned",
+                         "model.max_seq_len=16", "train.seq_len=16", "train.sample_every=0"))
+    with pytest.raises(ConfigError, match="train.distill_from: .* make 32 tokens; this model's learned positions end "
+                       "at model.max_seq_len=16"):
+        train(tiny(tmp_path, text_file, "student", f"train.distill_from={teacher.run_dir}"))
+
+
 def test_missing_teacher_is_a_clear_error(tmp_path, text_file):  # noqa: F811
     with pytest.raises(ConfigError, match="train.distill_from"):
         train(tiny(tmp_path, text_file, "student", f"train.distill_from={tmp_path / 'nowhere'}"))

@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnlab.config import RunConfig, TrainConfig
-from attnlab.errors import CheckpointError, ConfigError
+from attnlab.errors import CheckpointError, ConfigError, GenerationError
+from attnlab.generate.sampling import check_length
 from attnlab.model import ModelOutput, Transformer
 from attnlab.train.checkpoint import load_model
 
@@ -86,6 +87,10 @@ def load_teacher(config: RunConfig, device: torch.device) -> Transformer | None:
             f"the teacher {tc.distill_from} has {teacher.config.num_tokens} tokens, this model "
             f"model.num_tokens={config.model.num_tokens}: they must share a vocabulary"
         )
+    try:  # its learned positions must reach the training windows (they would index past their table)
+        check_length(teacher, tc.seq_len, f"the teacher {tc.distill_from}'s windows of train.seq_len")
+    except GenerationError as error:
+        raise ConfigError(f"train.distill_from: {error}") from error
     teacher.requires_grad_(False)
     log.info("distilling from %s (%s, weight %.2f)", tc.distill_from, tc.distill_loss, tc.distill_weight)
     return teacher
