@@ -255,6 +255,15 @@ def test_max_steps_zero_is_refused(tmp_path, text_file, capsys):
     assert "train.max_steps must be at least 1, got 0" in capsys.readouterr().err
 
 
+def test_a_deepspeed_config_without_deepspeed_is_refused(tmp_path, text_file, capsys):
+    """Not a single-process run that ignores it."""
+    args = [*cli_args(tmp_path, text_file), f"dist.deepspeed_config={text_file}"]
+    assert main(["train", "-p", "demo", *args]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "dist.deepspeed_config is read by dist.strategy=deepspeed only" in error
+    assert not list_checkpoints(tmp_path / "runs" / "run")
+
+
 def test_unsafe_checkpoint_error_keeps_torchs_explanation(tmp_path):
     from test_train import _RunsCode
 

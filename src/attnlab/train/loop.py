@@ -279,6 +279,9 @@ def check_training_config(config: RunConfig) -> None:
         raise ConfigError(f"train.max_steps must be at least 1, got {tc.max_steps}")
     if tc.on_nonfinite == "skip" and config.dist.strategy == "deepspeed":
         raise ConfigError("train.on_nonfinite=skip: DeepSpeed applies its own steps; use stop")
+    if config.dist.deepspeed_config and config.dist.strategy != "deepspeed":  # else a DeepSpeed run silently is not
+        raise ConfigError(f"dist.deepspeed_config is read by dist.strategy=deepspeed only, this run's is "
+                          f"{config.dist.strategy}: add dist.strategy=deepspeed (as --deepspeed_config does)")
 
 
 def own_run_directory(config: RunConfig, resume: str | bool | None, strategy: SingleProcess, cleanup: ExitStack
