@@ -9,6 +9,7 @@ import logging
 import sys
 
 from attnlab.cli import arguments
+from attnlab.errors import ConfigError
 
 
 def register(subparsers) -> None:
@@ -38,7 +39,23 @@ def register(subparsers) -> None:
     parser.set_defaults(func=run)
 
 
+# options only one kind of evaluation reads (those with a default of None or False, so that giving
+# them is seen): the other refuses them rather than run without them
+LOSS_OPTIONS = ("data", "full", "seq_len")
+BENCHMARK_OPTIONS = ("include_path", "limit", "num_fewshot")
+
+
+def check_options(args: argparse.Namespace) -> None:
+    """ConfigError naming an option the chosen evaluation (loss, or --tasks benchmarks) would ignore."""
+    unread = LOSS_OPTIONS if args.tasks else BENCHMARK_OPTIONS
+    given = ["--" + name.replace("_", "-") for name in unread if getattr(args, name) not in (None, False)]
+    if given:
+        why = "not read with --tasks (lm-eval's tasks bring their own data)" if args.tasks else "read with --tasks only"
+        raise ConfigError(f"{', '.join(given)}: {why}")
+
+
 def run(args: argparse.Namespace) -> int:
+    check_options(args)
     if args.tasks:
         return run_benchmarks(args)
     from attnlab.evaluate import evaluate_run
