@@ -115,6 +115,7 @@ ARGUMENTS = [
     ["tokenizer", "decode", "--tokenizer", "T", "-1"], ["tokenizer", "decode", "--tokenizer", "T", "x"],
     ["bench", "train", "--dim", "0"], ["bench", "decode", "--context", "0"], ["bench", "suite", "--threads", "0"],
     ["export", "RUN", "--dtype", "float8"], ["nosuch-command"], ["train", "--until-step"],
+    ["plot", "RUN", "--out", "runs.txt"], ["plot", "RUN", "--out", "runs"],
 ]
 
 
