@@ -95,6 +95,17 @@ def test_bad_jsonl_line(name, folder, tokenizer_dir, capsys):
     assert main([*base, "--workers", "2", "--skip-bad"]) == 0
 
 
+def test_a_byte_order_mark_opening_the_file_is_not_part_of_its_first_line(folder, tokenizer_dir):
+    """Some editors and Windows tools open a UTF-8 file with a byte-order mark: the file's first
+    document is read as any other (a mark inside the file stays a malformed line: BAD_LINES)."""
+    path = folder / "marked.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + write_jsonl(folder / "plain.jsonl", TEXTS[:5]).read_bytes())
+    marked = prepare_token_shards([path], tokenizer_dir, folder / "out-marked", workers=1).meta
+    plain = prepare_token_shards([folder / "plain.jsonl"], tokenizer_dir, folder / "out-plain", workers=1).meta
+    assert marked["n_documents"] == 5 and marked["skipped_lines"] == 0
+    assert marked["n_tokens"] == plain["n_tokens"]
+
+
 # --------------------------------------------------------------------------------------------
 # Damaged archives and token folders: one line naming the file
 

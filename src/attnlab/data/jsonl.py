@@ -4,6 +4,7 @@ line, unless the caller asks to skip such lines, in which case they are counted.
 
 from __future__ import annotations
 
+import codecs
 import json
 import logging
 from collections.abc import Iterator
@@ -62,13 +63,17 @@ def parse_raw_line(raw: bytes, path: Path, line_number: int) -> str:
 
 def read_line_batches(path: Path, batch_lines: int) -> Iterator[list[tuple[int, bytes]]]:
     """Lists of up to `batch_lines` (line number, raw line) of a jsonl file, blank lines left out:
-    the unit of work when documents are parsed and tokenized in parallel (data/shards.py)."""
+    the unit of work when documents are parsed and tokenized in parallel (data/shards.py). A UTF-8
+    byte-order mark that opens the file (as some editors and Windows tools write one) is the file's
+    encoding mark, not part of its first line; anywhere else it makes a line malformed."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"input file {path} does not exist")
     batch: list[tuple[int, bytes]] = []
     with open(path, "rb") as handle:
         for line_number, raw in enumerate(handle, start=1):
+            if line_number == 1:
+                raw = raw.removeprefix(codecs.BOM_UTF8)
             if not raw.strip():
                 continue
             batch.append((line_number, raw))
