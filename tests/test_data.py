@@ -123,6 +123,18 @@ def test_download_verifies_checksum(served, tmp_path):
     assert list((tmp_path / "bad").iterdir()) == []  # nothing left behind
 
 
+def test_download_takes_a_checksum_in_either_case(served, tmp_path, monkeypatch):
+    """A checksum pasted in capitals is the same checksum: the archive is kept, not fetched again and
+    refused; one that is no sha256 at all is one line before anything is fetched."""
+    url, source = served
+    checksum = hashlib.sha256(source.read_bytes()).hexdigest().upper()
+    path = download_enwik8(tmp_path / "dest", url=url, sha256=checksum)
+    monkeypatch.setattr("urllib.request.urlopen", lambda *arguments, **keywords: pytest.fail("fetched again"))
+    assert download_enwik8(tmp_path / "dest", url=url, sha256=f" {checksum} ") == path
+    with pytest.raises(DataError, match="64 hexadecimal digits"):
+        download_enwik8(tmp_path / "other", url=url, sha256="abc")
+
+
 def test_download_file_url_and_cli(served, tmp_path, capsys):
     _, source = served
     checksum = hashlib.sha256(source.read_bytes()).hexdigest()

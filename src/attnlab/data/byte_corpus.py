@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import platform
+import re
 import sysconfig
 import urllib.error
 import urllib.request
@@ -174,6 +175,10 @@ def download_enwik8(
     The archive is downloaded to a temporary file and renamed only after the checksum matches, so a
     failed or tampered download leaves nothing behind.
     """
+    if sha256 is not None:  # hex digits in either case, as checksums are published
+        sha256 = sha256.strip().lower()
+        if not re.fullmatch(r"[0-9a-f]{64}", sha256):
+            raise DataError(f"a sha256 checksum is 64 hexadecimal digits; got {sha256!r}")
     folder = Path(dest_dir) if dest_dir else default_cache_dir() / "enwik8"
     folder.mkdir(parents=True, exist_ok=True)
     target = folder / "enwik8.zip"
