@@ -79,6 +79,13 @@ def test_resume_is_bit_exact(tmp_path, text_file, extra):
     assert len(losses(second.run_dir)) == 10  # resumed metrics do not repeat steps
 
 
+def test_a_run_resumes_in_another_precision(tmp_path, text_file):
+    """fp16 turns loss scaling on; the checkpoint of an fp32 run has no scaler state to continue."""
+    train(tiny(tmp_path, text_file), until_step=5)
+    assert train(tiny(tmp_path, text_file, "run", "train.precision=fp16"), resume=True).step == 10
+    assert read_checkpoint(list_checkpoints(tmp_path / "runs" / "run")[-1])["scaler"]
+
+
 def test_run_directory_contents(tmp_path, text_file):
     result = train(tiny(tmp_path, text_file))
     for name in ("config.yaml", "run_info.json", "metrics.jsonl"):

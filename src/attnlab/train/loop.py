@@ -332,7 +332,8 @@ def restore(run: Run, state: dict[str, Any], resume_from: Path) -> None:
     if run.ema is not None and state.get("ema") is None:
         raise CheckpointError(f"{resume_from} has no EMA weights but train.ema=true")
     strategy.restore(state, run.config.run_dir, run.step)
-    run.scaler.load_state_dict(state["scaler"])
+    if state["scaler"]:  # empty from a run without loss scaling: one resumed in fp16 starts its scale afresh
+        run.scaler.load_state_dict(state["scaler"])
     run.sampler.load_state_dict(state["sampler"])
     rng_states = state["rng"]
     if len(rng_states) != strategy.world_size:
