@@ -271,6 +271,35 @@ def test_minimind_presets_reproduce_the_seed():
 # The demo pipeline, end to end at a tiny size
 
 
+def test_runs_started_together_each_train_the_tokenizer_in_a_folder_of_their_own(tmp_path, monkeypatch):
+    """Two runs preparing the built-in tokens on one fresh cache: the second starts, and finishes,
+    while the first trains its tokenizer. Neither deletes the other's staging folder, and both end
+    with the one tokenizer (a shared staging folder ended the first in a FileNotFoundError)."""
+    import os
+
+    from attnlab.data import pretrain
+
+    every_source = pretrain.stdlib_sources()
+    monkeypatch.setattr(pretrain, "stdlib_sources", lambda: every_source[:20])  # a small corpus: fast
+    monkeypatch.setattr(pretrain, "prepare_token_shards", lambda *arguments, **keywords: None)  # not this test's
+    config = load_config("minimind-demo", [f"data.cache_dir={tmp_path}", "data.vocab_size=300"]).data
+    train_for_real, started = pretrain.train_tokenizer, []
+
+    def train_while_another_run_starts(inputs, vocab_size, out_dir, **keywords):
+        train_for_real(inputs, vocab_size, out_dir, **keywords)
+        if not started:  # the first run, its tokenizer staged but not yet moved: a second run starts
+            started.append(out_dir)
+            with monkeypatch.context() as patch:
+                patch.setattr(os, "getpid", lambda: 424242)
+                pretrain.prepare_builtin_tokens(config)
+
+    monkeypatch.setattr(pretrain, "train_tokenizer", train_while_another_run_starts)
+    pretrain.prepare_builtin_tokens(config)
+    tokenizer_dir = pretrain.builtin_folder(config) / "tokenizer-v300"
+    assert Tokenizer(tokenizer_dir).backend.get_vocab_size() == 300
+    assert [path.name for path in tokenizer_dir.parent.iterdir() if "partial" in path.name] == []
+
+
 def test_minimind_demo_pipeline_end_to_end(tmp_path, capsys, caplog, monkeypatch):
     from attnlab.data import pretrain
 

@@ -294,19 +294,37 @@ def cached_meta(folder: Path) -> dict[str, Any]:
         return {}
 
 
+def tokenizer_complete(tokenizer_dir: Path) -> bool:
+    return (tokenizer_dir / "tokenizer_config.json").is_file()  # written last by train_tokenizer
+
+
+def train_cached_tokenizer(corpus: Path, vocab_size: int, tokenizer_dir: Path) -> None:
+    """Train the tokenizer of `corpus` into tokenizer_dir, staged in a folder of this process's own:
+    runs started together on a fresh cache (a sweep) each train one, none deleting another's half-made
+    folder; where another finished first, its tokenizer (the same: training is deterministic) is kept."""
+    partial = tokenizer_dir.with_name(f".{tokenizer_dir.name}.partial-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        train_tokenizer([corpus], vocab_size, partial)
+        if not tokenizer_complete(tokenizer_dir):
+            shutil.rmtree(tokenizer_dir, ignore_errors=True)  # a folder left half-made by a stopped run
+            try:
+                os.replace(partial, tokenizer_dir)
+            except OSError:  # another run's tokenizer took the place since the check
+                if not tokenizer_complete(tokenizer_dir):
+                    raise
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+
+
 def prepare_builtin_tokens(config: DataConfig, workers: int | None = None) -> Path:
     """jsonl corpus -> tokenizer -> shards, each stage skipped when its output is complete."""
     corpus = write_builtin_jsonl(config)
-    folder = builtin_folder(config)
-    tokenizer_dir = folder / f"tokenizer-v{config.vocab_size}"
-    if (tokenizer_dir / "tokenizer_config.json").is_file():  # written last by train_tokenizer
+    tokenizer_dir = builtin_folder(config) / f"tokenizer-v{config.vocab_size}"
+    if tokenizer_complete(tokenizer_dir):
         log.info("tokenizer: cached at %s", tokenizer_dir)
     else:
-        partial = folder / f".tokenizer-v{config.vocab_size}.partial"
-        shutil.rmtree(partial, ignore_errors=True)
-        train_tokenizer([corpus], config.vocab_size, partial)
-        shutil.rmtree(tokenizer_dir, ignore_errors=True)
-        os.replace(partial, tokenizer_dir)
+        train_cached_tokenizer(corpus, config.vocab_size, tokenizer_dir)
     shards_dir = token_folder(config)
     sha = sha256_of(tokenizer_dir / TOKENIZER_FILE)
     if cached_meta(shards_dir).get("tokenizer_sha256") == sha:
