@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from attnlab.cli.main import build_parser, main
+from attnlab.cli.main import build_parser, main, parse_arguments
 
 TEXT = (Path(__file__).parent.parent / "src" / "attnlab" / "train" / "loop.py").read_bytes() * 2
 TINY = ["model.dim=16", "model.depth=2", "model.heads=2", "model.dim_head=8", "model.max_seq_len=32",
@@ -116,6 +116,7 @@ ARGUMENTS = [
     ["bench", "train", "--dim", "0"], ["bench", "decode", "--context", "0"], ["bench", "suite", "--threads", "0"],
     ["export", "RUN", "--dtype", "float8"], ["nosuch-command"], ["train", "--until-step"],
     ["plot", "RUN", "--out", "runs.txt"], ["plot", "RUN", "--out", "runs"],
+    ["train", "a.b=1", "--until-step", "2", "--bogus"], ["sample", "RUN", "model.dim=8"],
 ]
 
 
@@ -124,10 +125,25 @@ def test_bad_arguments_one_line(argv, capsys):
     # parsed only, never run: were a refusal lost, a benchmark or a 10^11-token vocabulary would not start
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit:
-        build_parser().parse_args(argv)
+        parse_arguments(build_parser(), argv)  # as main parses them
     error = capsys.readouterr().err.strip()
     assert exit.value.code == 2 and len(error.splitlines()) == 1 and error.startswith("attnlab"), error
     assert error.endswith("-h)"), error
+
+
+@pytest.mark.parametrize("argv, overrides", [
+    (["train", "a.b=1", "--until-step", "2", "c.d=2", "e.f=3"], ["a.b=1", "c.d=2", "e.f=3"]),
+    (["train", "a.b=1", "--resume", "c.d=2", "e.f=3"], ["a.b=1", "c.d=2", "e.f=3"]),
+    (["data", "info", "a.b=1", "-p", "demo", "c.d=2"], ["a.b=1", "c.d=2"]),
+])
+def test_overrides_are_taken_on_both_sides_of_an_option(argv, overrides):
+    """argparse fills a list of positionals once: `train a.b=1 --until-step 2 c.d=2` refused c.d=2."""
+    args = parse_arguments(build_parser(), argv)
+    inserted = getattr(args, "resume_override", None)  # `--resume key=value`: train's ResumeAction
+    taken = list(args.overrides)
+    if inserted is not None:
+        taken.insert(*inserted)
+    assert taken == overrides
 
 
 # --------------------------------------------------------------------------------------------

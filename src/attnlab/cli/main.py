@@ -42,6 +42,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_arguments(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """The namespace of argv, a command's `key.path=value` overrides taken wherever they stand:
+    argparse fills a list of positionals once, so in `train a=1 --resume b=2` it refused b=2. Any
+    other argument it does not know is its own one-line error."""
+    args, extras = parser.parse_known_args(argv)
+    overrides = getattr(args, "overrides", None)
+    if extras and isinstance(overrides, list) and all(is_override(extra) for extra in extras):
+        args.overrides = [*overrides, *extras]  # in argv's order: the extras all stand after the list
+    elif extras:
+        parser.parse_args(argv)  # argparse's error for them (it exits)
+    return args
+
+
+def is_override(argument: str) -> bool:
+    return "=" in argument and not argument.startswith("-")
+
+
 def take_local_rank(argv: list[str]) -> list[str]:
     """The `deepspeed` launcher passes `--local_rank=N` before the command; keep it as LOCAL_RANK
     (which the launcher also exports) and drop it from the arguments."""
@@ -68,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv:
         argv = ["train"]  # `attnlab` alone runs the demo, like `attnlab train`
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_arguments(parser, argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(message)s",
