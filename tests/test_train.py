@@ -86,6 +86,17 @@ def test_a_run_resumes_in_another_precision(tmp_path, text_file):
     assert read_checkpoint(list_checkpoints(tmp_path / "runs" / "run")[-1])["scaler"]
 
 
+def test_a_resume_with_no_step_left_says_so(tmp_path, text_file, caplog):
+    """--resume of a run at or past its end trains nothing, and the log says why (it said nothing)."""
+    train(tiny(tmp_path, text_file), until_step=5)
+    caplog.set_level(logging.INFO, logger="attnlab.train.loop")
+    assert train(tiny(tmp_path, text_file), resume=True, until_step=5).step == 5
+    assert "no step to train: the run is at step 5, and --until-step 5 ends it there" in caplog.text
+    caplog.clear()
+    assert train(tiny(tmp_path, text_file, "run", "train.max_steps=4"), resume=True).step == 5
+    assert "the run is at step 5, and train.max_steps=4 ends it there" in caplog.text
+
+
 def test_run_directory_contents(tmp_path, text_file):
     result = train(tiny(tmp_path, text_file))
     for name in ("config.yaml", "run_info.json", "metrics.jsonl"):

@@ -563,6 +563,10 @@ def loop(run: Run, signals: StopSignals, until_step: int | None) -> TrainResult:
         run.last_eval = validate(run)
     run.model.train()
     last_step = tc.max_steps if until_step is None else min(until_step, tc.max_steps)
+    if run.step >= last_step:  # a resumed run at its end already: said, where nothing happened silently
+        ends = f"--until-step {until_step}" if until_step is not None and until_step < tc.max_steps else \
+            f"train.max_steps={tc.max_steps}"
+        log.info("no step to train: the run is at step %d, and %s ends it there", run.step, ends)
     stopped_by = late_signal = None
     try:
         with logging_redirect_tqdm():
