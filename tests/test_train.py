@@ -97,6 +97,34 @@ def test_a_resume_with_no_step_left_says_so(tmp_path, text_file, caplog):
     assert "the run is at step 5, and train.max_steps=4 ends it there" in caplog.text
 
 
+def test_a_failed_write_of_the_run_files_leaves_the_old_ones_whole(tmp_path, text_file, monkeypatch):
+    """model.safetensors and config.yaml are staged and renamed: a write that fails (a full disk, a
+    kill) leaves the old file whole and no staging file beside it (the weights were staged under a
+    name a next start did not clear, config.yaml written in place)."""
+    import safetensors.torch
+
+    from attnlab.config import save_config
+    from attnlab.train.portable import write_weights_file
+
+    run_dir = train(tiny(tmp_path, text_file), until_step=5).run_dir
+    before = {name: (run_dir / name).read_bytes() for name in ("model.safetensors", "config.yaml")}
+
+    def full_disk(*arguments, **keywords):
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(safetensors.torch, "save_file", lambda tensors, filename, metadata=None: (
+            Path(filename).write_bytes(b"half a file"), full_disk()))
+        with pytest.raises(OSError, match="No space"):
+            write_weights_file(run_dir)
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "fsync", full_disk)
+        with pytest.raises(OSError, match="No space"):
+            save_config(tiny(tmp_path, text_file, "run", "model.depth=1"), run_dir / "config.yaml")
+    assert {name: (run_dir / name).read_bytes() for name in before} == before
+    assert [path.name for path in run_dir.iterdir() if path.name.startswith(".")] == []
+
+
 def test_run_directory_contents(tmp_path, text_file):
     result = train(tiny(tmp_path, text_file))
     for name in ("config.yaml", "run_info.json", "metrics.jsonl"):

@@ -583,4 +583,8 @@ def load_config(source: str | Path | None = "demo", overrides: list[str] | None 
 
 
 def save_config(config: Any, path: Path) -> None:
-    path.write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
+    """config as YAML at `path`, written whole or not at all (a run's config.yaml is written again at
+    every start, and read by whatever loads the run)."""
+    from attnlab.data.files import write_atomic  # a leaf module, which imports this one
+
+    write_atomic(Path(path), yaml.safe_dump(config_to_dict(config), sort_keys=False).encode())

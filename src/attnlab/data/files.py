@@ -29,13 +29,17 @@ def cache_dir(config: DataConfig) -> Path:
 
 def write_atomic(path: Path, data: bytes) -> None:
     """Write to a temporary file beside `path`, fsync it and rename it: readers see the old file or
-    the whole new one, never a part."""
+    the whole new one, never a part, and a write that fails leaves the old one alone."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", delete=False) as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(handle.name, path)
+    handle = tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", delete=False)
+    try:
+        with handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(handle.name, path)
+    finally:
+        Path(handle.name).unlink(missing_ok=True)  # a write that failed leaves nothing beside the file
 
 
 def sha256_of(path: Path) -> str:

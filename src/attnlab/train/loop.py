@@ -48,6 +48,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from attnlab.config import RunConfig, config_to_dict, save_config
 from attnlab.data.byte_corpus import ByteCorpus
 from attnlab.data.corpus import load_corpus
+from attnlab.data.files import write_atomic
 from attnlab.data.sampler import RandomWindowSampler, make_sampler, prime_tokens, randomly_truncate
 from attnlab.errors import AttnlabError, CheckpointError, ConfigError
 from attnlab.evaluate import evaluate
@@ -150,7 +151,7 @@ def write_run_info(config: RunConfig, run_dir: Path, command_line: list[str] | N
         "platform": platform.platform(),
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
-    (run_dir / "run_info.json").write_text(json.dumps(info, indent=2) + "\n")
+    write_atomic(run_dir / "run_info.json", (json.dumps(info, indent=2) + "\n").encode())
 
 
 def sample_text(model: Transformer, corpus: ByteCorpus, config: RunConfig, step: int) -> tuple[str, str]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -62,8 +63,17 @@ def write_weights_file(run_dir: Path) -> Path | None:
     metadata = {"format": "pt", "step": str(model.checkpoint_step),
                 "config": json.dumps(config_to_dict(model.run_config)), **safetensors_metadata(tensors)}
     path = Path(run_dir) / WEIGHTS_FILE
-    temporary = path.with_name(f".{WEIGHTS_FILE}.tmp")
-    save_file(tensors, str(temporary), metadata=metadata)
-    temporary.replace(path)  # never half a file under the final name
+    # named as the leftovers a killed write leaves, which a run's next start removes (train/timeline.py)
+    temporary = path.with_name(f".{WEIGHTS_FILE}.tmp-{os.getpid()}")
+    try:
+        save_file(tensors, str(temporary), metadata=metadata)
+        descriptor = os.open(temporary, os.O_RDONLY)
+        try:
+            os.fsync(descriptor)  # on the disk before it takes the name
+        finally:
+            os.close(descriptor)
+        temporary.replace(path)  # never half a file under the final name
+    finally:
+        temporary.unlink(missing_ok=True)
     log.info("final weights (step %d) -> %s", model.checkpoint_step, path)
     return path
