@@ -178,6 +178,24 @@ def test_sampler_rejects_mismatched_state_and_short_data():
         RandomWindowSampler(10, 16, 4, seed=0)
 
 
+def test_a_resume_over_other_data_says_its_batches_differ(caplog):
+    """Data prepared again (grown, split otherwise, another layout) may be a choice: the resume goes
+    on, saying its batches are no longer an uninterrupted run's (it went on silently)."""
+    from attnlab.data.pretrain import PaddedDocumentSampler
+
+    state = RandomWindowSampler(1000, 16, 4, seed=3).state_dict()
+    RandomWindowSampler(1000, 16, 4, seed=3).load_state_dict(state)
+    legacy = {key: value for key, value in state.items() if key != "split"}  # a checkpoint of before
+    RandomWindowSampler(1200, 16, 4, seed=3).load_state_dict(legacy)
+    assert caplog.text == ""
+    caplog.set_level("WARNING", logger="attnlab.data.sampler")
+    RandomWindowSampler(1200, 16, 4, seed=3).load_state_dict(state)
+    assert "the training split has 1200 tokens where the checkpoint's had 1000 tokens" in caplog.text
+    caplog.clear()
+    PaddedDocumentSampler(1000, 16, 4, seed=3).load_state_dict(state)
+    assert "1000 documents where the checkpoint's had 1000 tokens" in caplog.text
+
+
 def test_short_splits_are_named():
     """A packed token corpus can hold a long training split and a validation split of a few tokens:
     the error said "data has 6 tokens", which the user's 3,000-token data contradicts."""

@@ -124,6 +124,8 @@ class PaddedDocumentSampler(RandomWindowSampler):
     of epochs, epoch e visiting the documents in the order of a permutation seeded with (seed, e);
     rank r takes the r-th B of them. The state is the batch counter, as in RandomWindowSampler."""
 
+    unit = "documents"
+
     def __init__(self, n_documents: int, seq_len: int, batch_size: int, seed: int, rank: int = 0,
                  world_size: int = 1) -> None:
         if n_documents < 1:
@@ -132,6 +134,10 @@ class PaddedDocumentSampler(RandomWindowSampler):
         self.rank, self.world_size = rank, world_size
         self.position = 0
         self._epoch, self._order = -1, np.zeros(0, dtype=np.int64)
+
+    @property
+    def size(self) -> int:
+        return self.n_documents
 
     def order(self, epoch: int) -> np.ndarray:
         if epoch != self._epoch:  # one permutation in memory at a time

@@ -8,6 +8,7 @@ same global batch (their union is the single-process batch of batch_size * world
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +17,8 @@ import torch
 
 from attnlab.config import TrainConfig
 from attnlab.errors import DataError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -41,6 +44,8 @@ def _check_length(n_tokens: int, seq_len: int, split: str) -> None:
 
 
 class RandomWindowSampler:
+    unit = "tokens"  # what the training split is counted in (its `size`)
+
     def __init__(
         self, n_tokens: int, seq_len: int, batch_size: int, seed: int, rank: int = 0, world_size: int = 1
     ) -> None:
@@ -61,9 +66,14 @@ class RandomWindowSampler:
         self.position += 1
         return Batch(tokens=batch)
 
+    @property
+    def size(self) -> int:
+        """The training split's size in `unit`s: the batches a position gives depend on it."""
+        return self.n_tokens
+
     def state_dict(self) -> dict[str, Any]:
         return {"position": self.position, "seed": self.seed, "seq_len": self.seq_len,
-                "batch_size": self.batch_size, "world_size": self.world_size}
+                "batch_size": self.batch_size, "world_size": self.world_size, "split": [self.size, self.unit]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for key in ("seed", "seq_len", "batch_size", "world_size"):
@@ -72,6 +82,11 @@ class RandomWindowSampler:
                     f"checkpoint's data sampler has {key}={state[key]} but this run has {getattr(self, key)}; "
                     f"resume with the same train.{key if key != 'world_size' else 'world size'}"
                 )
+        # other data (prepared again, another split or layout) is a choice a run may make: said, not refused
+        if "split" in state and list(state["split"]) != [self.size, self.unit]:
+            size, unit = state["split"]
+            log.warning("the training split has %d %s where the checkpoint's had %d %s: the run goes on with "
+                        "other batches than an uninterrupted run would have read", self.size, self.unit, size, unit)
         self.position = int(state["position"])
 
 
