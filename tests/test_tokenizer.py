@@ -76,6 +76,19 @@ def test_cli_train(tmp_path, capsys):
     assert {p.name for p in (tmp_path / "t").iterdir()} >= {"tokenizer.json", "tokenizer_config.json"}
 
 
+def test_cli_train_reads_what_data_prepare_reads(tmp_path, tokenizer_dir, capsys):
+    """A jsonl file is read as documents whatever the case of its suffix (.JSONL was read as raw
+    text, JSON syntax and all), and --skip-bad skips its malformed lines as `data prepare
+    --skip-bad` does (a file that command took could not train a tokenizer)."""
+    corpus = tmp_path / "CORPUS.JSONL"
+    corpus.write_text("".join(json.dumps({"text": text}) + "\n" for text in DOCUMENTS) + '{"text": oops\n')
+    command = ["tokenizer", "train", "--input", str(corpus), "--vocab-size", "300", "--out", str(tmp_path / "t")]
+    assert main(command) == 2
+    assert f"{corpus}:81: not valid JSON" in capsys.readouterr().err
+    assert main([*command, "--skip-bad"]) == 0
+    assert Tokenizer(tmp_path / "t").encode('{"text": ') == Tokenizer(tokenizer_dir).encode('{"text": ')
+
+
 def test_missing_tokenizer_is_a_clear_error(tmp_path):
     with pytest.raises(DataError, match="attnlab tokenizer train"):
         Tokenizer(tmp_path)

@@ -19,6 +19,7 @@ def register(subparsers) -> None:
     train.add_argument("--vocab-size", type=arguments.integer_at_least(MIN_VOCAB, MAX_VOCAB), default=6400,
                        help="MiniMind: 6400")
     train.add_argument("--out", type=Path, required=True, metavar="DIR")
+    train.add_argument("--skip-bad", action="store_true", help="skip malformed jsonl lines (counted), not fail")
     train.set_defaults(func=run_train)
 
     encode = actions.add_parser("encode", help="print the token ids of TEXT (or of standard input)")
@@ -33,7 +34,8 @@ def register(subparsers) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    folder = train_tokenizer(args.input, args.vocab_size, args.out, progress=sys.stderr.isatty())
+    folder = train_tokenizer(args.input, args.vocab_size, args.out, progress=sys.stderr.isatty(),
+                             skip_bad=args.skip_bad)
     print(f"{folder} ({Tokenizer(folder).vocab_size} tokens)")
     return 0
 

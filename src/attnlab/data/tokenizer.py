@@ -31,7 +31,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from attnlab.data.jsonl import read_texts
+from attnlab.data.jsonl import SkipCounter, read_texts
 from attnlab.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -77,22 +77,25 @@ def byte_symbols() -> tuple[dict[int, str], dict[str, int]]:
     return forward, {symbol: byte for byte, symbol in forward.items()}
 
 
-def texts_of(paths: Iterable[Path]) -> Iterator[str]:
-    """Documents of the input files: the "text" of each line of .jsonl files, the whole of others."""
+def texts_of(paths: Iterable[Path], skip_bad: bool = False, skipped: SkipCounter | None = None) -> Iterator[str]:
+    """Documents of the input files: the "text" of each line of .jsonl files (the suffix in any
+    case; skip_bad, skipped: read_texts'), the whole of others."""
     for path in paths:
         path = Path(path)
         if not path.is_file():
             raise DataError(f"input file {path} {'is not a regular file' if path.exists() else 'does not exist'}")
-        if path.suffix == ".jsonl":
-            yield from read_texts(path)
+        if path.suffix.lower() == ".jsonl":
+            yield from read_texts(path, skip_bad, skipped)
         elif path.stat().st_size:
             yield path.read_text(encoding="utf-8", errors="replace")
 
 
 def train_tokenizer(inputs: list[Path], vocab_size: int, out_dir: Path, max_seq_len: int = 512,
-                    progress: bool = False) -> Path:
+                    progress: bool = False, skip_bad: bool = False) -> Path:
     """Train byte-level BPE on `inputs` (jsonl or text files); write the tokenizer files to out_dir.
-    progress: a bar counting the documents read, then the trainer's own (on a terminal)."""
+    progress: a bar counting the documents read, then the trainer's own (on a terminal). skip_bad:
+    malformed jsonl lines are skipped (counted in the log) rather than an error, as `data prepare
+    --skip-bad` skips them, so the files it accepts train a tokenizer too."""
     from tqdm import tqdm
 
     tokenizers = _tokenizers()
@@ -112,15 +115,18 @@ def train_tokenizer(inputs: list[Path], vocab_size: int, out_dir: Path, max_seq_
         initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),  # all 256 bytes, always encodable
         show_progress=progress,
     )
-    n_documents = 0
+    n_documents, skipped = 0, SkipCounter()
 
     def documents() -> Iterator[str]:
         nonlocal n_documents
-        for text in tqdm(texts_of(inputs), desc="reading documents", unit=" documents", disable=not progress):
+        for text in tqdm(texts_of(inputs, skip_bad, skipped), desc="reading documents", unit=" documents",
+                         disable=not progress):
             n_documents += 1
             yield text
 
     tokenizer.train_from_iterator(documents(), trainer=trainer)
+    if skipped.count:
+        log.warning("skipped %d malformed lines, first: %s", skipped.count, skipped.examples[0])
     if n_documents == 0:
         raise DataError(f"no documents in {', '.join(map(str, inputs))}")
     for index, token in enumerate(SPECIAL_TOKENS):
