@@ -142,9 +142,19 @@ def test_plot_runs(tmp_path, text_file):  # noqa: F811
 
 
 def test_tensorboard_sink(tmp_path, text_file):  # noqa: F811
+    """Each step's loss once, also after a resume from an earlier checkpoint: TensorBoard drops what
+    the first run logged past it, as metrics.jsonl does (it showed both runs over those steps)."""
     pytest.importorskip("tensorboard")
-    run_dir = train(tiny(tmp_path, text_file, "tb", "train.max_steps=2", "log.tensorboard=true")).run_dir
-    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from attnlab.train.checkpoint import checkpoint_path
+
+    config = tiny(tmp_path, text_file, "tb", "log.tensorboard=true")
+    run_dir = train(config).run_dir
+    train(config, resume=str(checkpoint_path(run_dir, 5)))
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    assert [event.step for event in events.Scalars("loss")] == list(range(1, 11))
 
 
 def test_wandb_sink_logs_every_record_and_resumes_the_same_run(tmp_path, text_file, monkeypatch):  # noqa: F811

@@ -264,7 +264,7 @@ def prepare(config: RunConfig, resume: str | bool | None, command_line: list[str
     if tc.compile:
         strategy.compile()
     if strategy.is_main:
-        run.metrics = open_metrics(config.log, config.run_dir, config.name, config_to_dict(config))
+        run.metrics = open_metrics(config.log, config.run_dir, config.name, config_to_dict(config), run.step)
     log.info(
         "%s: %s, %.2fM parameters, %s on %s (%s, %s x %d)",
         config.name, config.model.attention.kind, model.num_parameters() / 1e6, corpus.description, device,

@@ -31,12 +31,15 @@ class JsonlSink:
 
 
 class TensorBoardSink:
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, start_step: int = 0) -> None:
+        """start_step: the step a resumed run continues from; TensorBoard drops the events the
+        earlier run wrote after it, as metrics.jsonl drops its records (train/timeline.py), so a
+        run resumed from an earlier checkpoint shows one curve, not two over the same steps."""
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as error:
             raise ConfigError("log.tensorboard=true needs tensorboard: pip install tensorboard") from error
-        self.writer = SummaryWriter(str(folder))
+        self.writer = SummaryWriter(str(folder), purge_step=start_step + 1 if start_step else None)
 
     def write(self, step: int, record: dict[str, Any]) -> None:
         for name, value in record.items():
@@ -85,10 +88,12 @@ class Metrics:
             sink.close()
 
 
-def open_metrics(config: LogConfig, run_dir: Path, run_name: str, resolved: dict[str, Any]) -> Metrics:
+def open_metrics(config: LogConfig, run_dir: Path, run_name: str, resolved: dict[str, Any],
+                 start_step: int = 0) -> Metrics:
+    """The sinks of a run that starts (or resumes) at start_step."""
     sinks: list = [JsonlSink(run_dir / "metrics.jsonl")]
     if config.tensorboard:
-        sinks.append(TensorBoardSink(run_dir / "tensorboard"))
+        sinks.append(TensorBoardSink(run_dir / "tensorboard", start_step))
     if config.wandb:
         sinks.append(WandbSink(config, run_name, run_dir, resolved))
     return Metrics(sinks)
