@@ -275,6 +275,34 @@ def test_nonfinite_gradients_skipped_when_asked(tmp_path, text_file, monkeypatch
     assert [r["step"] for r in read_metrics(result.run_dir) if r.get("skipped")] == [7]
 
 
+def test_a_streak_of_skipped_steps_counts_on_across_a_resume(tmp_path, text_file, monkeypatch):
+    """train.on_nonfinite=skip stops after MAX_CONSECUTIVE_SKIPS skipped steps in a row; a run
+    stopped and resumed inside the streak stops at the step the uninterrupted one does (the count
+    started again at 0)."""
+    from attnlab.train.finite import MAX_CONSECUTIVE_SKIPS
+
+    calls = {"n": 0}
+    real_forward = loop.Transformer.forward
+
+    def poisoned_from_the_third_step(self, *args, **kwargs):
+        output = real_forward(self, *args, **kwargs)
+        if self.training and kwargs.get("targets") is not None:
+            calls["n"] += 1
+            if calls["n"] >= 3:
+                output.loss, output.lm_loss = map(_InfiniteGradient.apply, (output.loss, output.lm_loss))
+        return output
+
+    monkeypatch.setattr(loop.Transformer, "forward", poisoned_from_the_third_step)
+    last = 2 + MAX_CONSECUTIVE_SKIPS
+    for name, until_step in (("whole", None), ("split", 6)):
+        config = tiny(tmp_path, text_file, name, "train.on_nonfinite=skip", "train.max_steps=30")
+        if until_step is not None:
+            assert train(config, until_step=until_step).step == until_step
+        with pytest.raises(TrainingError, match=rf"at step {last} \({MAX_CONSECUTIVE_SKIPS} steps in a row\)"):
+            train(config, resume=until_step is not None)
+        calls["n"] = 0
+
+
 def test_overflowing_weights_stop_the_run(tmp_path, text_file, monkeypatch):
     """Finite gradients can still overflow a weight: the run stops and nothing non-finite is saved."""
     steps = {"n": 0}

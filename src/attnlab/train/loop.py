@@ -336,6 +336,7 @@ def restore(run: Run, state: dict[str, Any], resume_from: Path) -> None:
     if state["scaler"]:  # empty from a run without loss scaling: one resumed in fp16 starts its scale afresh
         run.scaler.load_state_dict(state["scaler"])
     run.sampler.load_state_dict(state["sampler"])
+    run.nonfinite.consecutive = int(state.get("skipped_in_a_row", 0))  # a streak goes on counting
     rng_states = state["rng"]
     if len(rng_states) != strategy.world_size:
         raise CheckpointError(f"{resume_from} was written by {len(rng_states)} processes; this run has "
@@ -523,6 +524,7 @@ def write_checkpoint(run: Run) -> Path:
                 "rng": rng_states,
                 "sampler": run.sampler.state_dict(),
                 "train_seconds": run.train_seconds,
+                "skipped_in_a_row": run.nonfinite.consecutive,  # train.on_nonfinite=skip's count
             })
             prune_checkpoints(run_dir, run.config.train.keep_last, strategy.engine_folder)
         except AttnlabError as error:
