@@ -362,6 +362,24 @@ def test_import_refuses_unsupported_llama_options(tmp_path, capsys, change, name
     assert not (tmp_path / "run").exists()
 
 
+def test_import_into_a_trained_run_is_refused_but_importing_again_is_not(tmp_path, capsys):
+    """import-hf --out RUN --force over a run with later checkpoints would write step 0 beneath them,
+    and every command would load the old run's latest checkpoint: refused. Over an earlier import
+    (step 0 only, replaced) --force works."""
+    export_model(random_model(minimind_config(depth=1)), tmp_path / "hf")
+    trained = random_model(minimind_config(depth=1, tie_embeddings=False), seed=3)
+    write_run(tmp_path / "run", trained)
+    assert main(["import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run"), "--force"]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "holds an attnlab run (checkpoints/step-0000007.pt)" in error
+    assert not checkpoint_path(tmp_path / "run", 0).exists()
+    (tmp_path / "a-file").write_text("keep")
+    assert main(["import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "a-file")]) == 2
+    assert "is a file" in capsys.readouterr().err
+    import_hf(tmp_path / "hf", tmp_path / "imported")
+    assert import_hf(tmp_path / "hf", tmp_path / "imported", overwrite=True) == tmp_path / "imported"
+
+
 def test_import_refuses_weights_that_do_not_match(tmp_path):
     from safetensors.torch import load_file, save_file
 

@@ -216,6 +216,25 @@ def test_export_into_an_existing_folder_needs_force(tmp_path, capsys):
         assert (load_exported(tmp_path / "hf")(tokens).logits - model(tokens).logits).abs().max() < TOLERANCE
 
 
+@pytest.mark.parametrize("out", ["a-file", "the-run", "another-run"])
+def test_export_into_a_file_or_a_run_directory_is_refused(tmp_path, capsys, out):
+    """--out that is a file is one line, not an OSError; a run directory is refused even with
+    --force: the export would replace the run's model.safetensors (its final weights)."""
+    from attnlab.train.portable import write_weights_file
+
+    runs = {name: write_run(tmp_path / name, random_model(variant_config("full")))
+            for name in ("the-run", "another-run")}
+    weights = {name: write_weights_file(run).read_bytes() for name, run in runs.items()}
+    (tmp_path / "a-file").write_text("keep")
+    assert main(["export", str(tmp_path / "the-run"), "--out", str(tmp_path / out), "--force"]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and error.startswith("attnlab export: error:")
+    assert ("is a file" if out == "a-file" else "holds an attnlab run") in error
+    assert (tmp_path / "a-file").read_text() == "keep"
+    assert {name: (run / "model.safetensors").read_bytes() for name, run in runs.items()} == weights
+    assert not (tmp_path / out / "config.json").exists()
+
+
 def test_import_attnlab_registers_the_type_once_transformers_is_imported(tmp_path):
     """`import attnlab` does not import transformers (seconds that train or sample need not pay),
     and registers the model type as soon as transformers is imported: no trust_remote_code then."""

@@ -61,7 +61,7 @@ from attnlab.data.tokenizer import BOS_TOKEN, TOKENIZER_FILE, byte_symbols
 from attnlab.errors import ConversionError
 from attnlab.model.layers import hidden_width
 from attnlab.model.transformer import Transformer
-from attnlab.train.checkpoint import checkpoint_path, load_model, save_checkpoint
+from attnlab.train.checkpoint import CHECKPOINT_DIR, checkpoint_path, list_checkpoints, load_model, save_checkpoint
 from attnlab.train.checksum import load_safetensors, safetensors_metadata
 
 log = logging.getLogger(__name__)
@@ -372,7 +372,17 @@ def write_byte_tokenizer(out_dir: Path) -> bool:
     return True
 
 
-def _prepare_out_dir(out_dir: Path, overwrite: bool) -> None:
+def _prepare_out_dir(out_dir: Path, overwrite: bool, own_checkpoint: Path | None = None) -> None:
+    """Make `out_dir` for writing: refused if it is a file, if it is not empty (unless `overwrite`),
+    or, even with `overwrite`, if it holds a run's checkpoints other than `own_checkpoint` (the one
+    the write replaces): an export would replace the run's model.safetensors, and an import's step-0
+    checkpoint would lie under the run's later ones, which attnlab would load instead of it."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConversionError(f"{out_dir} is a file, not a folder; choose a folder to write")
+    others = [path.name for path in list_checkpoints(out_dir) if path != own_checkpoint]
+    if others:
+        raise ConversionError(f"{out_dir} holds an attnlab run ({CHECKPOINT_DIR}/{others[-1]}), which writing into it "
+                              "would damage; choose another folder")
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise ConversionError(f"{out_dir} is not empty; choose another folder or pass --force")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -704,7 +714,7 @@ def import_hf(hf_dir: str | Path, run_dir: str | Path, overwrite: bool = False) 
         name=run_dir.name, out_dir=str(run_dir.parent), model=model_config, train=train, data=data,
         description=f"imported from the Hugging Face checkpoint {hf_dir}",
     )
-    _prepare_out_dir(run_dir, overwrite)
+    _prepare_out_dir(run_dir, overwrite, own_checkpoint=checkpoint_path(run_dir, 0))
     save_config(config, run_dir / "config.yaml")
     save_checkpoint(checkpoint_path(run_dir, 0), {"config": config_to_dict(config), "model": model.state_dict(),
                                                   "step": 0})
