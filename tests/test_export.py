@@ -351,11 +351,19 @@ def test_import_other_checkpoint_layouts(tmp_path, layout):
     ({"hidden_act": "gelu"}, "hidden_act=gelu"),
     ({"model_type": "mistral"}, "model_type 'mistral'"),
     ({"hidden_size": None}, "config.json lacks hidden_size"),
+    # malformed values: each was a traceback (ValueError, TypeError, AttributeError) before
+    ({"hidden_size": "sixty-four"}, "malformed values: hidden_size='sixty-four'"),
+    ({"num_key_value_heads": 0}, "malformed values: num_key_value_heads=0"),
+    ({"rms_norm_eps": None}, "malformed values: rms_norm_eps=None"),
+    ({"num_key_value_heads": 3}, "no model attnlab can build: heads=4 must be a multiple of kv_heads=3"),
+    ({"head_dim": 15}, "no model attnlab can build: dim_head=15 must be even"),
+    ([], "not a model config (a JSON list"),
 ])
 def test_import_refuses_unsupported_llama_options(tmp_path, capsys, change, named):
     export_model(random_model(minimind_config(depth=1)), tmp_path / "hf")
     config_file = tmp_path / "hf" / "config.json"
-    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), **change}))
+    config = change if isinstance(change, list) else {**json.loads(config_file.read_text()), **change}
+    config_file.write_text(json.dumps(config))
     assert main(["import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 2
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and named in error

@@ -55,10 +55,19 @@ from typing import Any
 
 import torch
 
-from attnlab.config import DataConfig, ModelConfig, MoEConfig, RunConfig, TrainConfig, config_to_dict, save_config
+from attnlab.config import (
+    DataConfig,
+    ModelConfig,
+    MoEConfig,
+    RunConfig,
+    TrainConfig,
+    check_model,
+    config_to_dict,
+    save_config,
+)
 from attnlab.data.shards import TOKENIZER_FOLDER
 from attnlab.data.tokenizer import BOS_TOKEN, TOKENIZER_FILE, byte_symbols
-from attnlab.errors import ConversionError
+from attnlab.errors import ConfigError, ConversionError
 from attnlab.model.layers import hidden_width
 from attnlab.model.transformer import Transformer
 from attnlab.train.checkpoint import CHECKPOINT_DIR, checkpoint_path, list_checkpoints, load_model, save_checkpoint
@@ -514,12 +523,34 @@ def read_hf_config(hf_dir: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConversionError(f"{hf_dir} has no {CONFIG_FILE}: not a Hugging Face checkpoint folder")
     try:
-        return json.loads(path.read_text())
+        hf = json.loads(path.read_text())
     except json.JSONDecodeError as error:
         raise ConversionError(f"{path}: not valid JSON ({error.msg})") from error
+    if not isinstance(hf, dict):
+        raise ConversionError(f"{path}: not a model config (a JSON {type(hf).__name__}, not an object)")
+    return hf
 
 
 IMPORTABLE = {"llama": "LlamaForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+# config.json's counts and widths, positive integers where given, and its real numbers
+HF_SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "intermediate_size", "max_position_embeddings", "moe_intermediate_size", "num_experts",
+            "num_experts_per_tok", "shared_expert_intermediate_size")
+HF_REALS = ("rope_theta", "rms_norm_eps", "router_aux_loss_coef")
+
+
+def malformed_values(hf: dict[str, Any]) -> list[str]:
+    """config.json's numbers of the wrong kind (a string, a fraction, zero or less where a width is due;
+    null where a real number is), as key=value: read as they are, they fail with a traceback."""
+    def is_size(value: Any) -> bool:
+        return value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 0)
+
+    def is_real(value: Any) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+    wrong = [key for key in HF_SIZES if not is_size(hf.get(key))]
+    wrong += [key for key in HF_REALS if key in hf and not is_real(hf[key])]
+    return [f"{key}={hf[key]!r}" for key in wrong]
 
 
 def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
@@ -537,6 +568,9 @@ def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     missing = [key for key in required if hf.get(key) is None]
     if missing:
         raise ConversionError(f"{CONFIG_FILE} lacks {', '.join(missing)}")
+    malformed = malformed_values(hf)
+    if malformed:
+        raise ConversionError(f"{CONFIG_FILE} has malformed values: {', '.join(malformed)}")
     rope = hf.get("rope_parameters") or {}  # transformers 5; 4 writes rope_theta and rope_scaling
     scaling = hf.get("rope_scaling") or {}
     problems = []
@@ -570,7 +604,7 @@ def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     if problems:
         raise ConversionError(f"unsupported {IMPORTABLE[model_type]} options: {'; '.join(problems)}")
     heads = int(hf["num_attention_heads"])
-    return ModelConfig(
+    config = ModelConfig(
         num_tokens=int(hf["vocab_size"]),
         dim=int(hf["hidden_size"]),
         depth=int(hf["num_hidden_layers"]),
@@ -587,6 +621,11 @@ def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         moe=moe_config,
     )
+    try:
+        check_model(config, where="")  # what no single value says: heads a multiple of key/value heads, ...
+    except ConfigError as error:
+        raise ConversionError(f"{CONFIG_FILE} describes no model attnlab can build: {error}") from error
+    return config
 
 
 def sharded_files(index_file: Path) -> list[str]:
