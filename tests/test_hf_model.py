@@ -216,6 +216,27 @@ def test_export_into_an_existing_folder_needs_force(tmp_path, capsys):
         assert (load_exported(tmp_path / "hf")(tokens).logits - model(tokens).logits).abs().max() < TOLERANCE
 
 
+def test_an_export_that_fails_midway_leaves_no_half_written_weights(tmp_path, capsys, monkeypatch):
+    """A full disk while the weights are written: no partial model.safetensors under the name
+    transformers loads, no staging file left, and with --force the previous export stays loadable."""
+    import safetensors.torch
+
+    write_run(tmp_path / "run", random_model(variant_config("full")))
+    assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
+    before = {path.name: path.read_bytes() for path in (tmp_path / "hf").iterdir()}
+
+    def disk_full(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"\0" * 100)
+        raise OSError(28, "No space left on device", filename)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", disk_full)
+    assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "hf"), "--force"]) == 1
+    assert "No space left on device" in capsys.readouterr().err
+    assert {path.name: path.read_bytes() for path in (tmp_path / "hf").iterdir()} == before
+    assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "new")]) == 1
+    assert list((tmp_path / "new").iterdir()) == []
+
+
 @pytest.mark.parametrize("out", ["a-file", "the-run", "another-run"])
 def test_export_into_a_file_or_a_run_directory_is_refused(tmp_path, capsys, out):
     """--out that is a file is one line, not an OSError; a run directory is refused even with

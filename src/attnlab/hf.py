@@ -49,6 +49,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,7 @@ from attnlab.config import (
     config_to_dict,
     save_config,
 )
+from attnlab.data.files import write_atomic
 from attnlab.data.shards import TOKENIZER_FOLDER
 from attnlab.data.tokenizer import BOS_TOKEN, TOKENIZER_FILE, byte_symbols
 from attnlab.errors import ConfigError, ConversionError
@@ -450,11 +452,31 @@ def write_configs(out_dir: Path, architecture: str, config: ModelConfig, dtype: 
     """config.json, generation_config.json (the special tokens generate() stops at and pads with)
     and, for attnlab's own type, the modeling_attnlab.py that config.json's auto_map names."""
     hf_config = CONFIG_WRITERS[architecture](config, dtype, special_ids)
-    (out_dir / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
+    write_atomic(out_dir / CONFIG_FILE, (json.dumps(hf_config, indent=2) + "\n").encode())
     generation = {name: value for name, value in special_ids.items() if value is not None}
-    (out_dir / GENERATION_CONFIG_FILE).write_text(json.dumps(generation, indent=2) + "\n")
+    write_atomic(out_dir / GENERATION_CONFIG_FILE, (json.dumps(generation, indent=2) + "\n").encode())
     if architecture == ATTNLAB:
-        (out_dir / MODELING_FILE).write_text(MODELING_SOURCE)
+        write_atomic(out_dir / MODELING_FILE, MODELING_SOURCE.encode())
+
+
+def write_weights(tensors: Tensors, path: Path) -> None:
+    """A safetensors file written whole or not at all: staged beside `path`, synced, then renamed, so
+    a failed or interrupted export (a full disk, Ctrl-C) leaves no half file under the name
+    transformers loads, and with --force the previous export's weights stay until the new ones are
+    complete."""
+    from safetensors.torch import save_file
+
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        save_file(tensors, str(temporary), metadata={"format": "pt", **safetensors_metadata(tensors)})
+        descriptor = os.open(temporary, os.O_RDONLY)
+        try:
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
+        temporary.replace(path)
+    finally:
+        temporary.unlink(missing_ok=True)
 
 
 def export_model(
@@ -470,8 +492,6 @@ def export_model(
     byte tokenizer). The architecture is native where transformers has one (Llama, Qwen2-MoE,
     Mistral), attnlab's own model type otherwise (`model_type`, see MODEL_TYPES). Raises
     ConversionError before writing anything."""
-    from safetensors.torch import save_file
-
     config = model.config
     architecture = choose_architecture(config, model_type)
     if dtype not in DTYPES:
@@ -486,7 +506,7 @@ def export_model(
     _prepare_out_dir(out_dir, overwrite)
     # contiguous copies: safetensors refuses views and tensors that share memory
     tensors = {name: value.to(DTYPES[dtype]).contiguous().clone() for name, value in tensors.items()}
-    save_file(tensors, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt", **safetensors_metadata(tensors)})
+    write_weights(tensors, out_dir / WEIGHTS_FILE)
     write_tokenizer_files(out_dir, tokenizer_dir, config.num_tokens)
     write_configs(out_dir, architecture, config, dtype, special_ids)
     log.info("exported %d tensors to %s (%s, %s)", len(tensors), out_dir, architecture, dtype)
