@@ -249,6 +249,16 @@ def test_an_option_unknown_to_the_exporter_is_refused_unless_at_its_default():
         check_exportable(Extended(**values, logit_softcap=30.0))
 
 
+def test_a_run_initialised_otherwise_exports_natively(tmp_path):
+    """model.init only draws the starting weights: a run trained from GPT-2's initialisation is as
+    much a Llama as any (it was exported as attnlab's own type, and --model-type native refused it)."""
+    model = random_model(minimind_config(init="gpt2"))
+    check_exportable(model.config)
+    export_model(model, tmp_path / "hf", model_type="native")
+    tokens = torch.randint(0, 300, (1, 30), generator=torch.Generator().manual_seed(2))
+    assert (our_logits(model, tokens) - hf_logits(tmp_path / "hf", tokens)).abs().max() < TOLERANCE
+
+
 def test_cli_refuses_a_native_export_of_a_routing_run_in_one_line(tmp_path, capsys):
     """--model-type native refuses what Llama lacks (the default, auto, writes attnlab's own type)."""
     config = load_config("demo", ["model.norm=rmsnorm", "model.feed_forward=swiglu", "model.attention.kind=routing",

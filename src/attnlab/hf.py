@@ -100,13 +100,14 @@ __all__ = ["AttnlabConfig", "AttnlabForCausalLM"]
 Tensors = dict[str, torch.Tensor]  # a state dict: parameter name -> tensor
 
 # The ModelConfig fields export knows: mapped to HF, checked below, or without effect on the logits
-# (ff_chunks splits the same computation, dropout and loss_chunk_size act in training only). Any
+# (ff_chunks splits the same computation, dropout and loss_chunk_size act in training only, init
+# draws the weights a run starts from, which the checkpoint's replace). Any
 # other field, an option added later, must be at its default or the export is refused: it could
 # change what the model computes.
 KNOWN_MODEL_OPTIONS = frozenset({
     "num_tokens", "dim", "depth", "heads", "dim_head", "kv_heads", "max_seq_len", "emb_dim", "position",
     "rope_theta", "norm", "norm_eps", "feed_forward", "ff_mult", "ff_hidden", "tie_embeddings", "reversible",
-    "attention", "moe", "ff_chunks", "dropout", "loss_chunk_size",
+    "attention", "moe", "ff_chunks", "dropout", "loss_chunk_size", "init",
 })
 
 
