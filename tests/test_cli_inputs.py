@@ -276,6 +276,15 @@ def test_a_prompt_of_any_bytes_is_sampled(runs, capsys):
     assert capsys.readouterr().out.startswith("caf\ufffd")
 
 
+def test_a_refused_sample_writes_nothing_to_stdout(runs, capsys):
+    """A prompt the model cannot take is refused before the prompt is echoed: the error stood on the
+    prompt's line, and output redirected to a file held the prompt of a sample that failed."""
+    capsys.readouterr()
+    assert main(["sample", runs["learned"], "--prompt", "x" * 40, "--max-new-tokens", "1"]) == 2
+    captured = capsys.readouterr()
+    assert "make 41 tokens" in captured.err and captured.out == ""
+
+
 # --------------------------------------------------------------------------------------------
 # What the operating system refuses (a path, a permission, memory): one line, -v for the traceback
 

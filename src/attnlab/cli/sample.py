@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 
 from attnlab.cli import arguments
@@ -51,9 +52,12 @@ def run(args: argparse.Namespace) -> int:
         model.compile_decoding(linear="library" if torch.device(device).type == "cpu" else None)
     pieces = stream_text(model, prompt, args.max_new_tokens, sampling, not args.no_cache, generator, tokenizer,
                          args.compile, args.cache_dtype and getattr(torch, args.cache_dtype))
+    # the first piece before any output: a refused prompt (too long, past the vocabulary) or a cache
+    # that does not fit is one line on stderr, not an error after the echoed prompt on stdout
+    first = next(pieces)
     # a prompt from the command line may hold bytes that are not UTF-8 (as surrogates): shown replaced
     sys.stdout.write(args.prompt.encode("utf-8", "surrogateescape").decode("utf-8", "replace"))
-    for piece in pieces:
+    for piece in itertools.chain([first], pieces):
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
