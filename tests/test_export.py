@@ -187,6 +187,18 @@ def test_cli_export_with_tokenizer(tmp_path, capsys, tokenizer_place):
     assert main(["export", str(run_dir), "--out", str(tmp_path / "hf"), "--force", "--dtype", "bfloat16"]) == 0
 
 
+def test_a_weight_beyond_float16_is_refused_in_float16(tmp_path):
+    """A weight beyond float16's 65504 became infinite in the cast, silently: the exported model
+    computed inf and NaN. Refused in one line before anything is written; bfloat16 takes it."""
+    model = random_model(minimind_config(depth=1))
+    with torch.no_grad():
+        model.head.weight[0, 0] = 1e5
+    with pytest.raises(ConversionError, match="not finite in float16"):
+        export_model(model, tmp_path / "hf", dtype="float16")
+    assert not (tmp_path / "hf").exists()
+    export_model(model, tmp_path / "hf", dtype="bfloat16")
+
+
 def test_tokenized_run_without_its_tokenizer_is_refused(tmp_path):
     data = DataConfig(source="tokens", path=str(tmp_path / "gone"))
     run_dir = write_run(tmp_path / "run", random_model(minimind_config(depth=1)), data)

@@ -480,6 +480,15 @@ def write_weights(tensors: Tensors, path: Path) -> None:
         temporary.unlink(missing_ok=True)
 
 
+def check_finite_in(tensors: dict[str, torch.Tensor], dtype: str) -> None:
+    """ConversionError where a weight is no longer finite in `dtype`: a value beyond float16's
+    65504 became infinite in the cast, and the exported model would compute inf and NaN."""
+    for name, value in tensors.items():
+        if value.is_floating_point() and not torch.isfinite(value).all():
+            raise ConversionError(f"{name} is not finite in {dtype} (a weight beyond its range): export in "
+                                  f"bfloat16 or float32")
+
+
 def export_model(
     model: Transformer,
     out_dir: str | Path,
@@ -503,10 +512,11 @@ def export_model(
     special_ids = special_token_ids(tokenizer_dir)  # the tokenizer is read before anything is written
     state = {name: value.detach().cpu() for name, value in model.state_dict().items()}
     tensors = attnlab_tensors(state, config) if architecture == ATTNLAB else native_tensors(state, config)
-    out_dir = Path(out_dir)
-    _prepare_out_dir(out_dir, overwrite)
     # contiguous copies: safetensors refuses views and tensors that share memory
     tensors = {name: value.to(DTYPES[dtype]).contiguous().clone() for name, value in tensors.items()}
+    check_finite_in(tensors, dtype)
+    out_dir = Path(out_dir)
+    _prepare_out_dir(out_dir, overwrite)
     write_weights(tensors, out_dir / WEIGHTS_FILE)
     write_tokenizer_files(out_dir, tokenizer_dir, config.num_tokens)
     write_configs(out_dir, architecture, config, dtype, special_ids)
