@@ -6,6 +6,7 @@ Commands run in-process (`main([...])`); one subprocess checks the imports of a 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -222,8 +223,6 @@ def test_sample_eval_speculative_refuse_in_one_line(runs, tmp_path, capsys):
 def test_the_vocabulary_of_the_data_must_fit_the_model(tmp_path, capsys, monkeypatch):
     """Token ids past the model's vocabulary (model.num_tokens), in training, evaluation or a prompt:
     named in one line, never an index error from inside the embedding."""
-    import json
-
     import attnlab.train.checkpoint as checkpoint
     from attnlab.data.shards import prepare_token_shards
     from attnlab.data.tokenizer import train_tokenizer
@@ -274,6 +273,32 @@ def test_a_prompt_of_any_bytes_is_sampled(runs, capsys):
     """A command line's bytes that are not UTF-8 arrive as surrogates: encoded as the bytes they were."""
     assert main(["sample", runs["bytes"], "--prompt", "caf\udce9", "--max-new-tokens", "2", "--temperature", "0"]) == 0
     assert capsys.readouterr().out.startswith("caf\ufffd")
+
+
+def test_a_byte_model_with_more_tokens_than_bytes_is_sampled(runs, capsys, monkeypatch):
+    """A byte-level model with model.num_tokens > 256 can draw an id that stands for no byte: shown as
+    U+FFFD by `sample` and `speculative` (bytes() refused it, a ValueError traceback)."""
+    import attnlab.bench.speculative as speculative
+    import attnlab.train.checkpoint as checkpoint
+
+    data = ["data.source=file", f"data.path={runs['corpus']}", f"out_dir={runs['root']}"]
+    assert main(["train", *TINY, *data, "model.num_tokens=300", "name=wide"]) == 0
+    run = str(Path(runs["root"]) / "wide")
+    model = checkpoint.load_model(run)
+    with torch.no_grad():  # the final (layer) norm gives ones; the head makes token 299 the most likely
+        model.norm.weight.zero_()
+        model.norm.bias.fill_(1.0)
+        model.head.weight.zero_()
+        model.head.weight[299] = 1.0
+    monkeypatch.setattr(checkpoint, "load_model", lambda *args, **kwargs: model)
+    monkeypatch.setattr(speculative, "load_model", lambda *args, **kwargs: model)
+    capsys.readouterr()
+    assert main(["sample", run, "--prompt", "ab", "--max-new-tokens", "3", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out == "ab" + "\ufffd" * 3 + "\n"
+    assert main(["speculative", "--target", run, "--early-exit", "1", "--prompt", "ab", "--max-new-tokens", "3",
+                 "--temperature", "0", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["base"]["text"] == report["speculative"]["text"] == "\ufffd" * 3
 
 
 def test_a_refused_sample_writes_nothing_to_stdout(runs, capsys):

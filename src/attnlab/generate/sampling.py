@@ -57,6 +57,16 @@ def check_length(model: torch.nn.Module, length: int, what: str = "the prompt an
                               f"model.max_seq_len={config.max_seq_len}")
 
 
+REPLACEMENT = "\ufffd".encode()  # the bytes of U+FFFD, the character shown for what stands for no text
+
+
+def byte_model_bytes(token_ids: list[int]) -> bytes:
+    """The bytes a byte-level model's tokens stand for: each id its byte. An id past 255 stands for
+    none (a vocabulary larger than the bytes, model.num_tokens > 256, can still draw one) and comes
+    out as U+FFFD, as a byte that is not UTF-8 does."""
+    return b"".join(bytes([token]) if token < 256 else REPLACEMENT for token in token_ids)
+
+
 def check_finite(logits: Tensor, step: int, who: str = "the model") -> None:
     """GenerationError if the logits hold NaN or infinity (the weights are damaged, or overflowed):
     no distribution to sample from."""
@@ -159,5 +169,5 @@ def stream_text(
         token_id = int(token[0])
         if tokenizer is not None and token_id == tokenizer.eos_id:
             break  # the document ends here
-        yield decoder.decode(bytes([token_id]) if tokenizer is None else tokenizer.decode_bytes([token_id]))
+        yield decoder.decode(byte_model_bytes([token_id]) if tokenizer is None else tokenizer.decode_bytes([token_id]))
     yield decoder.decode(b"", final=True)
