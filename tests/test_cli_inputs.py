@@ -6,6 +6,7 @@ Commands run in-process (`main([...])`); one subprocess checks the imports of a 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 from attnlab.cli.main import build_parser, main, parse_arguments
+from attnlab.model import Transformer
 
 TEXT = (Path(__file__).parent.parent / "src" / "attnlab" / "train" / "loop.py").read_bytes() * 2
 TINY = ["model.dim=16", "model.depth=2", "model.heads=2", "model.dim_head=8", "model.max_seq_len=32",
@@ -245,6 +247,13 @@ def test_the_vocabulary_of_the_data_must_fit_the_model(tmp_path, capsys, monkeyp
     model.config.num_tokens = 100  # as an imported model whose tokenizer is larger than its embedding
     monkeypatch.setattr(checkpoint, "load_model", lambda *args, **kwargs: model)
     assert "the model has 100 (model.num_tokens)" in refused(["sample", run, "--prompt", "document 3"], capsys)
+    small = Transformer(dataclasses.replace(model.config, num_tokens=100))  # an embedding of 100 rows
+    small.run_config = model.run_config
+    import attnlab.bench.speculative as speculative
+
+    monkeypatch.setattr(speculative, "load_model", lambda *args, **kwargs: small)
+    line = refused(["speculative", "--target", run, "--early-exit", "1", "--prompt", "document 3"], capsys)
+    assert "the model has 100 (model.num_tokens)" in line
 
 
 def test_non_finite_logits_stop_sampling_in_one_line(runs, capsys, monkeypatch):

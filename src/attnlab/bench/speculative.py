@@ -27,6 +27,7 @@ from attnlab.generate.sampling import (
     byte_model_bytes,
     check_finite,
     check_length,
+    check_prompt,
     generate,
 )
 from attnlab.generate.speculative import (
@@ -227,6 +228,7 @@ def run_speculative_bench(bench: SpeculativeBench) -> dict[str, Any]:
     prompt = build_prompt(bench, target, tokenizer)  # [B, T]
     for name, model in (("the target", target), ("the draft", draft)):
         check_length(model, prompt.shape[1] + bench.max_new_tokens + bench.gamma)  # verification runs gamma past
+        check_prompt(model, prompt)  # ids past its vocabulary: refused here, not an index error in its embedding
         with torch.inference_mode():  # damaged (NaN) weights: refused here, not an index error mid-decoding
             check_finite(model(prompt).logits[:, -1], 0, name)
     warn_beyond_training(target, "target", prompt.shape[1] + bench.max_new_tokens)
