@@ -196,6 +196,8 @@ def test_sample_eval_speculative_refuse_in_one_line(runs, tmp_path, capsys):
         (["sample", runs["learned"], "--prompt", "x" * 40, "--max-new-tokens", "1"], "make 41 tokens"),
         (["sample", str(folder)], "has no checkpoints"),
         (["sample", str(empty)], "is corrupt or unsafe to load"),
+        (["sample", runs["bytes"], "--no-cache", "--compile"], "--compile: not read with --no-cache"),
+        (["sample", runs["bytes"], "--no-cache", "--cache-dtype", "bf16"], "--cache-dtype: not read with --no-cache"),
         (["eval", runs["learned"], "--seq-len", "64"], "evaluation windows of seq_len make 64 tokens"),
         (["eval", runs["bytes"], "--seq-len", "100000"], "windows of seq_len + 1"),
         (["eval", runs["bytes"], "--data", str(folder)], f"data file {folder} is a folder, not a file"),

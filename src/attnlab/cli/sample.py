@@ -8,6 +8,7 @@ import itertools
 import sys
 
 from attnlab.cli import arguments
+from attnlab.errors import ConfigError
 
 
 def register(subparsers) -> None:
@@ -30,7 +31,16 @@ def register(subparsers) -> None:
     parser.set_defaults(func=run)
 
 
+def check_options(args: argparse.Namespace) -> None:
+    """ConfigError naming an option --no-cache would ignore: --compile and --cache-dtype are the cache's
+    (the uncached path re-runs the whole sequence eagerly and stores no keys or values)."""
+    given = [option for option, value in (("--compile", args.compile), ("--cache-dtype", args.cache_dtype)) if value]
+    if args.no_cache and given:
+        raise ConfigError(f"{', '.join(given)}: not read with --no-cache (decoding without the cache)")
+
+
 def run(args: argparse.Namespace) -> int:
+    check_options(args)
     import torch
 
     from attnlab.data.corpus import encode_prompt, tokenizer_for
@@ -45,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = tokenizer_for(model.run_config.data, run_directory(args.run))  # None: a byte-level run
     prompt = torch.tensor([encode_prompt(tokenizer, args.prompt)], device=device)
     generator = torch.Generator(device=device).manual_seed(args.seed)
-    if args.compile and not args.no_cache:
+    if args.compile:
         # A one-off sample pays its compilation in full: on a CPU, the step with ATen's products, which
         # inductor's cache keeps for the next process (a packed step, faster by a tenth a token,
         # compiles again in every process: docs/benchmarks.md "Compile time"); the GPU's own default.
