@@ -213,6 +213,8 @@ def test_sample_eval_speculative_refuse_in_one_line(runs, tmp_path, capsys):
         (["speculative", "--target", runs["learned"], "--draft", runs["learned"], "--max-new-tokens", "40"],
          "learned positions end"),
         (["speculative", "--target", runs["bytes"]], "give --target RUN and --draft RUN"),
+        (["speculative", "--target", runs["bytes"], "--early-exit", "1", "--prime-from-val", "--prime-length",
+          "100000"], "--prime-length 100000: the target's validation split has"),
         (["sample", runs["bytes"], "--attention-backend", "flex"],
          "attention.full.backend=flex is not offered; full offers: auto, torch, cpu, triton"),
         (["speculative", "--target", runs["bytes"], "--draft", runs["bytes"], "--attention-backend", "flex"],

@@ -150,6 +150,10 @@ def build_prompt(bench: SpeculativeBench, target: Transformer, tokenizer: Tokeni
                       for row in range(bench.batch_size)]
             length = min(len(prime) for prime in primes)
             return torch.stack([prime[:length] for prime in primes]).long().to(bench.device)
+        longest = len(corpus.val) - 2  # eval_windows' windows of prime_length + 1 tokens, at one start at least
+        if bench.prime_length > longest:  # its own error names train.seq_len, which is not what was asked
+            raise AttnlabError(f"--prime-length {bench.prime_length}: the target's validation split has "
+                               f"{len(corpus.val)} tokens, primes of at most {longest}")
         windows = eval_windows(corpus.val, bench.prime_length, bench.batch_size, seed=bench.seed)
         return windows[:, : bench.prime_length].long().to(bench.device)
     tokens = encode_prompt(tokenizer, bench.prompt if bench.prompt is not None else "")
