@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from attnlab.errors import ConfigError
 from attnlab.generate import sampling_cpu
 from attnlab.generate.distribution import token_at
 from attnlab.generate.sampling import SamplingConfig, filter_logits, generate, probabilities, sample_from, stream
@@ -54,6 +55,15 @@ def test_sampled_frequencies_match_the_distribution(config):
 
 def test_greedy_is_argmax():
     assert torch.equal(probabilities(LOGITS, SamplingConfig(temperature=0)), torch.eye(6)[0])
+
+
+def test_a_tiny_temperature_is_greedy_not_nan():
+    """logits / a tiny temperature overflowed to -inf (or +inf): a softmax of NaN, from which the draw
+    lands past the vocabulary (an IndexError in the embedding). One float32 rounds to 0 is refused."""
+    for logits in (LOGITS, LOGITS + 10):
+        assert torch.equal(probabilities(logits, SamplingConfig(temperature=1.2e-38)), torch.eye(6)[0])
+    with pytest.raises(ConfigError, match="temperature must be 0 .greedy. or at least"):
+        SamplingConfig(temperature=1e-46)
 
 
 @pytest.mark.parametrize("name", ["full", "local"])

@@ -19,6 +19,8 @@ from torch import Tensor
 from attnlab.errors import ConfigError
 from attnlab.generate import sampling_cpu
 
+SMALLEST_TEMPERATURE = torch.finfo(torch.float32).smallest_normal  # the logits are divided in float32
+
 
 @dataclass(kw_only=True)
 class SamplingConfig:
@@ -30,6 +32,9 @@ class SamplingConfig:
     def __post_init__(self) -> None:  # ConfigError is a ValueError too; `not 0 <= x` also refuses NaN
         if not 0 <= self.temperature < math.inf:
             raise ConfigError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if 0 < self.temperature < SMALLEST_TEMPERATURE:  # float32 would hold it as 0 (or a subnormal)
+            raise ConfigError(f"temperature must be 0 (greedy) or at least {SMALLEST_TEMPERATURE:.3g}, float32's "
+                              f"smallest normal number, got {self.temperature}")
         if self.top_k is not None and self.top_k < 1:
             raise ConfigError(f"top_k must be >= 1, got {self.top_k}")
         if self.top_p is not None and not 0 < self.top_p <= 1:
@@ -69,7 +74,9 @@ def probabilities(logits: Tensor, config: SamplingConfig) -> Tensor:
         return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
     filtered = filter_logits(logits, config)
     if config.temperature != 1:
-        filtered = filtered / config.temperature
+        # the largest logit subtracted first: a small temperature sends the others to -inf, never the
+        # largest to +-inf (a softmax of NaN, and a draw past the vocabulary)
+        filtered = (filtered - filtered.amax(dim=-1, keepdim=True)) / config.temperature
     return torch.softmax(filtered, dim=-1)
 
 
