@@ -196,6 +196,14 @@ def test_a_resume_over_other_data_says_its_batches_differ(caplog):
     assert "1000 documents where the checkpoint's had 1000 tokens" in caplog.text
 
 
+def test_a_byte_model_s_ids_past_the_bytes_decode_as_the_replacement_character():
+    """Training's samples of a byte model with model.num_tokens > 256 (decode_bytes) show an id past
+    255 as U+FFFD, as `sample` does (bytes() refused it: a ValueError traceback at the first sample)."""
+    from attnlab.data.byte_corpus import decode_bytes
+
+    assert decode_bytes([104, 105, 299, 0xC3, 0xA9, 0xFF]) == "hi\ufffd\u00e9\ufffd"
+
+
 def test_short_splits_are_named():
     """A packed token corpus can hold a long training split and a validation split of a few tokens:
     the error said "data has 6 tokens", which the user's 3,000-token data contradicts."""

@@ -18,13 +18,13 @@ from typing import Any, Literal
 
 import torch
 
+from attnlab.data.byte_corpus import decode_bytes
 from attnlab.data.corpus import encode_prompt, load_corpus, tokenizer_for
 from attnlab.data.sampler import eval_windows, prime_tokens
 from attnlab.data.tokenizer import Tokenizer
 from attnlab.errors import AttnlabError
 from attnlab.generate.sampling import (
     SamplingConfig,
-    byte_model_bytes,
     check_finite,
     check_length,
     check_prompt,
@@ -135,11 +135,6 @@ def cudagraph_skips() -> int:
     return int(counters["inductor"]["cudagraph_skips"])
 
 
-def byte_text(tokens: list[int]) -> str:
-    """A byte-level model's tokens as text (an id past 255 as U+FFFD: byte_model_bytes)."""
-    return byte_model_bytes(tokens).decode("utf-8", errors="replace")
-
-
 def build_prompt(bench: SpeculativeBench, target: Transformer, tokenizer: Tokenizer | None) -> torch.Tensor:
     """[B, T] prompt tokens: the text repeated per row, or one validation prime per row (a window
     of byte data; the beginning of a document of tokenized data, all cut to the shortest)."""
@@ -228,7 +223,7 @@ def run_speculative_bench(bench: SpeculativeBench) -> dict[str, Any]:
     device = torch.device(bench.device)
     target, draft, draft_name = load_pair(bench, device)
     tokenizer = tokenizer_for(target.run_config.data, run_directory(bench.target))  # None: a byte-level run
-    decode = byte_text if tokenizer is None else tokenizer.decode
+    decode = decode_bytes if tokenizer is None else tokenizer.decode
     prompt = build_prompt(bench, target, tokenizer)  # [B, T]
     for name, model in (("the target", target), ("the draft", draft)):
         check_length(model, prompt.shape[1] + bench.max_new_tokens + bench.gamma)  # verification runs gamma past

@@ -69,8 +69,19 @@ def byte_prompt(text: str) -> list[int]:
     return encode_text(text) or [ord("\n")]
 
 
+REPLACEMENT = "\ufffd".encode()  # the bytes of U+FFFD, the character shown for what stands for no text
+
+
+def byte_model_bytes(token_ids: list[int]) -> bytes:
+    """The bytes a byte-level model's tokens stand for: each id its byte. An id past 255 stands for
+    none (a vocabulary larger than the bytes, model.num_tokens > 256, can still draw one) and comes
+    out as U+FFFD, as a byte that is not UTF-8 does."""
+    return b"".join(bytes([token]) if token < 256 else REPLACEMENT for token in token_ids)
+
+
 def decode_bytes(tokens) -> str:
-    return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
+    """A byte-level model's tokens as text: bytes that are not UTF-8, and ids past 255, as U+FFFD."""
+    return byte_model_bytes([int(token) for token in tokens]).decode("utf-8", errors="replace")
 
 
 def prepare_builtin(cache_dir: Path | None = None, val_fraction: float = 0.05) -> Path:

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from attnlab.config import ModelConfig
+from attnlab.data.byte_corpus import byte_model_bytes
 from attnlab.errors import GenerationError
 from attnlab.generate.distribution import (  # noqa: F401  (filter_logits: re-exported for callers)
     SamplingConfig,
@@ -57,14 +58,6 @@ def check_length(model: torch.nn.Module, length: int, what: str = "the prompt an
                               f"model.max_seq_len={config.max_seq_len}")
 
 
-REPLACEMENT = "\ufffd".encode()  # the bytes of U+FFFD, the character shown for what stands for no text
-
-
-def byte_model_bytes(token_ids: list[int]) -> bytes:
-    """The bytes a byte-level model's tokens stand for: each id its byte. An id past 255 stands for
-    none (a vocabulary larger than the bytes, model.num_tokens > 256, can still draw one) and comes
-    out as U+FFFD, as a byte that is not UTF-8 does."""
-    return b"".join(bytes([token]) if token < 256 else REPLACEMENT for token in token_ids)
 
 
 def check_finite(logits: Tensor, step: int, who: str = "the model") -> None:
