@@ -235,8 +235,9 @@ class _InfiniteGradient(torch.autograd.Function):
         return grad * float("inf")
 
 
-def poison(monkeypatch, at_call: int, how) -> None:
-    """Apply `how` to the training loss of the `at_call`-th training forward."""
+def poison(monkeypatch, at_call: int, how, onwards: bool = False) -> dict[str, int]:
+    """Apply `how` to the training loss of the `at_call`-th training forward (onwards: and of every
+    later one). Returns the count of training forwards, {"n": ...}, which a test may set back."""
     calls = {"n": 0}
     real_forward = loop.Transformer.forward
 
@@ -244,11 +245,12 @@ def poison(monkeypatch, at_call: int, how) -> None:
         output = real_forward(self, *args, **kwargs)
         if self.training and kwargs.get("targets") is not None:
             calls["n"] += 1
-            if calls["n"] == at_call:
+            if calls["n"] == at_call or (onwards and calls["n"] > at_call):
                 output.loss, output.lm_loss = how(output.loss), how(output.lm_loss)  # the loop reads lm_loss
         return output
 
     monkeypatch.setattr(loop.Transformer, "forward", poisoned)
+    return calls
 
 
 def all_finite(run_dir: Path) -> bool:
@@ -281,18 +283,7 @@ def test_a_streak_of_skipped_steps_counts_on_across_a_resume(tmp_path, text_file
     started again at 0)."""
     from attnlab.train.finite import MAX_CONSECUTIVE_SKIPS
 
-    calls = {"n": 0}
-    real_forward = loop.Transformer.forward
-
-    def poisoned_from_the_third_step(self, *args, **kwargs):
-        output = real_forward(self, *args, **kwargs)
-        if self.training and kwargs.get("targets") is not None:
-            calls["n"] += 1
-            if calls["n"] >= 3:
-                output.loss, output.lm_loss = map(_InfiniteGradient.apply, (output.loss, output.lm_loss))
-        return output
-
-    monkeypatch.setattr(loop.Transformer, "forward", poisoned_from_the_third_step)
+    calls = poison(monkeypatch, 3, _InfiniteGradient.apply, onwards=True)  # every step from the third
     last = 2 + MAX_CONSECUTIVE_SKIPS
     for name, until_step in (("whole", None), ("split", 6)):
         config = tiny(tmp_path, text_file, name, "train.on_nonfinite=skip", "train.max_steps=30")
