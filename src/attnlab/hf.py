@@ -49,7 +49,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -73,7 +72,7 @@ from attnlab.errors import ConfigError, ConversionError
 from attnlab.model.layers import hidden_width
 from attnlab.model.transformer import Transformer
 from attnlab.train.checkpoint import CHECKPOINT_DIR, checkpoint_path, list_checkpoints, load_model, save_checkpoint
-from attnlab.train.checksum import load_safetensors, safetensors_metadata
+from attnlab.train.checksum import load_safetensors, save_safetensors
 
 log = logging.getLogger(__name__)
 
@@ -460,26 +459,6 @@ def write_configs(out_dir: Path, architecture: str, config: ModelConfig, dtype: 
         write_atomic(out_dir / MODELING_FILE, MODELING_SOURCE.encode())
 
 
-def write_weights(tensors: Tensors, path: Path) -> None:
-    """A safetensors file written whole or not at all: staged beside `path`, synced, then renamed, so
-    a failed or interrupted export (a full disk, Ctrl-C) leaves no half file under the name
-    transformers loads, and with --force the previous export's weights stay until the new ones are
-    complete."""
-    from safetensors.torch import save_file
-
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        save_file(tensors, str(temporary), metadata={"format": "pt", **safetensors_metadata(tensors)})
-        descriptor = os.open(temporary, os.O_RDONLY)
-        try:
-            os.fsync(descriptor)
-        finally:
-            os.close(descriptor)
-        temporary.replace(path)
-    finally:
-        temporary.unlink(missing_ok=True)
-
-
 def check_finite_in(tensors: dict[str, torch.Tensor], dtype: str) -> None:
     """ConversionError where a weight is no longer finite in `dtype`: a value beyond float16's
     65504 became infinite in the cast, and the exported model would compute inf and NaN."""
@@ -517,7 +496,7 @@ def export_model(
     check_finite_in(tensors, dtype)
     out_dir = Path(out_dir)
     _prepare_out_dir(out_dir, overwrite)
-    write_weights(tensors, out_dir / WEIGHTS_FILE)
+    save_safetensors(tensors, out_dir / WEIGHTS_FILE)  # staged and renamed: never half a file
     write_tokenizer_files(out_dir, tokenizer_dir, config.num_tokens)
     write_configs(out_dir, architecture, config, dtype, special_ids)
     log.info("exported %d tensors to %s (%s, %s)", len(tensors), out_dir, architecture, dtype)

@@ -99,6 +99,27 @@ def safetensors_metadata(tensors: dict[str, Tensor]) -> dict[str, str]:
     return {SAFETENSORS_KEY: content_digest({name: tensors[name] for name in sorted(tensors)})}
 
 
+def save_safetensors(tensors: dict[str, Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
+    """A safetensors file of `tensors` (contiguous, sharing no memory) with `metadata` and their
+    checksum (read back by load_safetensors), written whole or not at all: staged beside `path` under
+    the name a killed write's leftovers have (removed at a run's next start, train/timeline.py),
+    synced, then renamed. A failed or interrupted write (a full disk, Ctrl-C) leaves the old file."""
+    from safetensors.torch import save_file
+
+    metadata = {"format": "pt", **(metadata or {}), **safetensors_metadata(tensors)}
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        save_file(tensors, str(temporary), metadata=metadata)
+        descriptor = os.open(temporary, os.O_RDONLY)
+        try:
+            os.fsync(descriptor)  # on the disk before it takes the name
+        finally:
+            os.close(descriptor)
+        temporary.replace(path)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
 def load_safetensors(path: Path) -> dict[str, Tensor]:
     """A safetensors file's tensors, its header checked against the format first (safetensors_file.py)
     and its tensors against the checksum attnlab wrote into it (files written elsewhere carry none and

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ from attnlab.config import config_to_dict
 from attnlab.data.shards import TOKENIZER_FOLDER
 from attnlab.hf import TOKENIZER_FILES
 from attnlab.train.checkpoint import list_checkpoints, load_model
-from attnlab.train.checksum import safetensors_metadata
+from attnlab.train.checksum import save_safetensors
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +50,6 @@ def write_weights_file(run_dir: Path) -> Path | None:
     """RUN/model.safetensors from the run's latest checkpoint (read back, so every distribution
     strategy gives the same full weights); None when the run has no checkpoint. A tied output
     matrix is stored once, as the embedding."""
-    from safetensors.torch import save_file
-
     if not list_checkpoints(run_dir):
         return None
     model = load_model(run_dir, weights="auto")
@@ -60,20 +57,8 @@ def write_weights_file(run_dir: Path) -> Path | None:
     if model.config.tie_embeddings:
         del state["head.weight"]  # the same tensor as token_embedding.embed.weight
     tensors = {name: value.contiguous() for name, value in state.items()}
-    metadata = {"format": "pt", "step": str(model.checkpoint_step),
-                "config": json.dumps(config_to_dict(model.run_config)), **safetensors_metadata(tensors)}
+    metadata = {"step": str(model.checkpoint_step), "config": json.dumps(config_to_dict(model.run_config))}
     path = Path(run_dir) / WEIGHTS_FILE
-    # named as the leftovers a killed write leaves, which a run's next start removes (train/timeline.py)
-    temporary = path.with_name(f".{WEIGHTS_FILE}.tmp-{os.getpid()}")
-    try:
-        save_file(tensors, str(temporary), metadata=metadata)
-        descriptor = os.open(temporary, os.O_RDONLY)
-        try:
-            os.fsync(descriptor)  # on the disk before it takes the name
-        finally:
-            os.close(descriptor)
-        temporary.replace(path)  # never half a file under the final name
-    finally:
-        temporary.unlink(missing_ok=True)
+    save_safetensors(tensors, path, metadata)
     log.info("final weights (step %d) -> %s", model.checkpoint_step, path)
     return path
