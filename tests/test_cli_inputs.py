@@ -215,6 +215,10 @@ def test_sample_eval_speculative_refuse_in_one_line(runs, tmp_path, capsys):
         (["speculative", "--target", runs["bytes"]], "give --target RUN and --draft RUN"),
         (["speculative", "--target", runs["bytes"], "--early-exit", "1", "--prime-from-val", "--prime-length",
           "100000"], "--prime-length 100000: the target's validation split has"),
+        (["speculative", "--target", runs["bytes"], "--early-exit", "1", "--prompt", "ab", "--prime-length", "9"],
+         "--prime-length: read with --prime-from-val only"),  # it was ignored
+        (["speculative", "--gamma", "3", "train", "--target-preset", "demo", "--draft-preset", "demo"],
+         "--gamma: options of decoding, given before `train`"),  # parsed as decoding's, and ignored
         (["sample", runs["bytes"], "--attention-backend", "flex"],
          "attention.full.backend=flex is not offered; full offers: auto, torch, cpu, triton"),
         (["speculative", "--target", runs["bytes"], "--draft", runs["bytes"], "--attention-backend", "flex"],

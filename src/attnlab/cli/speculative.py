@@ -21,8 +21,10 @@ from pathlib import Path
 
 from attnlab.cli import arguments
 from attnlab.config import known_presets, load_config
+from attnlab.errors import ConfigError
 
 QUANTIZATIONS = ("none", "int8")  # model/quantize.py's, here without importing torch
+PRIME_LENGTH = 128  # tokens of a validation prime by default
 VERIFICATIONS = ("block", "token")  # generate/speculative.py's rules, here without importing torch
 
 
@@ -51,7 +53,8 @@ def register(subparsers) -> None:
     prompts.add_argument(
         "--prime-from-val", action="store_true", help="continue windows of the target's validation data"
     )
-    parser.add_argument("--prime-length", type=arguments.positive, default=128, help="tokens of each validation prime")
+    parser.add_argument("--prime-length", type=arguments.positive, default=None,
+                        help=f"with --prime-from-val: tokens of each validation prime (default {PRIME_LENGTH})")
     parser.add_argument("--max-new-tokens", type=arguments.positive, default=256)
     parser.add_argument("--batch-size", type=arguments.positive, default=1)
     arguments.add_sampling(parser)
@@ -105,7 +108,10 @@ def register(subparsers) -> None:
         "and then the ones that follow them",
     )
     trainer.add_argument("overrides", nargs="*", metavar="key.path=value")
-    trainer.set_defaults(func=run_train)
+    # the decoding options' defaults: one given before `train` is parsed as decoding's, and refused
+    decoding_defaults = {action.dest: action.default for action in parser._actions if action.option_strings
+                         and action.dest != "help"}
+    trainer.set_defaults(func=run_train, decoding_defaults=decoding_defaults)
 
 
 # --------------------------------------------------------------------------------------------
@@ -116,10 +122,13 @@ def run(args: argparse.Namespace) -> int:
     from attnlab.bench.speculative import SpeculativeBench, run_speculative_bench
     from attnlab.generate.sampling import SamplingConfig
 
+    if args.prime_length is not None and not args.prime_from_val:
+        raise ConfigError("--prime-length: read with --prime-from-val only (a --prompt is its own length)")
+
     bench = SpeculativeBench(
         target=args.target, draft=args.draft, early_exit=args.early_exit, draft_quantize=args.draft_quantize,
         gamma=args.gamma, verification=args.verification, prompt=args.prompt, prime_from_val=args.prime_from_val,
-        prime_length=args.prime_length,
+        prime_length=args.prime_length or PRIME_LENGTH,
         max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
         sampling=SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p),
         seed=args.seed, batch_scheme=args.batch_scheme, repeats=args.repeats, weights=args.weights,
@@ -155,6 +164,12 @@ def run(args: argparse.Namespace) -> int:
 def run_train(args: argparse.Namespace) -> int:
     from attnlab.train.draft import existing_target_settings, split_overrides, train_pair
     from attnlab.train.signals import Stopped, exit_status
+
+    given = ["--" + dest.replace("_", "-") for dest, default in args.decoding_defaults.items()
+             if getattr(args, dest) != default]
+    if given:
+        raise ConfigError(f"{', '.join(given)}: options of decoding, given before `train`, which does not read "
+                          "them (attnlab speculative train -h lists its own, given after it)")
 
     target_overrides, draft_overrides = split_overrides(args.overrides)
     draft_config = load_config(args.draft_preset, draft_overrides)
