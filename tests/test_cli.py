@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -124,6 +125,17 @@ def test_seeded_sampling_repeats(run_dir, capsys):
     first = capsys.readouterr().out
     main(args)
     assert capsys.readouterr().out == first
+
+
+def test_sample_prints_to_an_ascii_terminal(run_dir, monkeypatch):
+    """A stdout that cannot encode the text (an ASCII locale) shows escapes, not UnicodeEncodeError."""
+    import io
+
+    terminal = io.TextIOWrapper(io.BytesIO(), encoding="ascii", errors="strict")
+    monkeypatch.setattr(sys, "stdout", terminal)
+    assert main(["sample", str(run_dir), "--prompt", "h\u00e9llo \u2603", "--max-new-tokens", "4"]) == 0
+    terminal.flush()
+    assert terminal.buffer.getvalue().startswith(b"h\\xe9llo \\u2603")
 
 
 @pytest.mark.parametrize("argv, message", [

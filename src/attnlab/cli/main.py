@@ -81,6 +81,7 @@ def take_local_rank(argv: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    replace_unencodable_output()
     argv = take_local_rank(argv)
     if not argv:
         argv = ["train"]  # `attnlab` alone runs the demo, like `attnlab train`
@@ -104,6 +105,16 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"attnlab {args.command}: error: {line} (-v shows where)", file=sys.stderr)
         return 1
+
+
+def replace_unencodable_output() -> None:
+    """Text from data (samples, decoded tokens, descriptions, paths) may hold characters the terminal's
+    encoding cannot (an ASCII locale, PYTHONIOENCODING=ascii): stdout shows them as backslash escapes,
+    as Python's stderr already does, rather than failing mid-output with UnicodeEncodeError. Raw
+    undecodable bytes from a command line or file name (surrogate-escaped) show as escapes too."""
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):  # a TextIOWrapper; a replaced stream (StringIO) holds any text
+            stream.reconfigure(errors="backslashreplace")
 
 
 def system_error(error: Exception) -> str | None:
