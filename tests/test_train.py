@@ -19,7 +19,7 @@ import torch
 from attnlab.config import load_config
 from attnlab.errors import AttnlabError, CheckpointError, ConfigError
 from attnlab.train import loop
-from attnlab.train.checkpoint import list_checkpoints, load_model, read_checkpoint
+from attnlab.train.checkpoint import list_checkpoints, load_model, read_checkpoint, save_checkpoint
 from attnlab.train.loop import TrainingError, train
 from attnlab.train.metrics import read_metrics
 from attnlab.train.optim import cosine_lr, minimind_lr, parameter_groups
@@ -95,6 +95,21 @@ def test_a_resume_with_no_step_left_says_so(tmp_path, text_file, caplog):
     caplog.clear()
     assert train(tiny(tmp_path, text_file, "run", "train.max_steps=4"), resume=True).step == 5
     assert "the run is at step 5, and train.max_steps=4 ends it there" in caplog.text
+
+
+def test_a_resumed_run_reports_the_last_evaluation_it_had(tmp_path, text_file):
+    """A resumed run that ends before its next evaluation reports the one it had at its checkpoint
+    (its last_eval was None, and `attnlab train` printed no validation figure); a checkpoint
+    written before checkpoints held it takes it from metrics.jsonl."""
+    first = train(tiny(tmp_path, text_file), until_step=5)  # evaluates at step 5
+    assert first.last_eval is not None
+    assert train(tiny(tmp_path, text_file), resume=True, until_step=5).last_eval == first.last_eval
+    assert train(tiny(tmp_path, text_file), resume=True, until_step=7).last_eval == first.last_eval
+    latest = list_checkpoints(first.run_dir)[-1]
+    older = read_checkpoint(latest)
+    del older["last_eval"], older["format_version"]
+    save_checkpoint(latest, older)
+    assert train(tiny(tmp_path, text_file), resume=True, until_step=8).last_eval == first.last_eval
 
 
 def test_a_failed_write_of_the_run_files_leaves_the_old_ones_whole(tmp_path, text_file, monkeypatch):

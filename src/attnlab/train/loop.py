@@ -68,7 +68,7 @@ from attnlab.train.distill import load_teacher, student_loss
 from attnlab.train.distributed import STRATEGY, SingleProcess, local_device, strategy_for_launcher
 from attnlab.train.ema import WeightEMA
 from attnlab.train.finite import NonFiniteSteps, TrainingError, check_weights, nonfinite_names
-from attnlab.train.metrics import Metrics, open_metrics
+from attnlab.train.metrics import Metrics, open_metrics, read_metrics
 from attnlab.train.optim import build_optimizer, learning_rate
 from attnlab.train.portable import copy_tokenizer, write_weights_file
 from attnlab.train.resume import choose_checkpoint
@@ -337,12 +337,27 @@ def restore(run: Run, state: dict[str, Any], resume_from: Path) -> None:
         run.scaler.load_state_dict(state["scaler"])
     run.sampler.load_state_dict(state["sampler"])
     run.nonfinite.consecutive = int(state.get("skipped_in_a_row", 0))  # a streak goes on counting
+    run.last_eval = restored_last_eval(state, run.config.run_dir if strategy.is_main else None)
     rng_states = state["rng"]
     if len(rng_states) != strategy.world_size:
         raise CheckpointError(f"{resume_from} was written by {len(rng_states)} processes; this run has "
                               f"{strategy.world_size}")
     set_rng_state(rng_states[strategy.rank])
     log.info("resumed from %s at step %d", resume_from, run.step)
+
+
+def restored_last_eval(state: dict[str, Any], run_dir: Path | None) -> dict[str, float] | None:
+    """The validation figures the run had at its checkpoint, so a resumed run that ends before its
+    next evaluation still reports them. A checkpoint written before it held them ("last_eval"
+    absent): the last validation record of run_dir's metrics.jsonl, which rank 0 has already cut
+    at the checkpoint's step (train/timeline.py); None for the other ranks (run_dir None)."""
+    if "last_eval" in state:
+        saved = state["last_eval"]
+        return None if saved is None else {name: float(value) for name, value in saved.items()}
+    if run_dir is None or not (Path(run_dir) / "metrics.jsonl").is_file():
+        return None
+    found = [record for record in read_metrics(run_dir) if "val_bpb" in record and record["step"] <= state["step"]]
+    return {name: found[-1][name] for name in ("val_loss", "val_bpb") if name in found[-1]} if found else None
 
 
 # --------------------------------------------------------------------------------------------
@@ -525,6 +540,7 @@ def write_checkpoint(run: Run) -> Path:
                 "sampler": run.sampler.state_dict(),
                 "train_seconds": run.train_seconds,
                 "skipped_in_a_row": run.nonfinite.consecutive,  # train.on_nonfinite=skip's count
+                "last_eval": run.last_eval,  # what a resumed run reports until it evaluates again
             })
             prune_checkpoints(run_dir, run.config.train.keep_last, strategy.engine_folder)
         except AttnlabError as error:
