@@ -57,6 +57,34 @@ def test_load_builtin(builtin):
     assert b"def " in bytes(corpus.train[:100_000])
 
 
+@pytest.mark.parametrize("damage", [
+    lambda text: text[:40],  # truncated
+    lambda text: text.replace('"python": "', '"python": 3, "x": "'),  # a field of the wrong type
+    lambda text: "[1]",  # not an object
+])
+def test_a_damaged_builtin_meta_is_named_and_the_corpus_built_again(builtin, tmp_path, caplog, damage):
+    folder = tmp_path / builtin.name
+    shutil.copytree(builtin, folder)
+    meta = folder / "meta.json"
+    meta.write_text(damage(meta.read_text()))
+    corpus = load_corpus(DataConfig(source="builtin", cache_dir=str(tmp_path)))
+    assert f"{meta} is damaged" in caplog.text and "building the built-in corpus again" in caplog.text
+    assert json.loads(meta.read_text()) == json.loads((builtin / "meta.json").read_text())
+    assert len(corpus.train) == (builtin / "train.bin").stat().st_size
+
+
+def test_a_damaged_builtin_jsonl_meta_is_named_and_the_corpus_built_again(tmp_path, caplog, monkeypatch):
+    from attnlab.data import pretrain
+
+    monkeypatch.setattr(pretrain, "stdlib_documents", lambda: ["one document", "another"])
+    config = DataConfig(cache_dir=str(tmp_path))
+    path = pretrain.write_builtin_jsonl(config)
+    meta = path.with_name("documents.meta.json")
+    meta.write_text(meta.read_text()[:20])
+    assert pretrain.write_builtin_jsonl(config) == path
+    assert f"{meta} is damaged" in caplog.text and json.loads(meta.read_text())["bytes"] == path.stat().st_size
+
+
 @pytest.mark.parametrize("kind", ["txt", "gz", "zip", "raw"])
 def test_file_formats_give_the_same_bytes(tmp_path, kind):
     path = tmp_path / {"txt": "a.txt", "gz": "a.txt.gz", "zip": "a.zip", "raw": "a.bin"}[kind]

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -60,7 +59,7 @@ def register(subparsers) -> None:
 
 
 def run_prepare(args: argparse.Namespace) -> int:
-    from attnlab.data.byte_corpus import prepare_builtin
+    from attnlab.data.byte_corpus import builtin_meta, prepare_builtin
     from attnlab.data.pretrain import write_builtin_jsonl
     from attnlab.data.shards import prepare_token_shards
 
@@ -83,7 +82,7 @@ def run_prepare(args: argparse.Namespace) -> int:
         print(write_builtin_jsonl(DataConfig(cache_dir=str(args.cache_dir) if args.cache_dir else None)))
         return 0
     folder = prepare_builtin(args.cache_dir)
-    meta = json.loads((folder / "meta.json").read_text())
+    meta = builtin_meta(folder)
     print(f"{folder}\n  {meta['n_files']} files, {meta['train_bytes']:,} train + {meta['val_bytes']:,} validation "
           f"bytes\n  sha256 {meta['sha256']}")
     return 0

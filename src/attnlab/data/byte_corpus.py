@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from attnlab.config import DataConfig
-from attnlab.data.files import cache_dir, default_cache_dir, sha256_of, stdlib_sources, write_atomic
+from attnlab.data.files import cache_dir, default_cache_dir, read_meta_fields, sha256_of, stdlib_sources, write_atomic
 from attnlab.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -37,6 +37,11 @@ ENWIK8_URL = "http://mattmahoney.net/dc/enwik8.zip"
 # sha256 of enwik8.zip (36,445,475 bytes) as published with the archive and pinned by many projects
 ENWIK8_SHA256 = "547994d9980ebed1288380d652999f38a14fe291a6247c157c3d33d4932534bc"
 ENWIK8_BYTES = 100_000_000  # the unzipped file
+# the built-in corpus's meta.json: each field and its type
+BUILTIN_META_FIELDS = {
+    "python": str, "n_files": int, "total_bytes": int, "train_bytes": int, "val_bytes": int,
+    "val_fraction": (int, float), "sha256": str,
+}
 
 
 @dataclass
@@ -89,10 +94,14 @@ def prepare_builtin(cache_dir: Path | None = None, val_fraction: float = 0.05) -
     folder = (cache_dir or default_cache_dir()) / f"builtin-py{platform.python_version()}"
     meta_path = folder / "meta.json"
     if meta_path.is_file() and (folder / "train.bin").is_file() and (folder / "val.bin").is_file():
-        meta = json.loads(meta_path.read_text())
-        sizes_match = (folder / "train.bin").stat().st_size == meta["train_bytes"] and (
+        try:
+            meta = builtin_meta(folder)
+        except DataError as error:  # a cache: built again from the standard library, as a token cache is
+            log.warning("%s; building the built-in corpus again", error)
+            meta = {}
+        sizes_match = (folder / "train.bin").stat().st_size == meta.get("train_bytes") and (
             folder / "val.bin"
-        ).stat().st_size == meta["val_bytes"]
+        ).stat().st_size == meta.get("val_bytes")
         if sizes_match and meta.get("val_fraction") == val_fraction:
             return folder
     files = stdlib_sources()
@@ -114,6 +123,11 @@ def prepare_builtin(cache_dir: Path | None = None, val_fraction: float = 0.05) -
     write_atomic(meta_path, (json.dumps(meta, indent=2) + "\n").encode())  # written last: marks completion
     log.info("built-in corpus: %d files, %d bytes -> %s", len(files), len(corpus), folder)
     return folder
+
+
+def builtin_meta(folder: Path) -> dict:
+    """The prepared built-in corpus's meta.json, checked (a DataError naming it if damaged)."""
+    return read_meta_fields(folder / "meta.json", BUILTIN_META_FIELDS)
 
 
 def read_bytes(path: Path) -> bytes:
@@ -151,7 +165,7 @@ def load_byte_corpus(config: DataConfig) -> ByteCorpus:
     cache = cache_dir(config)
     if config.source == "builtin":
         folder = prepare_builtin(cache, config.val_fraction)
-        meta = json.loads((folder / "meta.json").read_text())
+        meta = builtin_meta(folder)
         return ByteCorpus(
             train=np.memmap(folder / "train.bin", dtype=np.uint8, mode="r"),
             val=np.memmap(folder / "val.bin", dtype=np.uint8, mode="r"),

@@ -8,12 +8,15 @@ that keeps the package's import graph free of cycles (tests/test_data.py checks 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import sysconfig
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from attnlab.config import DataConfig
+from attnlab.errors import DataError
 
 EXCLUDED_FOLDERS = {"site-packages", "dist-packages", "__pycache__"}
 
@@ -40,6 +43,23 @@ def write_atomic(path: Path, data: bytes) -> None:
         os.replace(handle.name, path)
     finally:
         Path(handle.name).unlink(missing_ok=True)  # a write that failed leaves nothing beside the file
+
+
+def read_meta_fields(path: Path, fields: dict[str, type | tuple[type, ...]]) -> dict[str, Any]:
+    """A prepared corpus's meta.json, checked: a JSON object holding each of `fields` with a value of
+    its type (a bool is no count). A DataError naming the file and what is wrong, if not."""
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as error:  # not JSON, or not UTF-8 (UnicodeDecodeError is a ValueError)
+        raise DataError(f"{path} is damaged (not valid JSON: {error})") from error
+    if not isinstance(meta, dict):
+        raise DataError(f"{path} is damaged (not a JSON object)")
+    for key, kind in fields.items():
+        value = meta.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            problem = "missing" if key not in meta else f"a {type(value).__name__}, not the expected type"
+            raise DataError(f"{path} is damaged ({key!r} is {problem})")
+    return meta
 
 
 def sha256_of(path: Path) -> str:

@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from attnlab.config import DataConfig, TrainConfig
-from attnlab.data.files import cache_dir, sha256_of, stdlib_sources, write_atomic
+from attnlab.data.files import cache_dir, read_meta_fields, sha256_of, stdlib_sources, write_atomic
 from attnlab.data.sampler import Batch, RandomWindowSampler
 from attnlab.data.shards import (
     META_FILE,
@@ -275,7 +275,7 @@ def write_builtin_jsonl(config: DataConfig) -> Path:
     """The built-in corpus as jsonl in the cache (built once; meta.json marks it complete)."""
     folder = builtin_folder(config)
     path, meta_path = folder / "documents.jsonl", folder / "documents.meta.json"
-    if path.is_file() and meta_path.is_file() and json.loads(meta_path.read_text())["bytes"] == path.stat().st_size:
+    if path.is_file() and meta_path.is_file() and cached_jsonl_bytes(meta_path) == path.stat().st_size:
         log.info("built-in jsonl corpus: cached at %s", path)
         return path
     documents = stdlib_documents()
@@ -287,6 +287,16 @@ def write_builtin_jsonl(config: DataConfig) -> Path:
     write_atomic(meta_path, (json.dumps(meta, indent=2) + "\n").encode())
     log.info("built-in jsonl corpus: %d documents, %d bytes -> %s", len(documents), len(data), path)
     return path
+
+
+def cached_jsonl_bytes(meta_path: Path) -> int | None:
+    """The size the built-in jsonl corpus's meta.json records; None when it is damaged (a warning:
+    the corpus is a cache, built again)."""
+    try:
+        return read_meta_fields(meta_path, {"python": str, "n_documents": int, "bytes": int})["bytes"]
+    except DataError as error:
+        log.warning("%s; building the built-in jsonl corpus again", error)
+        return None
 
 
 def cached_meta(folder: Path) -> dict[str, Any]:
