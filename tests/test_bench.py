@@ -43,6 +43,81 @@ def test_bench_refuses_a_bad_model_in_one_line_before_measuring(command, message
     assert error.startswith(f"attnlab bench: error: {message}") and "\n" not in error
 
 
+def _no_measurement(monkeypatch):
+    import attnlab.bench.runner as runner
+
+    monkeypatch.setattr(runner, "_worker", lambda *arguments, **keywords: pytest.fail("a benchmark ran"))
+
+
+TINY_DECODE = ["decode", "--attention", "full", "--dim", "16", "--depth", "1", "--heads", "2", "--context", "4",
+               "--new-tokens", "1", "--no-uncached"]
+
+
+@pytest.mark.parametrize("option, where, message", [
+    ("--out", "folder", "is a folder, not a file"),
+    ("--markdown", "folder", "is a folder, not a file"),
+    ("--out", "under a file", "cannot make its folder"),
+    ("--markdown", "under a file", "cannot make its folder"),
+])
+def test_bench_refuses_an_output_file_it_cannot_write_before_measuring(option, where, message, tmp_path,
+                                                                        monkeypatch, capsys):
+    """An --out or --markdown that cannot be written is refused before the first measurement, not
+    after every one of them (the figures then lost)."""
+    _no_measurement(monkeypatch)
+    (tmp_path / "a-file").write_text("kept\n")
+    path = tmp_path if where == "folder" else tmp_path / "a-file" / "results"
+    assert main(["bench", *TINY_DECODE, option, str(path)]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("attnlab bench: error: ") and message in error and "\n" not in error
+    assert (tmp_path / "a-file").read_text() == "kept\n"
+
+
+def test_bench_makes_the_folders_of_its_output_files(tmp_path, monkeypatch):
+    """A missing folder of --out or --markdown is made, as `bench suite --out` and `plot --out` make
+    theirs, instead of an error after the measurements."""
+    import attnlab.bench.runner as runner
+
+    record = {"kind": "decode", "attention": "full", "context": 4, "cache": True, "ms_per_token": 1.0}
+    monkeypatch.setattr(runner, "run_jobs", lambda jobs, threads: iter([dict(record)]))
+    out, markdown = tmp_path / "new" / "decode.jsonl", tmp_path / "other" / "deeper" / "decode.md"
+    assert main(["bench", *TINY_DECODE, "--out", str(out), "--markdown", str(markdown)]) == 0
+    assert json.loads(out.read_text())["ms_per_token"] == 1.0 and "| full | 4 |" in markdown.read_text()
+
+
+@pytest.mark.parametrize("kind", [TINY_DECODE, ["suite", "--quick", "--attention", "full"]])
+def test_bench_refuses_a_device_before_measuring(kind, tmp_path, monkeypatch, capsys):
+    """--device is a device name (refused by argparse otherwise), and one this machine has: not a
+    failure in every measurement's process (the suite went on through all of them)."""
+    import torch
+
+    _no_measurement(monkeypatch)
+    out = ["--out", str(tmp_path / "suite")] if kind[0] == "suite" else []
+    with pytest.raises(SystemExit) as exit_status:
+        main(["bench", *kind, *out, "--device", "gpu"])
+    assert exit_status.value.code == 2 and "'gpu' is not a device" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["bench", *kind, *out, "--device", "cuda"]) == 2
+        assert "CUDA is not available on this machine" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text, message", [
+    (None, "is not a file"),
+    ("# Benchmarks\n\nno block here\n", "block to put the report in"),
+])
+def test_bench_suite_checks_its_doc_before_measuring(text, message, tmp_path, monkeypatch, capsys):
+    """`bench suite --doc FILE` whose file is missing or has no report block is refused before the
+    suite runs, not once it has measured everything."""
+    _no_measurement(monkeypatch)
+    doc = tmp_path / "benchmarks.md"
+    if text is not None:
+        doc.write_text(text)
+    assert main(["bench", "suite", "--quick", "--attention", "full", "--out", str(tmp_path / "suite"),
+                 "--doc", str(doc)]) == 2
+    error = capsys.readouterr().err.strip()
+    assert message in error and "\n" not in error
+    assert not (tmp_path / "suite").exists()
+
+
 def test_bench_decode_keeps_its_cache_in_the_dtype_asked_for(monkeypatch):
     """`attnlab bench decode --cache-dtype bf16`: the timed cache holds bfloat16 keys and values beside
     float32 weights, and the record says so (in-process: the measurement the worker runs)."""

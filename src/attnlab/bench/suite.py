@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import os
 import platform
 import subprocess
 from dataclasses import dataclass, field
@@ -183,14 +184,23 @@ def write_report(plan: SuitePlan, results: list[dict[str, Any]], out_dir: Path, 
 DOC_BEGIN, DOC_END = "<!-- bench-suite:begin -->", "<!-- bench-suite:end -->"
 
 
-def update_doc(doc: Path, out_dir: Path) -> None:
-    """Put the suite report of `out_dir` between the DOC_BEGIN and DOC_END lines of `doc` (headings one
-    level down, picture links relative to `doc`), so the published figures are never typed by hand."""
-    import os
-
+def checked_doc(doc: Path) -> str:
+    """The text of `doc`, a writable file with a DOC_BEGIN ... DOC_END block; else AttnlabError.
+    `bench suite --doc` checks it before measuring, not only once the suite is done."""
+    if not doc.is_file():
+        raise AttnlabError(f"--doc {doc} is not a file")
     text = doc.read_text()
     if DOC_BEGIN not in text or DOC_END not in text:
         raise AttnlabError(f"{doc} has no '{DOC_BEGIN}' ... '{DOC_END}' block to put the report in")
+    if not os.access(doc, os.W_OK):
+        raise AttnlabError(f"--doc {doc} is not writable")
+    return text
+
+
+def update_doc(doc: Path, out_dir: Path) -> None:
+    """Put the suite report of `out_dir` between the DOC_BEGIN and DOC_END lines of `doc` (headings one
+    level down, picture links relative to `doc`), so the published figures are never typed by hand."""
+    text = checked_doc(doc)
     link = Path(os.path.relpath(out_dir.resolve(), doc.resolve().parent)).as_posix()
     report = (out_dir / "suite.md").read_text().splitlines()
     body = []

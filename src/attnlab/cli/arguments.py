@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+from pathlib import Path
 
 from attnlab.config import ATTENTION_BACKENDS, DEVICE_NAME, MAX_INT
 from attnlab.errors import AttnlabError
@@ -84,6 +86,21 @@ def usable_device(name: str) -> str:
     elif kind == "xpu" and not (hasattr(torch, "xpu") and torch.xpu.is_available()):
         raise AttnlabError(f"--device {name}: XPU is not available on this machine")
     return name
+
+
+def check_output_file(option: str, path: Path) -> None:
+    """Refuse, before any long work, an output file that could only fail once that work is done: a
+    folder, a path under a file, a place this process may not write. Its missing folders are made
+    (as `bench suite --out` and `plot --out` make theirs)."""
+    if path.is_dir():
+        raise AttnlabError(f"{option} {path} is a folder, not a file")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise AttnlabError(f"{option} {path}: cannot make its folder ({error.strerror})") from None
+    writable = path if path.exists() else path.parent
+    if not os.access(writable, os.W_OK):  # also False on a read-only file system, for root too
+        raise AttnlabError(f"{option} {path}: {writable} is not writable")
 
 
 DTYPES = ("float32", "bfloat16", "float16")  # torch's names (hf.DTYPES'), here without importing torch

@@ -22,10 +22,10 @@ def register(subparsers) -> None:
         sub.add_argument("--set", dest="overrides", nargs="*", default=[], metavar="key=value",
                          help="model config overrides, e.g. attention.local.window_size=64")
         sub.add_argument("--threads", type=arguments.positive, default=2, help="OMP_NUM_THREADS of each worker")
-        sub.add_argument("--device", default="cpu")
+        sub.add_argument("--device", type=arguments.device, default="cpu")
         sub.add_argument("--dtype", type=short_dtype, default="fp32", help="fp32, bf16 or fp16 (or torch's names)")
-        sub.add_argument("--out", type=Path, default=None, help="append JSON lines here")
-        sub.add_argument("--markdown", type=Path, default=None, help="write the markdown table here")
+        sub.add_argument("--out", type=Path, default=None, help="append JSON lines here (its folder made)")
+        sub.add_argument("--markdown", type=Path, default=None, help="write the markdown table here (its folder made)")
         if name == "train":
             sub.add_argument("--seq-len", type=arguments.positive, nargs="+", default=[512, 1024, 2048])
             sub.add_argument("--batch-size", type=arguments.positive, default=1)
@@ -42,7 +42,7 @@ def register(subparsers) -> None:
         sub.set_defaults(func=run)
 
     suite = kinds.add_parser("suite", help="every registered attention over a range of lengths: report and plots")
-    suite.add_argument("--device", default="cpu", help="cpu or cuda")
+    suite.add_argument("--device", type=arguments.device, default="cpu", help="cpu or cuda")
     suite.add_argument("--quick", action="store_true", help="a few small sizes (CI-sized)")
     suite.add_argument("--attention", nargs="+", default=None, help="variants (default: every registered one)")
     suite.add_argument("--threads", type=arguments.positive, default=2)
@@ -61,6 +61,7 @@ def short_dtype(text: str) -> str:
 def run(args: argparse.Namespace) -> int:
     from attnlab.bench.runner import decode_jobs, decode_table, model_values, run_jobs, train_jobs, train_table
 
+    check_before_measuring(args)
     if args.bench_kind == "suite":
         return run_suite_command(args)
     results = []
@@ -83,6 +84,22 @@ def run(args: argparse.Namespace) -> int:
     if args.markdown:
         args.markdown.write_text(table + "\n")
     return 0
+
+
+def check_before_measuring(args: argparse.Namespace) -> None:
+    """What would otherwise fail only after the measurements (minutes to hours of them), refused
+    first in one line: a device this machine lacks, an output file that cannot be written, a --doc
+    with no block to take the report."""
+    arguments.usable_device(args.device)
+    if args.bench_kind == "suite":
+        if args.doc is not None:
+            from attnlab.bench.suite import checked_doc
+
+            checked_doc(args.doc)
+        return
+    for option, path in (("--out", args.out), ("--markdown", args.markdown)):
+        if path is not None:
+            arguments.check_output_file(option, path)
 
 
 def run_suite_command(args: argparse.Namespace) -> int:
