@@ -181,6 +181,16 @@ def test_presets_by_name_and_config_files_by_path(tmp_path, capsys, monkeypatch)
     assert not (tmp_path / "outside").exists() and not (tmp_path / "runs").exists()
 
 
+def test_a_path_that_is_not_text_is_refused_in_one_line(tmp_path, capsys):
+    """A file name's bytes that are not UTF-8 reach Python surrogate-escaped; the resolved config is
+    saved as YAML, which cannot hold them: refused, naming the override."""
+    name = os.fsdecode(os.fsencode(tmp_path) + b"/corpus\xff.txt")
+    Path(name).write_bytes(TEXT)
+    for command in (["data", "info"], ["train", *TINY]):
+        error = refused([*command, "data.source=file", f"data.path={name}"], capsys)
+        assert "data.path=" in error and "not utf-8 text" in error, error
+
+
 # --------------------------------------------------------------------------------------------
 # Inputs a run cannot serve: refused when the command runs, one line each
 

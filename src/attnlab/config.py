@@ -24,6 +24,7 @@ import datetime
 import difflib
 import math
 import re
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -410,6 +411,12 @@ def parse_override(text: str) -> dict[str, Any]:
     parts = key.strip().split(".")
     if not all(parts):
         raise ConfigError(f"override '{text}' must look like key.path=value (a key is missing)")
+    if not is_utf8_text(text):
+        # a command line's bytes that the locale's encoding cannot decode arrive surrogate-escaped; the
+        # resolved config is saved as YAML, which cannot hold them, so the run could never be read back
+        encoding = sys.getfilesystemencoding()
+        raise ConfigError(f"override {text!r} holds bytes that are not {encoding} text (a file name?): "
+                          f"rename the file, or link it under a name in {encoding}")
     try:
         value = yaml.load(raw, Loader=YAML_LOADER) if raw.strip() else ""
     except yaml.YAMLError:
@@ -422,6 +429,15 @@ def parse_override(text: str) -> dict[str, Any]:
         cursor = cursor.setdefault(part, {})
     cursor[parts[-1]] = value
     return nested
+
+
+def is_utf8_text(text: str) -> bool:
+    """Whether `text` is text that UTF-8 can encode (no surrogates left by undecodable bytes)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _shown(value: Any) -> str:
