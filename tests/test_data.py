@@ -222,6 +222,11 @@ def test_a_resume_over_other_data_says_its_batches_differ(caplog):
     caplog.clear()
     PaddedDocumentSampler(1000, 16, 4, seed=3).load_state_dict(state)
     assert "1000 documents where the checkpoint's had 1000 tokens" in caplog.text
+    caplog.clear()  # a distributed run says it once, by rank 0 (each rank said it)
+    state = RandomWindowSampler(1000, 16, 4, seed=3, world_size=2).state_dict()
+    for rank in (0, 1):
+        RandomWindowSampler(1200, 16, 4, seed=3, rank=rank, world_size=2).load_state_dict(state)
+    assert caplog.text.count("the training split has 1200 tokens") == 1
 
 
 def test_a_byte_model_s_ids_past_the_bytes_decode_as_the_replacement_character():

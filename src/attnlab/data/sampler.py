@@ -82,8 +82,9 @@ class RandomWindowSampler:
                     f"checkpoint's data sampler has {key}={state[key]} but this run has {getattr(self, key)}; "
                     f"resume with the same train.{key if key != 'world_size' else 'world size'}"
                 )
-        # other data (prepared again, another split or layout) is a choice a run may make: said, not refused
-        if "split" in state and list(state["split"]) != [self.size, self.unit]:
+        # other data (prepared again, another split or layout) is a choice a run may make: said, not refused;
+        # said once, by rank 0 (every rank reads the same data)
+        if "split" in state and list(state["split"]) != [self.size, self.unit] and self.rank == 0:
             size, unit = state["split"]
             log.warning("the training split has %d %s where the checkpoint's had %d %s: the run goes on with "
                         "other batches than an uninterrupted run would have read", self.size, self.unit, size, unit)
