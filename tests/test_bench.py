@@ -216,6 +216,19 @@ def test_plot_runs(tmp_path, text_file):  # noqa: F811
     assert main(["plot", str(tmp_path / "nothing")]) == 2
 
 
+def test_plot_reads_a_run_whose_last_metrics_line_was_cut_short(tmp_path, caplog):
+    """A run killed while it wrote a metrics line is plotted from its whole records, with a warning
+    about the cut line (it was a JSONDecodeError traceback)."""
+    run = tmp_path / "killed"
+    run.mkdir()
+    records = [{"step": step, "loss": 5.0 - step, "tokens": 128 * step, "elapsed_s": 0.1 * step} for step in (1, 2)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + '{"step": 3, "lo')
+    out = tmp_path / "runs.png"
+    assert main(["plot", str(run), "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "skipped 1 line(s) that are not metric records" in caplog.text
+
+
 def test_tensorboard_sink(tmp_path, text_file):  # noqa: F811
     """Each step's loss once, also after a resume from an earlier checkpoint: TensorBoard drops what
     the first run logged past it, as metrics.jsonl does (it showed both runs over those steps)."""

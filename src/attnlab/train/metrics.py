@@ -135,5 +135,21 @@ def open_metrics(config: LogConfig, run_dir: Path, run_name: str, resolved: dict
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """The records of run_dir's metrics.jsonl. A line that is no record (the last one cut short by a
+    kill while it was written, as train/timeline.py expects too) is skipped with one warning."""
     path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records, skipped = [], 0
+    for line in path.read_text(errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if isinstance(record, dict) and "step" in record:
+            records.append(record)
+        else:
+            skipped += 1
+    if skipped:
+        log.warning("%s: skipped %d line(s) that are not metric records (cut short by a kill?)", path, skipped)
+    return records
