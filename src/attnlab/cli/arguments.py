@@ -97,7 +97,7 @@ def check_output_file(option: str, path: Path) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as error:
-        raise AttnlabError(f"{option} {path}: cannot make its folder ({error.strerror})") from None
+        raise AttnlabError(f"{option} {path}: cannot make its folder {path.parent} ({error.strerror})") from None
     writable = path if path.exists() else path.parent
     if not os.access(writable, os.W_OK):  # also False on a read-only file system, for root too
         raise AttnlabError(f"{option} {path}: {writable} is not writable")
