@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -118,6 +119,35 @@ def test_lm_eval_runs_local_tasks_on_a_sparse_model(tmp_path, capsys):
     assert results["attnlab_continuation"]["perplexity,none"] == pytest.approx(
         math.exp(-np.mean([value for value, _ in scored])), rel=1e-4)
     assert results["attnlab_continuation"]["acc,none"] == pytest.approx(np.mean([greedy for _, greedy in scored]))
+
+
+def test_a_failed_write_of_lm_eval_results_leaves_the_old_ones_whole(tmp_path, monkeypatch):
+    """Evaluating a step again replaces RUN/lm-eval/step-N.json staged and renamed: a write that fails
+    (a full disk, a kill) leaves the earlier results whole and no staging file. lm-eval and the model
+    are stand-ins: only the write is under test."""
+    from types import SimpleNamespace
+
+    huggingface = pytest.importorskip("lm_eval.models.huggingface")
+    from attnlab import evaluate
+
+    results = tmp_path / "run" / "lm-eval"
+    results.mkdir(parents=True)
+    (results / "step-0000005.json").write_text('{"results": {"earlier": {"acc,none": 0.25}}}\n')
+    monkeypatch.setattr(evaluate, "_lm_eval", lambda: SimpleNamespace(
+        simple_evaluate=lambda **keywords: {"results": {"task": {"acc,none": 0.5}}}))
+    monkeypatch.setattr(evaluate, "task_manager", lambda tasks, include_path: None)
+    monkeypatch.setattr(evaluate, "exported_for_lm_eval", lambda run, weights, device: (
+        None, SimpleNamespace(bos_token_id=1, eos_token_id=2), 5))
+    monkeypatch.setattr(huggingface, "HFLM", lambda **keywords: None)
+
+    def full_disk(*arguments, **keywords):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        evaluate.lm_eval_run(tmp_path / "run", ["task"])
+    assert [path.name for path in results.iterdir()] == ["step-0000005.json"]
+    assert json.loads((results / "step-0000005.json").read_text())["results"] == {"earlier": {"acc,none": 0.25}}
 
 
 def test_metrics_are_printed_with_their_standard_errors_where_there_are_some():

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import re
 import shutil
 from pathlib import Path
@@ -46,6 +47,29 @@ def tokenized_run(tmp_path: Path) -> Path:
         "train.save_every=4", "log.progress=false",
     ])
     return train(config).run_dir
+
+
+def test_a_failed_tokenizer_copy_leaves_the_run_s_copy_whole(tmp_path, monkeypatch):
+    """Every start of a run copies the tokenizer into it again: a copy that fails (a full disk, a
+    kill) leaves the run's previous copy whole and no staging file beside it."""
+    from types import SimpleNamespace
+
+    from attnlab.hf import TOKENIZER_FILES
+    from attnlab.train.portable import copy_tokenizer
+
+    source, copy = tmp_path / "source", tmp_path / "run" / "tokenizer"
+    for folder, content in ((source, "new"), (copy, "old")):
+        folder.mkdir(parents=True)
+        for name in TOKENIZER_FILES:
+            (folder / name).write_text(f"{content} {name}")
+
+    def full_disk(*arguments, **keywords):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        copy_tokenizer(SimpleNamespace(tokenizer=SimpleNamespace(folder=source)), tmp_path / "run")
+    assert {path.name: path.read_text() for path in copy.iterdir()} == {name: f"old {name}" for name in TOKENIZER_FILES}
 
 
 def test_a_copied_tokenized_run_samples_without_its_data(tmp_path, capsys):

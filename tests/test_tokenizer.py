@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -74,6 +76,24 @@ def test_cli_train(tmp_path, capsys):
     )
     assert "280 tokens" in capsys.readouterr().out
     assert {p.name for p in (tmp_path / "t").iterdir()} >= {"tokenizer.json", "tokenizer_config.json"}
+
+
+def full_disk(*arguments, **keywords):
+    raise OSError(28, "No space left on device")
+
+
+def test_a_failed_write_leaves_the_tokenizer_folder_whole(tokenizer_dir, tokenizer, tmp_path, monkeypatch):
+    """Training again into a folder, or naming the special tokens in it, writes each file staged and
+    renamed: a write that fails (a full disk, a kill) leaves the old files whole, no staging file."""
+    folder = tmp_path / "tokenizer"
+    shutil.copytree(tokenizer_dir, folder)
+    before = {path.name: path.read_bytes() for path in folder.iterdir()}
+    monkeypatch.setattr(os, "fsync", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        train_tokenizer([tokenizer_dir.parent / "corpus.jsonl"], vocab_size=280, out_dir=folder)
+    with pytest.raises(OSError, match="No space"):
+        tokenizer.save_special_tokens(folder)
+    assert {path.name: path.read_bytes() for path in folder.iterdir()} == before
 
 
 def test_cli_train_reads_what_data_prepare_reads(tmp_path, tokenizer_dir, capsys):

@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from attnlab.attention.routing import routing_stats
 from attnlab.data.corpus import load_corpus, with_data_path
+from attnlab.data.files import write_atomic
 from attnlab.data.sampler import Batch, eval_batch
 from attnlab.errors import AttnlabError, ConfigError, DataError
 from attnlab.generate.sampling import check_length
@@ -230,8 +231,8 @@ def lm_eval_run(
     results = lm_eval.simple_evaluate(model=language_model, tasks=tasks, num_fewshot=num_fewshot, limit=limit,
                                       task_manager=manager, log_samples=False)
     path = run_directory(run) / "lm-eval" / f"step-{step:07d}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(results, indent=2, default=handle_non_serializable) + "\n")
+    # atomic: evaluating the same step again (other tasks) replaces the file, never leaves half of it
+    write_atomic(path, (json.dumps(results, indent=2, default=handle_non_serializable) + "\n").encode())
     metrics = {task: {name.split(",")[0]: value for name, value in values.items() if "," in name}  # "acc,none"
                for task, values in results["results"].items()}
     return {"path": str(path), "step": step, "results": metrics}

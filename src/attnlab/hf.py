@@ -49,7 +49,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +64,7 @@ from attnlab.config import (
     config_to_dict,
     save_config,
 )
-from attnlab.data.files import write_atomic
+from attnlab.data.files import copy_atomic, write_atomic
 from attnlab.data.shards import TOKENIZER_FOLDER
 from attnlab.data.tokenizer import BOS_TOKEN, TOKENIZER_FILE, byte_symbols
 from attnlab.errors import ConfigError, ConversionError
@@ -377,9 +376,9 @@ def write_byte_tokenizer(out_dir: Path) -> bool:
     tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocabulary, merges=[]))
     tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = tokenizers.decoders.ByteLevel()
-    tokenizer.save(str(out_dir / TOKENIZER_FILES[0]))
+    write_atomic(out_dir / TOKENIZER_FILES[0], tokenizer.to_str(pretty=True).encode())  # as tokenizer.save writes
     tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    write_atomic(out_dir / "tokenizer_config.json", (json.dumps(tokenizer_config, indent=2) + "\n").encode())
     return True
 
 
@@ -440,7 +439,7 @@ def write_tokenizer_files(out_dir: Path, tokenizer_dir: Path | None, num_tokens:
     if tokenizer_dir is not None:
         for name in TOKENIZER_FILES:
             if (tokenizer_dir / name).is_file():
-                shutil.copyfile(tokenizer_dir / name, out_dir / name)
+                copy_atomic(tokenizer_dir / name, out_dir / name)
     elif num_tokens == 256:
         write_byte_tokenizer(out_dir)
     else:
@@ -771,7 +770,7 @@ def import_hf(hf_dir: str | Path, run_dir: str | Path, overwrite: bool = False) 
         (run_dir / RUN_TOKENIZER_DIR).mkdir(exist_ok=True)
         for name in TOKENIZER_FILES:
             if (hf_dir / name).is_file():
-                shutil.copyfile(hf_dir / name, run_dir / RUN_TOKENIZER_DIR / name)
+                copy_atomic(hf_dir / name, run_dir / RUN_TOKENIZER_DIR / name)
     (run_dir / "run_info.json").write_text(json.dumps({"imported_from": str(hf_dir.resolve())}, indent=2) + "\n")
     log.info("imported %s (%.2fM parameters) -> %s", hf_dir, model.num_parameters() / 1e6, run_dir)
     return run_dir

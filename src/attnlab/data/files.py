@@ -45,6 +45,11 @@ def write_atomic(path: Path, data: bytes) -> None:
         Path(handle.name).unlink(missing_ok=True)  # a write that failed leaves nothing beside the file
 
 
+def copy_atomic(source: Path, target: Path) -> None:
+    """Copy a (small) file as write_atomic writes: `target` is the old file or the whole copy."""
+    write_atomic(Path(target), Path(source).read_bytes())
+
+
 def read_meta_fields(path: Path, fields: dict[str, type | tuple[type, ...]]) -> dict[str, Any]:
     """A prepared corpus's meta.json, checked: a JSON object holding each of `fields` with a value of
     its type (a bool is no count). A DataError naming the file and what is wrong, if not."""

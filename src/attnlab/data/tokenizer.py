@@ -31,6 +31,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from attnlab.data.files import write_atomic
 from attnlab.data.jsonl import SkipCounter, read_texts
 from attnlab.errors import DataError
 
@@ -133,9 +134,10 @@ def train_tokenizer(inputs: list[Path], vocab_size: int, out_dir: Path, max_seq_
         if tokenizer.token_to_id(token) != index:
             raise DataError(f"special token {token} did not get id {index}")  # the trainer's documented order
     out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(out_dir / TOKENIZER_FILE))
+    # each file atomic: a folder trained again in place is never left with half a file
+    write_atomic(out_dir / TOKENIZER_FILE, tokenizer.to_str(pretty=True).encode())  # as tokenizer.save writes
     special_map = {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN, "unk_token": PAD_TOKEN}
-    (out_dir / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2) + "\n")
+    write_atomic(out_dir / SPECIAL_TOKENS_FILE, (json.dumps(special_map, indent=2) + "\n").encode())
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "model_max_length": max_seq_len,
@@ -144,7 +146,7 @@ def train_tokenizer(inputs: list[Path], vocab_size: int, out_dir: Path, max_seq_
         "clean_up_tokenization_spaces": False,
         **special_map,
     }
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    write_atomic(out_dir / "tokenizer_config.json", (json.dumps(tokenizer_config, indent=2) + "\n").encode())
     log.info("trained byte-level BPE, %d tokens -> %s", tokenizer.get_vocab_size(), out_dir)
     return out_dir
 
@@ -276,4 +278,4 @@ class Tokenizer:
         path = Path(folder) / SPECIAL_TOKENS_FILE
         values: dict[str, Any] = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
         values.update({f"{role}_token": token for role, token in self.special_tokens.items()})
-        path.write_text(json.dumps(values, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        write_atomic(path, (json.dumps(values, indent=2, ensure_ascii=False) + "\n").encode("utf-8"))

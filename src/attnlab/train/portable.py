@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 from pathlib import Path
 from typing import Any
 
 from attnlab.config import config_to_dict
+from attnlab.data.files import copy_atomic
 from attnlab.data.shards import TOKENIZER_FOLDER
 from attnlab.hf import TOKENIZER_FILES
 from attnlab.train.checkpoint import list_checkpoints, load_model
@@ -35,7 +35,8 @@ def run_directory(run_or_checkpoint: str | Path) -> Path:
 
 
 def copy_tokenizer(corpus: Any, run_dir: Path) -> None:
-    """Copy a tokenized corpus's tokenizer files into RUN/tokenizer/ (nothing for byte-level data)."""
+    """Copy a tokenized corpus's tokenizer files into RUN/tokenizer/ (nothing for byte-level data),
+    each atomically: every start of a run copies them again, over the copy a sample may be reading."""
     tokenizer = getattr(corpus, "tokenizer", None)
     if tokenizer is None:
         return
@@ -43,7 +44,7 @@ def copy_tokenizer(corpus: Any, run_dir: Path) -> None:
     target.mkdir(parents=True, exist_ok=True)
     for name in TOKENIZER_FILES:
         if (tokenizer.folder / name).is_file():
-            shutil.copyfile(tokenizer.folder / name, target / name)
+            copy_atomic(tokenizer.folder / name, target / name)
 
 
 def write_weights_file(run_dir: Path) -> Path | None:
