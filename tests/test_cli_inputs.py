@@ -191,6 +191,19 @@ def test_a_path_that_is_not_text_is_refused_in_one_line(tmp_path, capsys):
         assert "data.path=" in error and "not utf-8 text" in error, error
 
 
+def test_a_model_that_cannot_be_built_is_refused_before_the_run_starts(tmp_path, capsys):
+    """A name no registry holds, or a part's own rule (MoE's top_k): refused with the config, before
+    the data is prepared (enwik8, a BPE vocabulary: minutes) and the run directory is written."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(TEXT)
+    data = ["data.source=file", f"data.path={corpus}", f"out_dir={tmp_path}", "name=bad"]
+    for override, message in (("model.attention.kind=lcoal", "unknown attention 'lcoal'"),
+                              ("model.moe.top_k=8", "model.moe.top_k=8 must be between 1 and model.moe.n_experts")):
+        line = refused(["train", *TINY, *data, "model.feed_forward=moe", override], capsys)
+        assert message in line, line
+        assert not (tmp_path / "bad").exists()
+
+
 # --------------------------------------------------------------------------------------------
 # Inputs a run cannot serve: refused when the command runs, one line each
 

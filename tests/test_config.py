@@ -58,10 +58,24 @@ def test_clear_errors(args, message):
         load_config(*args)
 
 
-def test_unknown_attention_kind_is_named():
-    config = load_config("demo", ["model.attention.kind=fulll"])
-    with pytest.raises(ConfigError, match="unknown attention 'fulll'. Did you mean 'full'"):
-        Transformer(config.model)
+# What the model's constructor refuses (a registry's name, a variant's or MoE's own rules) is refused
+# when the config is loaded: a run refused only once it builds its model had already prepared its data
+# and written its run directory.
+@pytest.mark.parametrize("overrides, message", [
+    (["model.attention.kind=fulll"], "unknown attention 'fulll'. Did you mean 'full'"),
+    (["model.feed_forward=gleu"], "unknown feed-forward 'gleu'. Did you mean 'gelu'"),
+    (["model.norm=batchnorm"], "unknown norm 'batchnorm'"),
+    (["model.feed_forward=moe", "model.moe.top_k=8"], "model.moe.top_k=8 must be between 1 and model.moe.n_experts=4"),
+    (["model.feed_forward=moe", "model.ff_chunks=2"], "model.ff_chunks"),
+    (["model.attention.kind=nsa", "model.attention.nsa.compress_stride=5"],
+     r"model.attention.nsa.compress_stride=5 must divide model.attention.nsa.compress_block_size=16"),
+    (["model.attention.kind=nsa", "model.attention.dropout=0.1"], "nsa: attention dropout is not supported"),
+    (["model.attention.kind=local", "model.attention.local.backend=flex", "model.attention.dropout=0.1"],
+     "backend=flex has no attention dropout"),
+])
+def test_what_the_model_refuses_is_refused_at_load(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config("demo", overrides)
 
 
 @pytest.mark.parametrize("name", known_presets())

@@ -12,7 +12,8 @@ The loader is deliberately small and strict: YAML is parsed by PyYAML, then ever
 against the dataclasses here. Unknown keys fail with the nearest known key as a suggestion; values
 are checked against their annotation (int, float, bool, str, Literal, Optional, tuples, nested
 configs) and its constraints (`Size`: a positive integer, `Fraction`: in [0, 1], `PlainName`, ...),
-then the fields that constrain each other (`check_run`), so a bad value is one line naming its key.
+then the fields that constrain each other (`check_run`), and what the model's constructor refuses
+(the model is built on the meta device), so a bad value is one line naming its key.
 OmegaConf structured configs were considered and rejected because they do not accept `Literal`
 annotations, which we use for every choice-valued field.
 """
@@ -544,6 +545,21 @@ def check_model(model: ModelConfig, where: str = "model.") -> None:
             raise ConfigError(f"{key} has {len(per_layer)} values; {where}depth={model.depth} needs one per layer")
         if max(per_layer) > model.heads:
             raise ConfigError(f"{key}={local_heads} must be at most {where}heads={model.heads}")
+    _check_model_builds(model)
+
+
+def _check_model_builds(model: ModelConfig) -> None:
+    """What the model's constructor refuses, refused here: a name no registry holds (attention kind,
+    feed-forward, norm) and each part's own rules (NSA's stride dividing its block sizes, MoE's top_k
+    at most n_experts, a back-end without attention dropout). The rules stay with the parts that own
+    them; building on the meta device allocates nothing, and a run is refused before it prepares data
+    or writes its run directory."""
+    import torch  # imported here: the model imports this module, and the CLI's parser imports no torch
+
+    from attnlab.model.transformer import Transformer
+
+    with torch.device("meta"):
+        Transformer(model)
 
 
 def check_run(config: RunConfig) -> None:

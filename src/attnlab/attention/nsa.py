@@ -636,9 +636,10 @@ def check_config(config: NSAAttentionConfig, spec: AttentionSpec) -> None:
     if min(config.compress_block_size, stride, config.selection_block_size, config.sliding_window_size) < 1:
         raise ConfigError("nsa: block sizes, stride and window must be >= 1")
     if config.compress_block_size % stride or config.selection_block_size % stride:
+        key = "model.attention.nsa."
         raise ConfigError(
-            f"nsa: compress_stride ({stride}) must divide compress_block_size ({config.compress_block_size}) "
-            f"and selection_block_size ({config.selection_block_size})"
+            f"{key}compress_stride={stride} must divide {key}compress_block_size={config.compress_block_size} "
+            f"and {key}selection_block_size={config.selection_block_size}"
         )
     if config.num_selected < 2:
         raise ConfigError("nsa: num_selected must be >= 2 (the initial and the current block are always selected)")
