@@ -95,6 +95,24 @@ def test_a_teacher_whose_learned_positions_end_before_the_windows_is_refused(tmp
         train(tiny(tmp_path, text_file, "student", f"train.distill_from={teacher.run_dir}"))
 
 
+def test_positions_are_checked_in_one_place_the_model_s():
+    """Distillation, evaluation and generation check a length against a model's learned positions
+    with one check, the model's own: training and evaluation import nothing of generation for it."""
+    import ast
+    import inspect
+
+    from attnlab import evaluate
+    from attnlab.generate import sampling
+    from attnlab.model import transformer
+    from attnlab.train import distill
+
+    assert distill.check_length is evaluate.check_length is sampling.check_length is transformer.check_length
+    for module in (distill, evaluate):
+        tree = ast.parse(inspect.getsource(module))
+        imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        assert "attnlab.generate.sampling" not in imported, module.__name__
+
+
 def test_missing_teacher_is_a_clear_error(tmp_path, text_file):  # noqa: F811
     with pytest.raises(ConfigError, match="train.distill_from"):
         train(tiny(tmp_path, text_file, "student", f"train.distill_from={tmp_path / 'nowhere'}"))

@@ -28,9 +28,8 @@ from attnlab.data.corpus import load_corpus, with_data_path
 from attnlab.data.files import write_atomic
 from attnlab.data.sampler import Batch, eval_batch
 from attnlab.errors import AttnlabError, ConfigError, DataError
-from attnlab.generate.sampling import check_length
 from attnlab.model.modes import eval_mode
-from attnlab.model.transformer import Transformer
+from attnlab.model.transformer import Transformer, check_length
 from attnlab.train.checkpoint import load_model
 from attnlab.train.portable import run_directory
 

@@ -26,7 +26,6 @@ from attnlab.errors import AttnlabError
 from attnlab.generate.sampling import (
     SamplingConfig,
     check_finite,
-    check_length,
     check_prompt,
     generate,
 )
@@ -38,7 +37,7 @@ from attnlab.generate.speculative import (
     speculative_generate,
 )
 from attnlab.model.quantize import decoding_products, quantize_weights
-from attnlab.model.transformer import Transformer
+from attnlab.model.transformer import Transformer, check_length
 from attnlab.train.checkpoint import load_model
 from attnlab.train.portable import run_directory
 
@@ -226,7 +225,8 @@ def run_speculative_bench(bench: SpeculativeBench) -> dict[str, Any]:
     decode = decode_bytes if tokenizer is None else tokenizer.decode
     prompt = build_prompt(bench, target, tokenizer)  # [B, T]
     for name, model in (("the target", target), ("the draft", draft)):
-        check_length(model, prompt.shape[1] + bench.max_new_tokens + bench.gamma)  # verification runs gamma past
+        # verification runs gamma past
+        check_length(model, prompt.shape[1] + bench.max_new_tokens + bench.gamma, "the prompt and the new tokens")
         check_prompt(model, prompt)  # ids past its vocabulary: refused here, not an index error in its embedding
         with torch.inference_mode():  # damaged (NaN) weights: refused here, not an index error mid-decoding
             check_finite(model(prompt).logits[:, -1], 0, name)

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from attnlab.config import ModelConfig
 from attnlab.data.byte_corpus import byte_model_bytes
 from attnlab.errors import GenerationError
 from attnlab.generate.distribution import (  # noqa: F401  (filter_logits: re-exported for callers)
@@ -25,7 +24,7 @@ from attnlab.generate.distribution import (  # noqa: F401  (filter_logits: re-ex
     sample_from,
 )
 from attnlab.model.modes import eval_mode
-from attnlab.model.transformer import Transformer, capacity_for
+from attnlab.model.transformer import Transformer, capacity_for, check_length, model_config
 
 if TYPE_CHECKING:
     from attnlab.data.tokenizer import Tokenizer
@@ -38,26 +37,6 @@ def check_prompt(model: torch.nn.Module, prompt: Tensor) -> None:
     if config is not None and prompt.numel() and not 0 <= int(prompt.min()) <= int(prompt.max()) < config.num_tokens:
         raise GenerationError(f"the prompt holds token ids from {int(prompt.min())} to {int(prompt.max())}; the model "
                               f"has {config.num_tokens} (model.num_tokens)")
-
-
-def model_config(model: torch.nn.Module) -> ModelConfig | None:
-    """The ModelConfig of an attnlab model, also inside a DDP or DeepSpeed wrapper (`.module`);
-    None for another module."""
-    config = getattr(model, "config", None)
-    if not isinstance(config, ModelConfig) and hasattr(model, "module"):
-        config = getattr(model.module, "config", None)
-    return config if isinstance(config, ModelConfig) else None
-
-
-def check_length(model: torch.nn.Module, length: int, what: str = "the prompt and the new tokens") -> None:
-    """GenerationError if `model` cannot hold `length` tokens (`what` they are): learned positions end
-    at max_seq_len (rotary ones extrapolate, so their models decode past it)."""
-    config = model_config(model)
-    if config is not None and config.position == "learned" and length > config.max_seq_len:
-        raise GenerationError(f"{what} make {length} tokens; this model's learned positions end at "
-                              f"model.max_seq_len={config.max_seq_len}")
-
-
 
 
 def check_finite(logits: Tensor, step: int, who: str = "the model") -> None:
@@ -95,7 +74,7 @@ def stream(
     what attention reads (the arithmetic stays in the weights' dtype).
     """
     sampling = sampling or SamplingConfig()
-    check_length(model, prompt.shape[1] + max_new_tokens)
+    check_length(model, prompt.shape[1] + max_new_tokens, "the prompt and the new tokens")
     check_prompt(model, prompt)
     if compile and use_cache and model._compiled_step is None:
         model.compile_decoding()

@@ -26,7 +26,7 @@ import attnlab.attention  # noqa: F401  (registers the attention variants)
 import attnlab.model.moe  # noqa: F401  (registers the mixture-of-experts feed-forward)
 from attnlab.attention.base import AttentionSpec, KVCache, RotaryEmbedding, new_lengths
 from attnlab.config import ModelConfig
-from attnlab.errors import ConfigError
+from attnlab.errors import ConfigError, GenerationError
 from attnlab.generate.distribution import SamplingConfig, draw_chain
 from attnlab.model.decode_compile import (
     STRUCTURE_CHANGES,
@@ -143,6 +143,25 @@ def capacity_for(model: nn.Module, length: int) -> int:
     model without one."""
     rule = getattr(model, "decoding_capacity", None)
     return length if rule is None else rule(length)
+
+
+def model_config(model: nn.Module) -> ModelConfig | None:
+    """The ModelConfig of an attnlab model, also inside a DDP or DeepSpeed wrapper (`.module`);
+    None for another module."""
+    config = getattr(model, "config", None)
+    if not isinstance(config, ModelConfig) and hasattr(model, "module"):
+        config = getattr(model.module, "config", None)
+    return config if isinstance(config, ModelConfig) else None
+
+
+def check_length(model: nn.Module, length: int, what: str) -> None:
+    """GenerationError if `model` cannot hold `length` tokens (`what` they are, as the message names
+    them: a prompt and its new tokens, evaluation windows, a teacher's training windows): learned
+    positions end at max_seq_len (rotary ones extrapolate, so their models decode past it)."""
+    config = model_config(model)
+    if config is not None and config.position == "learned" and length > config.max_seq_len:
+        raise GenerationError(f"{what} make {length} tokens; this model's learned positions end at "
+                              f"model.max_seq_len={config.max_seq_len}")
 
 
 def new_model_cache(model: nn.Module, attention_layers: list[nn.Module], batch_size: int, max_len: int, device=None,

@@ -28,8 +28,8 @@ from torch import Tensor
 
 from attnlab.config import RunConfig, TrainConfig
 from attnlab.errors import CheckpointError, ConfigError, GenerationError
-from attnlab.generate.sampling import check_length
 from attnlab.model import ModelOutput, Transformer
+from attnlab.model.transformer import check_length
 from attnlab.train.checkpoint import load_model
 
 log = logging.getLogger(__name__)
