@@ -133,8 +133,8 @@ def test_generation_past_the_cache_size_grows_it(tmp_path):
 
 
 def test_padding_attnlab_cannot_compute_is_refused(tmp_path):
-    """Right padding is harmless in a parallel forward (attention is causal); left padding, or any
-    padding while decoding, would be computed wrongly and is refused."""
+    """Right padding is harmless in a parallel forward (attention is causal); left padding there, or
+    right padding while generating, would be computed wrongly and is refused."""
     model = random_model(variant_config("local"))
     write_run(tmp_path / "run", model)
     main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "hf"), "--model-type", "attnlab"])
@@ -146,8 +146,37 @@ def test_padding_attnlab_cannot_compute_is_refused(tmp_path):
         assert torch.equal(loaded(tokens, attention_mask=right).logits, model(tokens).logits)
         with pytest.raises(ValueError, match="may only have zeros after its ones"):
             loaded(tokens, attention_mask=right.flip(-1))
-        with pytest.raises(ValueError, match="none while decoding"):
+        with pytest.raises(ValueError, match="before them \\(left padding\\) when generating"):
             loaded.generate(tokens, attention_mask=right, max_new_tokens=2)
+
+
+@pytest.mark.parametrize("name", ["routing", "nsa"])
+def test_a_left_padded_batch_generates_what_each_row_generates_alone(tmp_path, name):
+    """generate() on prompts of different lengths, left-padded with their attention_mask as lm-eval's
+    generation tasks batch them (HFLM._model_generate's call): each row's tokens and logits are those
+    of the row generated alone, bit for bit (it raised a ValueError)."""
+    from attnlab.hf_model import CACHE_FIELD
+
+    model = random_model(MODELS[name])
+    write_run(tmp_path / "run", model)
+    main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "hf"), "--model-type", "attnlab"])
+    loaded = load_exported(tmp_path / "hf")
+    prompts = [tokens_of(61, (1, length), seed=length)[0] for length in (9, 4, 13)]
+    width, new = 13, 12
+    tokens, mask = torch.zeros(3, width, dtype=torch.long), torch.zeros(3, width, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        tokens[row, width - len(prompt):], mask[row, width - len(prompt):] = prompt, 1
+    settings = dict(do_sample=False, pad_token_id=0, use_cache=True, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        batched = loaded.generate(input_ids=tokens, attention_mask=mask, max_length=width + new, **settings)
+        for row, prompt in enumerate(prompts):
+            alone = loaded.generate(input_ids=prompt[None], attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                    max_length=len(prompt) + new, **settings)
+            assert batched.sequences[row, width:].tolist() == alone.sequences[0, len(prompt):].tolist()
+            assert all(torch.equal(step[row], step_alone[0]) for step, step_alone in zip(batched.logits, alone.logits))
+        cache = getattr(loaded(tokens, attention_mask=mask, use_cache=True), CACHE_FIELD)
+        with pytest.raises(ValueError, match="padding is the prompt's while decoding"):  # not the prompt's mask
+            loaded(tokens[:, :1], attention_mask=torch.ones(3, width + 1, dtype=torch.long), past_key_values=cache)
 
 
 def test_local_attention_exports_natively_as_mistral(tmp_path):

@@ -14,7 +14,9 @@ keys and values per layer (cluster ids, bucket summaries, compressed blocks) and
 caches know how to extend them. So the model tells generate() that it brings its own cache (as
 Mamba does), creates one on the first forward with `use_cache=True` and returns it; generate()
 passes it back on every later step. Greedy decoding then makes the same calls as attnlab's
-`generate` (the prompt at once, then one token per step) and picks the same tokens.
+`generate` (the prompt at once, then one token per step) and picks the same tokens. A left-padded
+batch (prompts of different lengths) is decoded one row at a time (AttnlabRowsCache): each row as
+it would be alone.
 
 `register()` adds the type to transformers' Auto classes; attnlab runs it when both are imported
 (attnlab/transformers_hook.py). Exported folders also carry `modeling_attnlab.py`, which imports
@@ -107,16 +109,54 @@ class AttnlabCache:
         return self.layers
 
 
-def check_attention_mask(attention_mask: Tensor | None, cached: bool) -> None:
-    """attnlab attends to every token it is given. A mask of ones is what it computes; zeros after
-    the ones (right padding) change nothing before them in a parallel forward, since attention is
-    causal. Anything else (left padding, padding while decoding) would be computed wrongly: refuse."""
+class AttnlabRowsCache:
+    """The caches of a left-padded batch (generate() on prompts of different lengths, as lm-eval's
+    generation tasks give them): one AttnlabCache per row, fed that row's tokens without its
+    padding, so each row makes the calls it would make alone and decodes what it would decode alone,
+    bit for bit. attnlab's attention cannot skip padding inside what it attends to (routing, sinkhorn
+    and NSA group positions: a shifted prompt is another computation), hence one row at a time."""
+
+    is_compileable = False
+
+    def __init__(self, model: Transformer, padding: list[int]) -> None:
+        self.model = model
+        self.padding = padding  # [B] padding tokens before each row's prompt
+        self.rows: list[AttnlabCache | None] = [None] * len(padding)  # made by the first forward
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """The padded length generate() counts: the same for every row."""
+        return self.padding[0] + self.rows[0].get_seq_length() if self.rows[0] is not None else 0
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        """input_ids [B, T] -> logits [B, T, V], each row's from its own cache; zeros at padding."""
+        logits = []
+        for row, tokens in enumerate(input_ids):  # tokens [T]
+            start = self.padding[row] if self.rows[row] is None else 0  # the prompt: skip its padding
+            fed = tokens[None, start:]  # [1, T - start]
+            if self.rows[row] is None:
+                self.rows[row] = AttnlabCache(self.model, 1, max(self.model.config.max_seq_len, fed.shape[1]))
+            out = self.model(fed, cache=self.rows[row].feed(fed)).logits  # [1, T - start, V]
+            logits.append(F.pad(out, (0, 0, start, 0)))
+        return torch.cat(logits)
+
+
+def left_padding(attention_mask: Tensor | None, cached: bool) -> list[int] | None:
+    """attnlab attends to every token it is given. A mask of ones is what it computes, and so are
+    zeros after the ones (right padding) in a parallel forward, since attention is causal: None.
+    In a cached call (generate) a row may start with zeros (left padding): their count per row, for
+    AttnlabRowsCache. Anything else (zeros between ones, right padding while decoding, a row of
+    padding only) would be computed wrongly: refused."""
     if attention_mask is None or bool(attention_mask.all()):
-        return
-    right_padded = bool((attention_mask.cummin(dim=-1).values == attention_mask).all())  # no 1 after a 0
-    if cached or not right_padded:
-        raise ValueError("attnlab models take no padding inside the tokens they attend to: an attention_mask may "
-                         "only have zeros after its ones, and none while decoding; generate one row at a time")
+        return None
+    mask = attention_mask.long()
+    if not cached and bool((mask.cummin(dim=-1).values == mask).all()):  # no 1 after a 0
+        return None
+    counts = (mask == 0).sum(dim=-1)  # [B]
+    if cached and bool((mask.cummax(dim=-1).values == mask).all()) and bool((counts < mask.shape[1]).all()):
+        return counts.tolist()
+    raise ValueError("attnlab models take no padding inside the tokens they attend to: an attention_mask may "
+                     "only have zeros after its ones in a parallel forward, and before them (left padding) "
+                     "when generating, with at least one token a row")
 
 
 def next_token_loss(logits: Tensor, labels: Tensor) -> Tensor:
@@ -177,12 +217,20 @@ class AttnlabForCausalLM(PreTrainedModel, GenerationMixin):
         if input_ids is None or inputs_embeds is not None:
             raise ValueError("attnlab models take input_ids (inputs_embeds are not supported)")
         cache = cache if cache is not None else past_key_values
-        check_attention_mask(attention_mask, cached=cache is not None or bool(use_cache))
-        if cache is None and use_cache:
+        padding = left_padding(attention_mask, cached=cache is not None or bool(use_cache))
+        if cache is None and padding is not None:  # a left-padded prompt: one row at a time
+            cache = AttnlabRowsCache(self.model, padding)
+        elif cache is None and use_cache:
             capacity = max(self.model.config.max_seq_len, input_ids.shape[1])
             cache = AttnlabCache(self.model, input_ids.shape[0], capacity)
-        layers = None if cache is None else cache.feed(input_ids)
-        logits = self.model(input_ids, cache=layers).logits  # [B, T, V]
+        elif cache is not None and attention_mask is not None and padding != getattr(cache, "padding", None):
+            raise ValueError("attnlab models take an attention_mask whose padding is the prompt's while decoding: "
+                             "ones after it for every token generated")
+        if isinstance(cache, AttnlabRowsCache):
+            logits = cache.forward(input_ids)  # [B, T, V]
+        else:
+            layers = None if cache is None else cache.feed(input_ids)
+            logits = self.model(input_ids, cache=layers).logits  # [B, T, V]
         loss = None if labels is None else next_token_loss(logits, labels)
         return CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_FIELD: cache})
 
