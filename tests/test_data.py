@@ -7,6 +7,7 @@ import gzip
 import hashlib
 import http.server
 import json
+import os
 import shutil
 import threading
 import zipfile
@@ -21,7 +22,7 @@ from attnlab.cli.main import main
 from attnlab.config import DataConfig
 from attnlab.data.byte_corpus import download_enwik8, prepare_builtin
 from attnlab.data.corpus import load_corpus
-from attnlab.data.files import stdlib_sources
+from attnlab.data.files import stdlib_sources, write_atomic
 from attnlab.data.sampler import Batch, RandomWindowSampler, eval_windows, randomly_truncate
 from attnlab.errors import DataError
 
@@ -325,3 +326,18 @@ def test_import_cycle_check_sees_lazy_imports(tmp_path):
                                         + (folder / "pretrain.py").read_text())
     cycle = import_cycle(data_imports(folder))
     assert cycle is not None and {"attnlab.data.byte_corpus", "attnlab.data.pretrain"} <= set(cycle)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_a_file_written_atomically_has_the_mode_of_one_written_in_place(tmp_path, umask):
+    """write_atomic's file (a run's config.yaml, an export's config.json, a tokenizer copy) is as
+    readable to others as open() would make it: the umask decides, not a private temporary file."""
+    previous = os.umask(umask)
+    try:
+        write_atomic(tmp_path / "config.yaml", b"model: {}\n")
+        (tmp_path / "in_place.yaml").write_bytes(b"model: {}\n")
+    finally:
+        os.umask(previous)
+    mode_of = {path.name: path.stat().st_mode & 0o777 for path in tmp_path.iterdir()}
+    assert mode_of == {"config.yaml": 0o666 & ~umask, "in_place.yaml": 0o666 & ~umask}
+    assert (tmp_path / "config.yaml").read_bytes() == b"model: {}\n"

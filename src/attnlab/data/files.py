@@ -10,8 +10,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import secrets
 import sysconfig
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -34,15 +34,18 @@ def write_atomic(path: Path, data: bytes) -> None:
     """Write to a temporary file beside `path`, fsync it and rename it: readers see the old file or
     the whole new one, never a part, and a write that fails leaves the old one alone."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    handle = tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", delete=False)
+    temporary = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
+    # made as open() makes a file (mode 0o666 less the umask), so the new file is as readable to
+    # others as one written in place; a private temporary file would stay private once renamed
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
-        with handle:
+        with os.fdopen(descriptor, "wb") as handle:
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
-        os.replace(handle.name, path)
+        os.replace(temporary, path)
     finally:
-        Path(handle.name).unlink(missing_ok=True)  # a write that failed leaves nothing beside the file
+        temporary.unlink(missing_ok=True)  # a write that failed leaves nothing beside the file
 
 
 def copy_atomic(source: Path, target: Path) -> None:
