@@ -89,3 +89,15 @@ def test_flex_back_end_forward_equals_the_reference(name):
     tokens = torch.randint(0, 61, (2, 45), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         torch.testing.assert_close(other.eval()(tokens).logits, reference.eval()(tokens).logits, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["local", "routing", "sinkhorn", "nsa"])
+def test_flex_refuses_training_on_the_cpu_in_one_line(name):
+    """FlexAttention runs forward only on the CPU: a training step there is refused naming the
+    back-end, not torch's NotImplementedError from inside the backward; evaluation still runs."""
+    _, flex = twin(name, "flex")
+    tokens = torch.randint(0, 61, (2, 17), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        flex.eval()(tokens)
+    with pytest.raises(ConfigError, match=r"back-end flex has no backward on CPU \(it trains on CUDA\); choose"):
+        flex.train()(tokens[:, :-1], targets=tokens[:, 1:]).loss.backward()

@@ -588,7 +588,6 @@ class NativeSparseAttention(Attention):
         if backend == "triton":
             return nsa_triton.selected_attention(q, k, v, indices, valid, gates, 0, block)
         if backend == "flex" and gates is None:  # flex has no per-block value gates
-            self._check_flex(q)
             return nsa_flex.selected_attention(q, k, v, indices, valid, 0, block)
         if backend == "cpu" and nsa_cpu.fits(indices.shape[-1], q.shape[1] // k.shape[1]):
             return nsa_cpu.selected_attention(q, k, v, torch.where(valid, indices, -1), block, gates)
@@ -599,16 +598,10 @@ class NativeSparseAttention(Attention):
         backend = choose(self.config.backend, OFFERED, q, True)
         # triton's sliding branch is FlexAttention's window on CUDA (torch has no flex backward on the CPU)
         if backend == "flex" or (backend == "triton" and q.device.type == "cuda" and serves_call("flex", q, True)):
-            self._check_flex(q)
             return flex_local_attention(q, k, v, window)
         if backend == "cpu" and nsa_cpu.fits(0, q.shape[1] // k.shape[1]):
             return nsa_cpu.sliding_attention(q, k, v, window)
         return local_attention(q, k, v, window)
-
-    @staticmethod
-    def _check_flex(q: Tensor) -> None:
-        if q.device.type == "cpu" and torch.is_grad_enabled() and q.requires_grad:
-            raise ConfigError("nsa backend=flex has no backward on CPU; train with backend=torch (flex: inference)")
 
     def new_cache(self, batch: int, max_len: int, device=None, dtype=None, lengths: Tensor | None = None) -> NSACache:
         names = (["k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win"] if self.config.separate_branch_kv

@@ -73,7 +73,12 @@ def decode_cpu_refusal(q: Tensor, keys: Tensor, dropout: float) -> str | None:
 
 
 def flex_refusal(x: Tensor, dropout: float) -> str | None:
-    return "has no attention dropout" if dropout else None
+    if dropout:
+        return "has no attention dropout"
+    # torch's FlexAttention has no backward on the CPU: its forward serves evaluation and decoding there
+    if x.device.type == "cpu" and torch.is_grad_enabled() and x.requires_grad:
+        return "has no backward on CPU (it trains on CUDA)"
+    return None
 
 
 def triton_refusal(x: Tensor, dropout: float) -> str | None:
