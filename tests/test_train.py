@@ -20,7 +20,7 @@ from attnlab.config import load_config
 from attnlab.errors import AttnlabError, CheckpointError, ConfigError
 from attnlab.train import loop
 from attnlab.train.checkpoint import list_checkpoints, load_model, read_checkpoint, save_checkpoint
-from attnlab.train.loop import TrainingError, train
+from attnlab.train.loop import TrainingError, check_training_config, train
 from attnlab.train.metrics import read_metrics
 from attnlab.train.optim import cosine_lr, minimind_lr, parameter_groups
 
@@ -95,6 +95,18 @@ def test_a_resume_with_no_step_left_says_so(tmp_path, text_file, caplog):
     caplog.clear()
     assert train(tiny(tmp_path, text_file, "run", "train.max_steps=4"), resume=True).step == 5
     assert "the run is at step 5, and train.max_steps=4 ends it there" in caplog.text
+
+
+def test_a_run_that_ends_in_its_warm_up_says_so(tmp_path, text_file, caplog):
+    """train.warmup_steps past train.max_steps (a preset shortened for a trial) is allowed, but the
+    cosine schedule then never reaches train.lr nor decays: a warning says how far it gets."""
+    caplog.set_level(logging.WARNING, logger="attnlab.train.loop")
+    check_training_config(tiny(tmp_path, text_file, "run", "train.warmup_steps=40"))
+    assert "warmup_steps=40 exceeds train.max_steps=10: the learning rate ends its warm-up at 0.25 of" in caplog.text
+    caplog.clear()
+    check_training_config(tiny(tmp_path, text_file, "run", "train.warmup_steps=40", "train.schedule=constant"))
+    check_training_config(tiny(tmp_path, text_file))
+    assert not caplog.text
 
 
 def test_a_resumed_run_reports_the_last_evaluation_it_had(tmp_path, text_file):
