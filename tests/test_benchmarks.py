@@ -121,13 +121,43 @@ def test_lm_eval_runs_local_tasks_on_a_sparse_model(tmp_path, capsys):
     assert results["attnlab_continuation"]["acc,none"] == pytest.approx(np.mean([greedy for _, greedy in scored]))
 
 
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_lm_eval_generates_until_on_a_byte_level_model_what_greedy_decoding_gives(tmp_path, batch_size):
+    """Generation tasks (lm-eval's generate_until) on a byte-level run, whose tokenizer has no EOS:
+    each answer is attnlab's own greedy continuation of its context, cut at the task's stop sequence,
+    alone or batched (left-padded rows of other lengths)."""
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+
+    from attnlab.evaluate import exported_for_lm_eval, lm_eval_model
+
+    run_dir = nsa_run(tmp_path / "run")
+    model, tokenizer, _ = exported_for_lm_eval(run_dir, "auto", "cpu")
+    contexts = [context for context, _ in CONTINUATIONS]
+    generation = {"until": ["m"], "max_gen_toks": 8, "do_sample": False}  # 2 of 3 stop
+    requests = [Instance("generate_until", {}, (context, dict(generation)), index)
+                for index, context in enumerate(contexts)]
+    answers = lm_eval_model(model, tokenizer, batch_size, "cpu").generate_until(requests)
+
+    reference = load_model(run_dir)
+    expected = []
+    for context in contexts:
+        tokens = torch.tensor([list(context.encode())])
+        with torch.no_grad():
+            for _ in range(generation["max_gen_toks"]):
+                next_token = reference(tokens).logits[:, -1].argmax(dim=-1, keepdim=True)
+                tokens = torch.cat([tokens, next_token], dim=1)
+        expected.append(tokenizer.decode(tokens[0, len(context.encode()):].tolist()).split("m")[0])
+    assert answers == expected
+
+
 def test_a_failed_write_of_lm_eval_results_leaves_the_old_ones_whole(tmp_path, monkeypatch):
     """Evaluating a step again replaces RUN/lm-eval/step-N.json staged and renamed: a write that fails
     (a full disk, a kill) leaves the earlier results whole and no staging file. lm-eval and the model
     are stand-ins: only the write is under test."""
     from types import SimpleNamespace
 
-    huggingface = pytest.importorskip("lm_eval.models.huggingface")
+    pytest.importorskip("lm_eval")
     from attnlab import evaluate
 
     results = tmp_path / "run" / "lm-eval"
@@ -136,9 +166,8 @@ def test_a_failed_write_of_lm_eval_results_leaves_the_old_ones_whole(tmp_path, m
     monkeypatch.setattr(evaluate, "_lm_eval", lambda: SimpleNamespace(
         simple_evaluate=lambda **keywords: {"results": {"task": {"acc,none": 0.5}}}))
     monkeypatch.setattr(evaluate, "task_manager", lambda tasks, include_path: None)
-    monkeypatch.setattr(evaluate, "exported_for_lm_eval", lambda run, weights, device: (
-        None, SimpleNamespace(bos_token_id=1, eos_token_id=2), 5))
-    monkeypatch.setattr(huggingface, "HFLM", lambda **keywords: None)
+    monkeypatch.setattr(evaluate, "exported_for_lm_eval", lambda run, weights, device: (None, None, 5))
+    monkeypatch.setattr(evaluate, "lm_eval_model", lambda model, tokenizer, batch_size, device: None)
 
     def full_disk(*arguments, **keywords):
         raise OSError(28, "No space left on device")

@@ -204,6 +204,25 @@ def exported_for_lm_eval(run: str | Path, weights: str, device: str):
     return model, tokenizer, source.checkpoint_step
 
 
+def lm_eval_model(model, tokenizer, batch_size: int, device: str):
+    """lm-eval's Hugging Face model (HFLM) over an exported run and its tokenizer. HFLM reads the
+    tokenizer's BOS and EOS tokens, which a byte-level tokenizer lacks:
+    - an empty context starts with BOS (or EOS): without either, a newline stands in;
+    - a generation stops at the task's stop sequences and at EOS, decoded first: without EOS there
+      is no such stop (no byte is made one), the task's own stops and length remain."""
+    from lm_eval.models.huggingface import HFLM
+
+    class AttnlabHFLM(HFLM):
+        def tok_decode(self, tokens, skip_special_tokens: bool = True):
+            if tokens is None:  # the EOS of a tokenizer without one (HFLM.generate_until)
+                return None
+            return super().tok_decode(tokens, skip_special_tokens=skip_special_tokens)
+
+    special = tokenizer.bos_token_id is not None or tokenizer.eos_token_id is not None
+    return AttnlabHFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device,
+                       prefix_token_id=None if special else ord("\n"))
+
+
 def lm_eval_run(
     run: str | Path,
     tasks: list[str],
@@ -218,15 +237,11 @@ def lm_eval_run(
     tasks by name (lm-eval's, or YAML tasks in `include_path`). lm-eval's results are written as JSON
     beside the run (RUN/lm-eval/step-N.json); returned: {"path", "step", "results": {task: {metric: value}}}."""
     lm_eval = _lm_eval()
-    from lm_eval.models.huggingface import HFLM
     from lm_eval.utils import handle_non_serializable
 
     manager = task_manager(tasks, include_path)  # unknown names fail before the model is loaded
     model, tokenizer, step = exported_for_lm_eval(run, weights, device)
-    # lm-eval starts an empty context with BOS (or EOS); a byte-level model has neither: a newline stands in
-    special = tokenizer.bos_token_id is not None or tokenizer.eos_token_id is not None
-    language_model = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device,
-                          prefix_token_id=None if special else ord("\n"))
+    language_model = lm_eval_model(model, tokenizer, batch_size, device)
     results = lm_eval.simple_evaluate(model=language_model, tasks=tasks, num_fewshot=num_fewshot, limit=limit,
                                       task_manager=manager, log_samples=False)
     path = run_directory(run) / "lm-eval" / f"step-{step:07d}.json"
