@@ -215,6 +215,21 @@ def test_vocabulary_larger_than_the_model_is_refused(tmp_path, prepared):
         train(tiny_token_run(tmp_path, prepared, "small-vocab", "model.num_tokens=256"))
 
 
+def test_a_model_vocabulary_larger_than_the_tokenizer_samples_and_trains(tmp_path, prepared, capsys):
+    """model.num_tokens past the tokenizer's vocabulary (a preset's 6400 on a tokenizer that came out
+    smaller) draws ids that stand for no text: shown as U+FFFD, in training samples and `attnlab sample`
+    alike, not an error that ends training at its first sample."""
+    result = train(tiny_token_run(tmp_path, prepared, "large-vocab", "model.num_tokens=6400"))
+    assert result.step == 6
+    capsys.readouterr()
+    assert main(["sample", str(result.run_dir), "--prompt", "héllo", "--max-new-tokens", "16"]) == 0
+    assert "\ufffd" in capsys.readouterr().out  # almost all of 6400 near-uniform ids are past the 320
+    tokenizer = Tokenizer(prepared / "tokenizer")
+    assert tokenizer.decode_bytes([tokenizer.encode("a")[0], 6399]) == "a\ufffd".encode()
+    with pytest.raises(DataError, match="token id -1"):
+        tokenizer.decode_bytes([-1])
+
+
 def test_bits_per_byte_counts_decoded_bytes(prepared):
     """bits per byte = summed loss in bits / UTF-8 bytes of the counted targets (special tokens 0 bytes)."""
     corpus = load_token_corpus(DataConfig(source="tokens", path=str(prepared), val_fraction=0.3))

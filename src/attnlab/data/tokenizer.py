@@ -31,6 +31,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from attnlab.data.byte_corpus import REPLACEMENT
 from attnlab.data.files import write_atomic
 from attnlab.data.jsonl import SkipCounter, read_texts
 from attnlab.errors import DataError
@@ -257,10 +258,18 @@ class Tokenizer:
 
     def decode_bytes(self, ids: Iterable[int]) -> bytes:
         """Exact inverse of encode_bytes for byte-level BPE (special tokens come back as their UTF-8
-        text); for other tokenizers each token's own text (`▁` as a space, `<0xNN>` as its byte)."""
+        text); for other tokenizers each token's own text (`▁` as a space, `<0xNN>` as its byte).
+        An id past the vocabulary comes out as U+FFFD's bytes: a model with more ids than its
+        tokenizer (model.num_tokens 6400 on a tokenizer that came out smaller) can draw one, as a
+        byte-level model can draw an id past 255, and its samples must still print."""
         _, byte_of = byte_symbols()
+        ids = [int(i) for i in ids]
+        self.check_ids([index for index in ids if index < self.vocab_size])  # a negative id is an error
         pieces = []
-        for index in self.check_ids([int(i) for i in ids]):
+        for index in ids:
+            if index >= self.vocab_size:
+                pieces.append(REPLACEMENT)
+                continue
             token = self.backend.id_to_token(index)
             if index in self.special_ids:
                 pieces.append(token.encode("utf-8"))
