@@ -18,9 +18,10 @@ import pytest
 import torch
 
 from attnlab.cli.main import main
-from attnlab.errors import AttnlabError
+from attnlab.config import DistConfig, RunConfig
+from attnlab.errors import AttnlabError, ConfigError
 from attnlab.train import loop
-from attnlab.train.checkpoint import list_checkpoints, read_checkpoint
+from attnlab.train.checkpoint import list_checkpoints, read_checkpoint, save_checkpoint
 from attnlab.train.loop import train
 from attnlab.train.metrics import read_metrics
 from attnlab.train.run_lock import LOCK_FILE, RunDirectoryInUse, RunLock
@@ -315,3 +316,65 @@ def test_resume_from_a_folder_says_it_wants_a_checkpoint_file(tmp_path, text_fil
     assert main(["train", "-p", "demo", *cli_args(tmp_path, text_file), "--resume", str(run_dir)]) == 2
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and "a folder, not a checkpoint file; --resume alone continues" in error
+
+
+def written_by(run_dir: Path, strategy: str, n_processes: int) -> Path:
+    """Make the latest checkpoint of a one-process run look as `strategy` on `n_processes` writes it:
+    FSDP and DeepSpeed leave the file's optimiser state empty (theirs is in their own folders)."""
+    path = list_checkpoints(run_dir)[-1]
+    state = read_checkpoint(path)
+    del state["format_version"]
+    state["config"]["dist"]["strategy"] = strategy
+    state["rng"] = state["rng"] * n_processes
+    if strategy in ("fsdp", "deepspeed"):
+        state["optimizer"] = {}
+    save_checkpoint(path, state)
+    return path
+
+
+@pytest.mark.parametrize("strategy, n_processes, message", [
+    ("fsdp", 2, "written by dist.strategy=fsdp on 2 processes, this run is dist.strategy=single on 1 (its optimiser "
+                "state is in RUN/fsdp/, which only fsdp reads); resume it with dist.strategy=fsdp on 2 processes"),
+    ("deepspeed", 1, "(its optimiser state is in RUN/deepspeed/, which only deepspeed reads)"),
+    ("ddp", 2, "written by dist.strategy=ddp on 2 processes, this run is dist.strategy=single on 1 (each process "
+               "resumes its own RNG state and slice of the global batch); resume it with dist.strategy=ddp or "
+               "single on 2 processes"),
+])
+def test_resume_in_one_process_of_a_distributed_checkpoint_is_one_line(tmp_path, text_file, capsys, strategy,
+                                                                       n_processes, message):
+    """An FSDP or DeepSpeed checkpoint resumed without its engine (a KeyError traceback from the empty
+    optimiser state), a DDP one on fewer processes: refused before the data or model is built."""
+    assert main(["train", "-p", "demo", *cli_args(tmp_path, text_file), "--until-step", "5"]) == 0
+    path = written_by(tmp_path / "runs" / "run", strategy, n_processes)
+    capsys.readouterr()
+    assert main(["train", "-p", "demo", *cli_args(tmp_path, text_file), "--resume"]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and f"--resume {path}: " in error and message in error
+    assert f"train.init_from={path}" in error
+    assert [record["step"] for record in read_metrics(tmp_path / "runs" / "run") if "loss" in record][-1] == 5
+
+
+@pytest.mark.parametrize("saved, written_on, here, world_size, refused", [
+    ("fsdp", 2, "ddp", 2, "its optimiser state is in RUN/fsdp/, which only fsdp reads"),
+    ("deepspeed", 2, "fsdp", 2, "its optimiser state is in RUN/deepspeed/, which only deepspeed reads"),
+    ("ddp", 2, "fsdp", 2, "its optimiser state is in the checkpoint file, which only ddp or single reads"),
+    ("single", 1, "deepspeed", 1, "its optimiser state is in the checkpoint file, which only ddp or single reads"),
+    ("single", 1, "ddp", 2, "each process resumes its own RNG state"),
+    ("fsdp", 2, "fsdp", 4, "each process resumes its own RNG state"),
+    ("ddp", 2, "ddp", 2, None),
+    ("single", 1, "ddp", 1, None),  # torchrun with one process: the same file, the same batches
+    ("ddp", 1, "single", 1, None),
+    ("deepspeed", 2, "deepspeed", 2, None),
+])
+def test_a_checkpoint_resumes_under_its_own_engine_and_number_of_processes(saved, written_on, here, world_size,
+                                                                            refused):
+    """check_distribution, for the launches a one-process test cannot make."""
+    from attnlab.train.resume import check_distribution
+
+    state = {"config": {"dist": {"strategy": saved}}, "rng": [{}] * written_on}
+    config = RunConfig(dist=DistConfig(strategy=here))
+    if refused is None:
+        check_distribution(state, config, world_size, Path("step-0000003.pt"))
+        return
+    with pytest.raises(ConfigError, match=f"this run is dist.strategy={here} on {world_size} .*{refused}"):
+        check_distribution(state, config, world_size, Path("step-0000003.pt"))

@@ -319,7 +319,7 @@ def resume_point(config: RunConfig, resume: str | bool | None, strategy: SingleP
     chosen, failure = None, None
     if strategy.is_main:
         try:
-            chosen = choose_checkpoint(config, resume, strategy.engine_folder)
+            chosen = choose_checkpoint(config, resume, strategy.engine_folder, strategy.world_size)
         except AttnlabError as error:
             failure = error
     strategy.raise_together(failure)
