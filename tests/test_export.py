@@ -187,6 +187,25 @@ def test_cli_export_with_tokenizer(tmp_path, capsys, tokenizer_place):
     assert main(["export", str(run_dir), "--out", str(tmp_path / "hf"), "--force", "--dtype", "bfloat16"]) == 0
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o077], ids=["umask-022", "umask-077"])
+def test_exported_weights_have_the_mode_of_a_file_written_in_place(tmp_path, umask):
+    """model.safetensors (an export's, a run's final weights) is as readable to others as its
+    config.json: the umask decides, not the private file the safetensors library makes."""
+    import os
+
+    from attnlab.train.portable import write_weights_file
+
+    run_dir = write_run(tmp_path / "run", random_model(minimind_config()))
+    previous = os.umask(umask)
+    try:
+        export_run(run_dir, tmp_path / "hf")
+        write_weights_file(run_dir)
+    finally:
+        os.umask(previous)
+    for path in (tmp_path / "hf" / "model.safetensors", tmp_path / "hf" / "config.json", run_dir / "model.safetensors"):
+        assert path.stat().st_mode & 0o777 == 0o666 & ~umask, path
+
+
 def test_a_weight_beyond_float16_is_refused_in_float16(tmp_path):
     """A weight beyond float16's 65504 became infinite in the cast, silently: the exported model
     computed inf and NaN. Refused in one line before anything is written; bfloat16 takes it."""
