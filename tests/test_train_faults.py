@@ -265,6 +265,28 @@ def test_a_deepspeed_config_without_deepspeed_is_refused(tmp_path, text_file, ca
     assert not list_checkpoints(tmp_path / "runs" / "run")
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "deepspeed"])
+def test_a_distributed_strategy_without_a_launcher_is_one_line(tmp_path, text_file, capsys, strategy):
+    """Said how to launch, before the run directory is made (DeepSpeed looked for MPI: a traceback)."""
+    extra = [f"dist.deepspeed_config={text_file}"] if strategy == "deepspeed" else []
+    assert main(["train", "-p", "demo", *cli_args(tmp_path, text_file), f"dist.strategy={strategy}", *extra]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and f"dist.strategy={strategy} needs a launcher: `torchrun --nproc_per_node" in error
+    assert "without dist.strategy the run trains in this one process" in error
+    assert not (tmp_path / "runs" / "run").exists()
+
+
+def test_deepspeed_not_installed_is_one_line(tmp_path, text_file, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # import deepspeed raises ImportError
+    monkeypatch.setenv("RANK", "0")  # as a launcher of one process sets them
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    args = [*cli_args(tmp_path, text_file), "dist.strategy=deepspeed", f"dist.deepspeed_config={text_file}"]
+    assert main(["train", "-p", "demo", *args]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "dist.strategy=deepspeed needs DeepSpeed (" in error
+    assert "pip install deepspeed" in error
+
+
 def test_unsafe_checkpoint_error_keeps_torchs_explanation(tmp_path):
     from test_train import _RunsCode
 

@@ -70,6 +70,17 @@ def strategy_for_launcher(config: RunConfig) -> RunConfig:
     return dataclasses.replace(config, dist=dataclasses.replace(config.dist, strategy="ddp"))
 
 
+def require_launcher(strategy: str) -> None:
+    """A one-line error where `strategy` is asked of a process no launcher started: without the
+    launcher's environment torch has no group to join, and DeepSpeed looks for MPI instead."""
+    if not launched_by_torchrun():
+        raise AttnlabError(
+            f"dist.strategy={strategy} needs a launcher: `torchrun --nproc_per_node N -m attnlab.cli.main train ... "
+            f"dist.strategy={strategy}` or `deepspeed --num_gpus N -m attnlab.cli.main train ...`; "
+            "without dist.strategy the run trains in this one process"
+        )
+
+
 def init_process_group(device: torch.device) -> None:
     """Join the process group the launcher described in the environment (gloo on CPU, NCCL on CUDA).
 
@@ -77,11 +88,6 @@ def init_process_group(device: torch.device) -> None:
     optimiser's constructor, which every run builds), it keeps the world group alive after
     destroy_process_group (torch 2.13), to be torn down during the interpreter's shutdown, where a
     process once aborted (tests/distributed_runs.py checks that no group's threads outlive a run)."""
-    if not launched_by_torchrun():
-        raise AttnlabError(
-            "this strategy needs a launcher: `torchrun --nproc_per_node N -m attnlab.cli.main train ...` "
-            "or `deepspeed --num_gpus N ...`"
-        )
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend=backend, timeout=timedelta(minutes=30))
@@ -255,6 +261,7 @@ class SingleProcess:
 class _ProcessGroupStrategy(SingleProcess):
     def __init__(self, config: RunConfig, device: torch.device) -> None:
         super().__init__(config, device)
+        require_launcher(config.dist.strategy)
         init_process_group(device)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
 
@@ -435,8 +442,11 @@ class DeepSpeed(_ProcessGroupStrategy):
     def __init__(self, config: RunConfig, device: torch.device) -> None:
         import importlib
 
-        import deepspeed
-
+        require_launcher("deepspeed")
+        try:
+            import deepspeed
+        except ImportError as error:  # an optional dependency
+            raise AttnlabError(f"dist.strategy=deepspeed needs DeepSpeed ({error}): pip install deepspeed") from error
         if device.type == "cpu":
             # DeepSpeed's CPU back-end compiles a shared-memory C++ extension on first use (minutes,
             # and a compiler); plain gloo collectives need nothing built. (`deepspeed.comm.torch` as
