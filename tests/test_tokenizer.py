@@ -78,6 +78,20 @@ def test_cli_train(tmp_path, capsys):
     assert {p.name for p in (tmp_path / "t").iterdir()} >= {"tokenizer.json", "tokenizer_config.json"}
 
 
+def test_cli_train_warns_when_the_documents_give_fewer_tokens_than_asked(tmp_path, capsys, caplog):
+    """--vocab-size 6400 (MiniMind's) on a small corpus stops short: said, with the model.num_tokens
+    that fits, since the presets' 6400 would spend parameters on ids that never occur."""
+    corpus = tmp_path / "a.txt"
+    corpus.write_text("\n".join(DOCUMENTS))
+    out = tmp_path / "t"
+    assert main(["tokenizer", "train", "--input", str(corpus), "--vocab-size", "6400", "--out", str(out)]) == 0
+    n_tokens = Tokenizer(out).vocab_size
+    assert n_tokens < 6400 and f"{n_tokens} tokens" in capsys.readouterr().out
+    warned = [record.getMessage() for record in caplog.records if record.levelname == "WARNING"]
+    assert any(f"only {n_tokens} tokens" in message and f"model.num_tokens={n_tokens}" in message
+               for message in warned), warned
+
+
 def full_disk(*arguments, **keywords):
     raise OSError(28, "No space left on device")
 

@@ -148,7 +148,12 @@ def train_tokenizer(inputs: list[Path], vocab_size: int, out_dir: Path, max_seq_
         **special_map,
     }
     write_atomic(out_dir / "tokenizer_config.json", (json.dumps(tokenizer_config, indent=2) + "\n").encode())
-    log.info("trained byte-level BPE, %d tokens -> %s", tokenizer.get_vocab_size(), out_dir)
+    n_tokens = tokenizer.get_vocab_size()
+    if n_tokens < vocab_size:  # the trainer stops when no pair of tokens is left to merge
+        log.warning("--vocab-size %d: the documents gave only %d tokens (no more pairs to merge); train on it with "
+                    "model.num_tokens=%d (a larger one spends parameters on ids that never occur)",
+                    vocab_size, n_tokens, n_tokens)
+    log.info("trained byte-level BPE, %d tokens -> %s", n_tokens, out_dir)
     return out_dir
 
 
