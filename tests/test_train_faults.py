@@ -400,3 +400,33 @@ def test_a_checkpoint_resumes_under_its_own_engine_and_number_of_processes(saved
         return
     with pytest.raises(ConfigError, match=f"this run is dist.strategy={here} on {world_size} .*{refused}"):
         check_distribution(state, config, world_size, Path("step-0000003.pt"))
+
+
+@pytest.mark.parametrize("content, precision, refused", [
+    ('{"zero_optimization": {"stage": 2}}', "bf16",
+     "trains in fp32 (its bf16 and fp16 sections) but train.precision=bf16; enable bf16 there, or set "
+     "train.precision=auto"),
+    ('{"bf16": {"enabled": true}}', "fp32", "trains in bf16 (its bf16 and fp16 sections) but train.precision=fp32"),
+    ('{"fp16": {"enabled": true}}', "bf16", "trains in fp16"),
+    ('{"zero_optimization": {"stage": 2},}', "auto", "is not valid JSON (Expecting property name"),
+    ('[{"zero_optimization": {"stage": 2}}]', "auto", "holds a list, not a JSON object"),
+    ('{"bf16": {"enabled": true}}', "bf16", None),
+    ('{"bf16": {"enabled": false}}', "fp32", None),
+    ('{"fp16": {"enabled": true}}', "auto", None),  # auto: the file's precision
+])
+def test_a_deepspeed_config_is_checked_before_the_engine_starts(tmp_path, content, precision, refused):
+    """The engine trains in its file's precision: a train.precision the file lacks was silently not
+    applied; a malformed file was json's traceback on every rank."""
+    from attnlab.train.distributed import resolve_deepspeed_config
+
+    path = tmp_path / "ds.json"
+    path.write_text(content)
+    config = RunConfig(dist=DistConfig(strategy="deepspeed", deepspeed_config=str(path)))
+    config.train.precision = precision
+    if refused is None:
+        assert resolve_deepspeed_config(config)["train_micro_batch_size_per_gpu"] == config.train.batch_size
+        return
+    with pytest.raises(AttnlabError) as caught:
+        resolve_deepspeed_config(config)
+    message = str(caught.value)
+    assert str(path) in message and refused in message and "\n" not in message

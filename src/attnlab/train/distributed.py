@@ -429,6 +429,48 @@ def fp32_copies(optimizer) -> dict[int, torch.Tensor]:
     return {id(parameter): copy for group, copy_group in pairs for parameter, copy in zip(group, copy_group)}
 
 
+def resolve_deepspeed_config(config: RunConfig) -> dict[str, Any]:
+    """The DeepSpeed config of dist.deepspeed_config with the run's train.batch_size (per process),
+    grad_accum and grad_clip written in, so each is applied once; a one-line error where the file
+    is no JSON object or sets one of them, or a precision, that differs from the run's (the engine
+    trains in the file's precision: a train.precision it lacks would be silently ignored)."""
+    path = config.dist.deepspeed_config
+    if not path:
+        raise AttnlabError("dist.strategy=deepspeed needs dist.deepspeed_config=ds.json (or --deepspeed_config)")
+    if not Path(path).is_file():
+        raise AttnlabError(f"DeepSpeed config {path} does not exist")
+    try:
+        ds = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise AttnlabError(f"DeepSpeed config {path} is not valid JSON ({error})") from error
+    if not isinstance(ds, dict):
+        raise AttnlabError(f"DeepSpeed config {path} holds a {type(ds).__name__}, not a JSON object")
+    train = config.train
+    wanted = {
+        "train_micro_batch_size_per_gpu": train.batch_size,
+        "gradient_accumulation_steps": train.grad_accum,
+        "gradient_clipping": train.grad_clip,
+    }
+    for key, value in wanted.items():
+        if key in ds and ds[key] != value:
+            raise AttnlabError(f"{path}: {key}={ds[key]} disagrees with the run config ({value})")
+        ds[key] = value
+    precision = next((name for name in ("bf16", "fp16") if ds.get(name, {}).get("enabled")), "fp32")
+    if train.precision not in ("auto", precision):
+        raise AttnlabError(f"{path}: trains in {precision} (its bf16 and fp16 sections) but train.precision="
+                           f"{train.precision}; enable {train.precision} there, or set train.precision=auto")
+    ds.pop("train_batch_size", None)  # derived by DeepSpeed from the two above and the world size
+    ds.setdefault("zero_allow_untested_optimizer", True)  # attnlab passes a plain torch AdamW
+    offload = ds.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
+    if offload not in (None, "none") and "zero_force_ds_cpu_optimizer" not in ds:
+        # DeepSpeed refuses a client optimizer with offload unless told otherwise; the torch AdamW
+        # then steps the offloaded fp32 weights on the CPU (DeepSpeedCPUAdam would need a build)
+        ds["zero_force_ds_cpu_optimizer"] = False
+        log.info("%s: optimizer offload to %s with attnlab's torch AdamW (zero_force_ds_cpu_optimizer=false)",
+                 path, offload)
+    return ds
+
+
 @STRATEGY.register("deepspeed")
 class DeepSpeed(_ProcessGroupStrategy):
     """DeepSpeed owns backward, the step, gradient accumulation, clipping and loss scaling.
@@ -447,6 +489,7 @@ class DeepSpeed(_ProcessGroupStrategy):
             import deepspeed
         except ImportError as error:  # an optional dependency
             raise AttnlabError(f"dist.strategy=deepspeed needs DeepSpeed ({error}): pip install deepspeed") from error
+        ds_config = resolve_deepspeed_config(config)  # checked before any process group is made
         if device.type == "cpu":
             # DeepSpeed's CPU back-end compiles a shared-memory C++ extension on first use (minutes,
             # and a compiler); plain gloo collectives need nothing built. (`deepspeed.comm.torch` as
@@ -457,35 +500,7 @@ class DeepSpeed(_ProcessGroupStrategy):
         SingleProcess.__init__(self, config, device)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.deepspeed = deepspeed
-        self.ds_config = self._resolve_config()
-
-    def _resolve_config(self) -> dict[str, Any]:
-        path = self.config.dist.deepspeed_config
-        if not path:
-            raise AttnlabError("dist.strategy=deepspeed needs dist.deepspeed_config=ds.json (or --deepspeed_config)")
-        if not Path(path).is_file():
-            raise AttnlabError(f"DeepSpeed config {path} does not exist")
-        ds = json.loads(Path(path).read_text())
-        train = self.config.train
-        wanted = {
-            "train_micro_batch_size_per_gpu": train.batch_size,
-            "gradient_accumulation_steps": train.grad_accum,
-            "gradient_clipping": train.grad_clip,
-        }
-        for key, value in wanted.items():
-            if key in ds and ds[key] != value:
-                raise AttnlabError(f"{path}: {key}={ds[key]} disagrees with the run config ({value})")
-            ds[key] = value
-        ds.pop("train_batch_size", None)  # derived by DeepSpeed from the two above and the world size
-        ds.setdefault("zero_allow_untested_optimizer", True)  # attnlab passes a plain torch AdamW
-        offload = ds.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
-        if offload not in (None, "none") and "zero_force_ds_cpu_optimizer" not in ds:
-            # DeepSpeed refuses a client optimizer with offload unless told otherwise; the torch AdamW
-            # then steps the offloaded fp32 weights on the CPU (DeepSpeedCPUAdam would need a build)
-            ds["zero_force_ds_cpu_optimizer"] = False
-            log.info("%s: optimizer offload to %s with attnlab's torch AdamW (zero_force_ds_cpu_optimizer=false)",
-                     path, offload)
-        return ds
+        self.ds_config = ds_config
 
     def wrap_model(self, model, build_optimizer):
         engine, engine_optimizer, _, _ = self.deepspeed.initialize(
