@@ -230,6 +230,19 @@ def test_a_model_vocabulary_larger_than_the_tokenizer_samples_and_trains(tmp_pat
         tokenizer.decode_bytes([-1])
 
 
+def test_a_relative_data_path_read_from_another_folder_says_where_it_looked(tmp_path, prepared, monkeypatch, capsys):
+    """A run trained with a relative data.path, evaluated from another folder: the error says the path
+    is read from the current folder, rather than only to prepare data that exists."""
+    monkeypatch.chdir(prepared.parent)
+    result = train(tiny_token_run(tmp_path, prepared, "relative", f"data.path={prepared.name}", "train.max_steps=1"))
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert main(["eval", str(result.run_dir)]) == 2
+    error = capsys.readouterr().err
+    assert f"{prepared.name} does not exist (a relative path, read from the current folder {tmp_path})" in error
+    assert len(error.strip().splitlines()) == 1
+
+
 def test_bits_per_byte_counts_decoded_bytes(prepared):
     """bits per byte = summed loss in bits / UTF-8 bytes of the counted targets (special tokens 0 bytes)."""
     corpus = load_token_corpus(DataConfig(source="tokens", path=str(prepared), val_fraction=0.3))

@@ -338,7 +338,7 @@ def read_meta(folder: Path) -> dict[str, Any]:
     """A prepared folder's meta.json, checked: every field there, of its type, consistent with itself."""
     path = Path(folder) / META_FILE
     if not path.is_file():
-        raise DataError(f"{folder} is not a prepared token folder (no {META_FILE}): run `attnlab data prepare`")
+        raise DataError(missing_folder_message(Path(folder)))
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as error:
@@ -349,6 +349,16 @@ def read_meta(folder: Path) -> dict[str, Any]:
     if problem:
         raise DataError(f"{path} is damaged ({problem}): prepare the folder again")
     return meta
+
+
+def missing_folder_message(folder: Path) -> str:
+    """Why `folder` holds no prepared tokens. A relative data.path is read from the current folder,
+    not the one training ran in: said, so that a run evaluated from elsewhere is not prepared again."""
+    where = "" if folder.is_absolute() else f" (a relative path, read from the current folder {Path.cwd()})"
+    if not folder.exists():
+        elsewhere = "" if folder.is_absolute() else "run from the folder it is relative to, or "
+        return f"{folder} does not exist{where}: {elsewhere}make it with `attnlab data prepare --out {folder}`"
+    return f"{folder} is not a prepared token folder (no {META_FILE}){where}: run `attnlab data prepare`"
 
 
 def _meta_problem(meta: dict[str, Any]) -> str | None:
