@@ -35,8 +35,9 @@ class SamplingConfig:
         if 0 < self.temperature < SMALLEST_TEMPERATURE:  # float32 would hold it as 0 (or a subnormal)
             raise ConfigError(f"temperature must be 0 (greedy) or at least {SMALLEST_TEMPERATURE:.3g}, float32's "
                               f"smallest normal number, got {self.temperature}")
-        if self.top_k is not None and self.top_k < 1:
-            raise ConfigError(f"top_k must be >= 1, got {self.top_k}")
+        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)
+                                       or self.top_k < 1):  # a float failed at the first draw, in torch.topk
+            raise ConfigError(f"top_k must be a whole number >= 1, got {self.top_k!r}")
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.min_p is not None and not 0 <= self.min_p <= 1:

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from attnlab.data.byte_corpus import byte_model_bytes
-from attnlab.errors import GenerationError
+from attnlab.errors import ConfigError, GenerationError
 from attnlab.generate.distribution import (  # noqa: F401  (filter_logits: re-exported for callers)
     SamplingConfig,
     draw_last,
@@ -30,13 +30,35 @@ if TYPE_CHECKING:
     from attnlab.data.tokenizer import Tokenizer
 
 
-def check_prompt(model: torch.nn.Module, prompt: Tensor) -> None:
-    """GenerationError if a prompt id lies outside the model's vocabulary (a tokenizer larger than the
-    model's, say): the embedding would index past its table."""
+def check_prompt(model: torch.nn.Module, prompt: Tensor, who: str = "the model") -> None:
+    """The checks of a prompt every decoding makes before its first forward (generate, stream,
+    speculative_generate, for each of its models), each a one-line error naming what is wrong rather
+    than an index or dtype error deep in the embedding: ConfigError unless prompt is a [B, T] tensor
+    of integer ids with T >= 1 on the model's device; GenerationError if an id lies outside the
+    model's vocabulary (a tokenizer larger than the model's, say)."""
+    if not isinstance(prompt, Tensor) or prompt.dim() != 2:
+        shape = tuple(prompt.shape) if isinstance(prompt, Tensor) else type(prompt).__name__
+        raise ConfigError(f"the prompt must be a [batch, tokens] tensor of token ids, got {shape} "
+                          "(one sequence: prompt[None])")
+    if prompt.dtype == torch.bool or prompt.dtype.is_floating_point or prompt.dtype.is_complex:
+        raise ConfigError(f"the prompt must hold integer token ids (torch.long), got {prompt.dtype}")
+    if prompt.shape[1] < 1:
+        raise ConfigError("the prompt needs at least one token")
+    parameter = next(model.parameters(), None) if isinstance(model, torch.nn.Module) else None
+    if parameter is not None and prompt.device != parameter.device:
+        raise ConfigError(f"the prompt is on {prompt.device}, {who} on {parameter.device}: move one to the other's "
+                          "device (prompt.to(device))")
     config = model_config(model)
-    if config is not None and prompt.numel() and not 0 <= int(prompt.min()) <= int(prompt.max()) < config.num_tokens:
-        raise GenerationError(f"the prompt holds token ids from {int(prompt.min())} to {int(prompt.max())}; the model "
+    if config is not None and not 0 <= int(prompt.min()) <= int(prompt.max()) < config.num_tokens:
+        raise GenerationError(f"the prompt holds token ids from {int(prompt.min())} to {int(prompt.max())}; {who} "
                               f"has {config.num_tokens} (model.num_tokens)")
+
+
+def check_new_tokens(max_new_tokens: int) -> None:
+    """ConfigError unless max_new_tokens is a whole number >= 0 (a negative count returned the prompt
+    alone, silently; a float failed deep in a cache's allocation)."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ConfigError(f"max_new_tokens must be a whole number >= 0, got {max_new_tokens!r}")
 
 
 def check_finite(logits: Tensor, step: int, who: str = "the model") -> None:
@@ -74,8 +96,9 @@ def stream(
     what attention reads (the arithmetic stays in the weights' dtype).
     """
     sampling = sampling or SamplingConfig()
-    check_length(model, prompt.shape[1] + max_new_tokens, "the prompt and the new tokens")
+    check_new_tokens(max_new_tokens)
     check_prompt(model, prompt)
+    check_length(model, prompt.shape[1] + max_new_tokens, "the prompt and the new tokens")
     if compile and use_cache and model._compiled_step is None:
         model.compile_decoding()
     with eval_mode(model):
@@ -111,7 +134,11 @@ def generate(
     compile: bool = False,
     cache_dtype: torch.dtype | None = None,
 ) -> Tensor:
-    """prompt [B, T] -> [B, T + max_new_tokens]; compile, cache_dtype: as in `stream`."""
+    """prompt [B, T] (integer ids on the model's device, T >= 1) -> [B, T + max_new_tokens] long: the
+    prompt, then the tokens drawn after it (no row stops early: an end token is drawn like any other).
+    The model decodes in eval mode (its own modes restored after) without autograd; `generator`
+    seeds the draws; compile, cache_dtype: as in `stream`. Bad arguments are refused before any
+    forward (check_prompt, check_new_tokens, check_length)."""
     new = [token for token, _ in stream(model, prompt, max_new_tokens, sampling, use_cache, generator, compile,
                                         cache_dtype)]
     if not new:

@@ -70,9 +70,19 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
+from attnlab.errors import ConfigError
 from attnlab.generate.distribution import SamplingConfig, draw_chain, probabilities, token_at
+from attnlab.generate.sampling import check_new_tokens, check_prompt
 from attnlab.model.modes import eval_mode
-from attnlab.model.transformer import ModelCache, ModelOutput, Transformer, capacity_for, new_model_cache
+from attnlab.model.transformer import (
+    ModelCache,
+    ModelOutput,
+    Transformer,
+    capacity_for,
+    check_length,
+    model_config,
+    new_model_cache,
+)
 
 log = logging.getLogger(__name__)
 # The draft's cache is kept DRAFT_LAG tokens behind each row's committed length, so a step's draft
@@ -261,7 +271,7 @@ class EarlyExitDraft(nn.Module):
     def new_cache(self, batch_size: int, max_len: int | None = None, device=None, dtype=None) -> ModelCache:
         layers = [block.attention for block in self.target.blocks[: self.n_layers]]
         return new_model_cache(self.target, layers, batch_size,
-                               max_len or self.target.config.max_seq_len, device, dtype)
+                               self.target.config.max_seq_len if max_len is None else max_len, device, dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -485,7 +495,36 @@ def _decode_per_row(state: _Decoding) -> None:
     state.n_row_steps, state.n_drafted, state.n_accepted = counts.tolist()
 
 
-@torch.inference_mode()
+def check_request(target: CachedLanguageModel, draft: CachedLanguageModel, prompt: Tensor, max_new_tokens: int,
+                  gamma: int, verification: str) -> None:
+    """speculative_generate's arguments, refused in one line (ConfigError, a ValueError; GenerationError
+    for what a model cannot decode) before any forward: the prompt and the new tokens as generate's
+    (check_prompt, check_new_tokens), for both models; a draft whose vocabulary is not the target's
+    (the acceptance rule compares their distributions token by token); a model with learned
+    positions that the decoding would run past (check_length)."""
+    if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
+        raise ConfigError("gamma must be >= 1")
+    if verification not in VERIFICATIONS:
+        raise ConfigError(f"verification must be one of {', '.join(VERIFICATIONS)}, got {verification!r}")
+    check_new_tokens(max_new_tokens)
+    models = (("the target", target), ("the draft", draft))
+    for who, model in models:
+        check_prompt(model, prompt, who)
+    target_config, draft_config = model_config(target), model_config(draft)
+    if target_config and draft_config and target_config.num_tokens != draft_config.num_tokens:
+        raise ConfigError(f"the draft's vocabulary has {draft_config.num_tokens} tokens, the target's "
+                          f"{target_config.num_tokens} (model.num_tokens): a draft must share its target's")
+    # Tokens past the goal are fed too, never output: a step drafts and verifies gamma past a row's
+    # length, and at batch > 1 a row that has stopped (up to gamma past the goal) still takes part in
+    # the forwards of one more window. The target's last position then is goal + gamma - 2 at batch 1,
+    # goal + 2 gamma - 1 in a batch (the draft's one less).
+    batch, prompt_length = prompt.shape
+    past_goal = gamma - 1 if batch == 1 else 2 * gamma
+    for who, model in models:
+        check_length(model, prompt_length + max_new_tokens + past_goal, f"the prompt, the new tokens and the "
+                     f"{past_goal} positions {who} decodes past them (gamma {gamma}, batch {batch})")
+
+
 def speculative_generate(
     target: CachedLanguageModel,
     draft: CachedLanguageModel,
@@ -499,7 +538,11 @@ def speculative_generate(
     cache_dtype: torch.dtype | None = None,
     verification: str = "block",
 ) -> SpeculativeResult:
-    """prompt [B, T] -> T + max_new_tokens tokens per row, distributed as sampling from `target`.
+    """prompt [B, T] (integer ids on the models' device, T >= 1) -> SpeculativeResult: tokens
+    [B, T + max_new_tokens] distributed as sampling from `target`, lengths [B] (the new tokens of each
+    row) and the step counts; ordinary tensors (the decoding runs in inference mode, its results
+    do not). The models decode in eval mode (their own modes restored after). Bad arguments are
+    refused before any forward (check_request).
 
     A row stops after `max_new_tokens` or after emitting `end_token`; the loop runs until every
     row has stopped (the output is cut after a row's end token and padded with it).
@@ -510,12 +553,21 @@ def speculative_generate(
     generate.sampling.stream). verification: the rule a step's draft tokens are kept by, "block"
     or "token" (VERIFICATIONS; the module docstring): the same output distribution.
     """
-    if gamma < 1:
-        raise ValueError("gamma must be >= 1")
-    if verification not in VERIFICATIONS:
-        raise ValueError(f"verification must be one of {', '.join(VERIFICATIONS)}, got {verification!r}")
-    if prompt.shape[1] < 1:
-        raise ValueError("the prompt needs at least one token")
+    with torch.inference_mode():
+        result = _speculative_generate(target, draft, prompt, max_new_tokens, gamma, sampling, end_token, generator,
+                                       per_row, cache_dtype, verification)
+    # ordinary tensors for the caller: an inference tensor refuses an in-place change and autograd
+    # (training on the output, say) outside inference mode; [B, T + N] and [B] are small beside decoding
+    result.tokens, result.lengths = result.tokens.clone(), result.lengths.clone()
+    return result
+
+
+def _speculative_generate(target: CachedLanguageModel, draft: CachedLanguageModel, prompt: Tensor, max_new_tokens: int,
+                          gamma: int, sampling: SamplingConfig | None, end_token: int | None,
+                          generator: torch.Generator | None, per_row: bool | None, cache_dtype: torch.dtype | None,
+                          verification: str) -> SpeculativeResult:
+    """speculative_generate's decoding, under inference mode, after check_request."""
+    check_request(target, draft, prompt, max_new_tokens, gamma, verification)
     sampling = sampling or SamplingConfig()
     batch, prompt_length = prompt.shape
     width = gamma + 1  # W: tokens the target scores per step

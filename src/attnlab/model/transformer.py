@@ -73,6 +73,7 @@ class ModelCache:
         self.length = 0  # the longest row's count, on the host
         self.shortest = 0
         self.pinned = False  # its tensors marked as fixed addresses for CUDA graphs (pin_cache_storage)
+        self.warned_autograd = False  # warn_autograd has warned of this cache
 
     @property
     def per_row_rollback(self) -> bool:
@@ -83,11 +84,15 @@ class ModelCache:
         """[B, T]: the positions of each row's next n_new tokens."""
         return self.lengths[:, None] + torch.arange(n_new, device=self.lengths.device)
 
-    def begin(self, n_new: int, whole_sequence: bool | None = None) -> None:
-        """Before a forward of n_new tokens: refuse more than max_len, and tell the layers whether the
-        chunk is a whole sequence (a prefill: each may compute it so). whole_sequence: None for
-        "every row is empty"; False for a chunk the layers read as one after earlier tokens even
-        where there are none (a compiled prefill's first chunk: the step's graph serves it)."""
+    def begin(self, n_new: int, whole_sequence: bool | None = None, n_rows: int | None = None) -> None:
+        """Before a forward of n_new tokens: refuse more than max_len, or n_rows rows where the cache
+        has another number, and tell the layers whether the chunk is a whole sequence (a prefill:
+        each may compute it so). whole_sequence: None for "every row is empty"; False for a chunk
+        the layers read as one after earlier tokens even where there are none (a compiled prefill's
+        first chunk: the step's graph serves it)."""
+        if n_rows is not None and n_rows != self.lengths.shape[0]:
+            raise ValueError(f"the cache holds {self.lengths.shape[0]} rows; a forward of {n_rows} asked "
+                             "(make a cache for them: new_cache(batch_size, max_len))")
         if self.length + n_new > self.max_len:
             raise ValueError(f"the cache holds {self.max_len} tokens a row; {self.length} fed and {n_new} more asked "
                              "(make a larger cache: new_cache(batch, max_len))")
@@ -104,7 +109,7 @@ class ModelCache:
 
     def truncate(self, length: int) -> None:
         """Forget everything of every row after its first `length` tokens, exactly."""
-        if not 0 <= length <= self.shortest:
+        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= self.shortest:
             raise ValueError(f"cannot truncate rows of lengths {self.shortest}..{self.length} to {length}")
         self.lengths.fill_(length)
         self.length = self.shortest = length
@@ -115,6 +120,11 @@ class ModelCache:
         every row within what it holds (speculative decoding's loop, one read a step for all it
         needs); without them this checks the lengths and reads the bounds itself."""
         if bounds is None:
+            if (not isinstance(lengths, Tensor) or lengths.shape != self.lengths.shape
+                    or lengths.dtype.is_floating_point or lengths.dtype == torch.bool):
+                shape = tuple(lengths.shape) if isinstance(lengths, Tensor) else type(lengths).__name__
+                raise ValueError(f"truncate_rows takes a tensor of {self.lengths.shape[0]} integer lengths, one "
+                                 f"a row; got {shape}" + (f" {lengths.dtype}" if isinstance(lengths, Tensor) else ""))
             invalid, *bounds = torch.stack((((lengths < 0) | (lengths > self.lengths)).any(), lengths.max(),
                                             lengths.min())).tolist()
             if invalid:
@@ -173,6 +183,8 @@ def new_model_cache(model: nn.Module, attention_layers: list[nn.Module], batch_s
     if not dtype.is_floating_point:
         raise ValueError(f"a cache stores keys and values in a floating-point dtype (bfloat16, float32, ...); "
                          f"got {dtype}")
+    if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
+        raise ValueError(f"a cache holds max_len >= 1 tokens a row, got {max_len!r}")
     lengths = new_lengths(batch_size, device or parameter.device)
     layers = [layer.new_cache(batch_size, max_len, lengths.device, dtype, lengths=lengths)
               for layer in attention_layers]
@@ -195,6 +207,16 @@ def pin_cache_storage(cache: ModelCache) -> None:
                     torch._dynamo.mark_static_address(member)
     cache.pinned = True
 
+
+
+def warn_autograd(cache: ModelCache) -> None:
+    """Warn once per cache of a forward after earlier tokens with gradients on: each step writes its
+    keys and values into the cache's storage in place, so the storage's autograd graph holds every
+    step's activations until the cache is dropped (memory grows with every token). Decoding wants
+    torch.no_grad() or torch.inference_mode(), as generate() and speculative_generate() take."""
+    cache.warned_autograd = True
+    log.warning("decoding through a cache with gradients on keeps every step's activations alive through the "
+                "cache's storage: wrap decoding in torch.no_grad()")
 
 
 def token_positions(cache: ModelCache | None, n_tokens: int, device: torch.device) -> Tensor:
@@ -336,11 +358,13 @@ class Transformer(nn.Module):
         there are none) or eagerly (an empty cache's chunk then a whole sequence)."""
         n_tokens = tokens.shape[1]
         self._check_positions(cache, n_tokens)
-        cache.begin(n_tokens, whole_sequence=False if compiled else None)
+        cache.begin(n_tokens, whole_sequence=False if compiled else None, n_rows=tokens.shape[0])
         if compiled:
             output = self._compiled_decode(tokens, targets, cache, loss_mask)
         else:
             output = self.run(tokens, targets, cache, loss_mask)
+        if cache.length > 0 and not cache.warned_autograd and output.logits is not None and output.logits.requires_grad:
+            warn_autograd(cache)
         cache.end(n_tokens)
         return output
 
@@ -458,7 +482,7 @@ class Transformer(nn.Module):
         if n_layers is None:
             return self(tokens, cache=cache)
         self._check_positions(cache, tokens.shape[1])
-        cache.begin(tokens.shape[1])
+        cache.begin(tokens.shape[1], n_rows=tokens.shape[0])
         output = self.run(tokens, None, cache, None, n_layers)
         cache.end(tokens.shape[1])
         return output
@@ -482,7 +506,7 @@ class Transformer(nn.Module):
         [B, T] and n_fed - T more through the cache, inside the cache's bookkeeping for n_fed tokens;
         keys: what its graph depends on of the arguments besides the chunk and the cache."""
         self._check_positions(cache, n_fed)
-        cache.begin(n_fed)
+        cache.begin(n_fed, n_rows=tokens.shape[0])
         call = (self._decode_call(tokens, None, cache, None), *keys)
         output = self._run_compiled(name, call, cache, eager, *arguments)
         cache.end(n_fed)
@@ -521,8 +545,8 @@ class Transformer(nn.Module):
         n_drafted, n_verified = tokens.shape[1] + uniforms.shape[1] - 1, uniforms.shape[1] + 1
         model._check_positions(draft_cache, n_drafted)
         self._check_positions(cache, n_verified)
-        draft_cache.begin(n_drafted)
-        cache.begin(n_verified)
+        draft_cache.begin(n_drafted, n_rows=tokens.shape[0])
+        cache.begin(n_verified, n_rows=tokens.shape[0])
         call = (self._decode_call(tokens, None, cache, None), id(model), n_layers, draft_cache.max_len,
                 len(draft_cache.layers), draft_cache.dtype, function,
                 *map(call_key, (uniforms, sampling, forced_tokens, forced, *arguments)))
@@ -783,7 +807,7 @@ class Transformer(nn.Module):
         """An empty cache for incremental decoding of up to `max_len` tokens a row (default max_seq_len),
         its storage preallocated."""
         return new_model_cache(self, [block.attention for block in self.blocks], batch_size,
-                               max_len or self.config.max_seq_len, device, dtype)
+                               self.config.max_seq_len if max_len is None else max_len, device, dtype)
 
     def num_parameters(self) -> int:
         """Distinct parameters (a tied matrix counted once)."""
