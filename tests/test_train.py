@@ -419,3 +419,13 @@ def test_ema_survives_samples_past_max_seq_len(tmp_path, text_file):
     config = tiny(tmp_path, text_file, "ema-sample", "train.ema=true", "train.sample_every=4", "train.max_steps=8",
                   "train.sample_length=80", "train.prime_length=16")
     assert train(config).step == 8
+
+
+def test_learned_positions_check_the_sample_length_only_where_the_run_samples(tmp_path, text_file):
+    """train.sample_every beyond train.max_steps never samples: a sample longer than learned positions
+    reach is no reason to refuse it. A resume that raises max_steps past sample_every samples, and is
+    refused before it trains."""
+    learned = ["model.position=learned", "train.sample_every=20", "train.prime_length=16", "train.sample_length=60"]
+    assert train(tiny(tmp_path, text_file, "never-samples", *learned)).step == 10
+    with pytest.raises(ConfigError, match="train.sample_length = 76 exceeds model.max_seq_len=64"):
+        tiny(tmp_path, text_file, "never-samples", *learned, "train.max_steps=20")

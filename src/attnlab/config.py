@@ -562,6 +562,13 @@ def _check_model_builds(model: ModelConfig) -> None:
         Transformer(model)
 
 
+def samples_in_training(train: TrainConfig) -> bool:
+    """Whether the run prints a sample at some step: every train.sample_every steps up to
+    train.max_steps, so never where sample_every is 0 or beyond max_steps. A resume that raises
+    max_steps is checked again with its own config."""
+    return 0 < train.sample_every <= train.max_steps
+
+
 def check_run(config: RunConfig) -> None:
     """check_model, and the training windows against the model: learned positions end at max_seq_len."""
     check_model(config.model)
@@ -570,7 +577,7 @@ def check_run(config: RunConfig) -> None:
         if train.seq_len > longest:
             raise ConfigError(f"train.seq_len={train.seq_len} exceeds model.max_seq_len={longest}, where learned "
                               "positions end")
-        if train.sample_every and train.prime_length + train.sample_length > longest:
+        if samples_in_training(train) and train.prime_length + train.sample_length > longest:
             raise ConfigError(f"train.prime_length + train.sample_length = {train.prime_length + train.sample_length} "
                               f"exceeds model.max_seq_len={longest}, where learned positions end (shorten the "
                               "samples, or train.sample_every=0)")
