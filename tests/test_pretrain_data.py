@@ -217,13 +217,18 @@ def test_vocabulary_larger_than_the_model_is_refused(tmp_path, prepared):
 
 def test_a_model_vocabulary_larger_than_the_tokenizer_samples_and_trains(tmp_path, prepared, capsys):
     """model.num_tokens past the tokenizer's vocabulary (a preset's 6400 on a tokenizer that came out
-    smaller) draws ids that stand for no text: shown as U+FFFD, in training samples and `attnlab sample`
-    alike, not an error that ends training at its first sample."""
+    smaller) draws ids that stand for no text: shown as U+FFFD, in training samples, `attnlab sample`
+    and `attnlab speculative` alike, not an error that ends training at its first sample."""
     result = train(tiny_token_run(tmp_path, prepared, "large-vocab", "model.num_tokens=6400"))
     assert result.step == 6
     capsys.readouterr()
     assert main(["sample", str(result.run_dir), "--prompt", "héllo", "--max-new-tokens", "16"]) == 0
     assert "\ufffd" in capsys.readouterr().out  # almost all of 6400 near-uniform ids are past the 320
+    assert main(["speculative", "--target", str(result.run_dir), "--early-exit", "1", "--prompt", "héllo",
+                 "--max-new-tokens", "16", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)  # the texts decoded as `attnlab sample` decodes them
+    assert report["prompt"] == "<|im_start|>héllo"
+    assert "\ufffd" in report["base"]["text"] + report["speculative"]["text"]
     tokenizer = Tokenizer(prepared / "tokenizer")
     assert tokenizer.decode_bytes([tokenizer.encode("a")[0], 6399]) == "a\ufffd".encode()
     with pytest.raises(DataError, match="token id -1"):

@@ -18,8 +18,7 @@ from typing import Any, Literal
 
 import torch
 
-from attnlab.data.byte_corpus import decode_bytes
-from attnlab.data.corpus import encode_prompt, load_corpus, tokenizer_for
+from attnlab.data.corpus import decode_text, encode_prompt, load_corpus, tokenizer_for
 from attnlab.data.sampler import eval_windows, prime_tokens
 from attnlab.data.tokenizer import Tokenizer
 from attnlab.errors import AttnlabError
@@ -222,7 +221,6 @@ def run_speculative_bench(bench: SpeculativeBench) -> dict[str, Any]:
     device = torch.device(bench.device)
     target, draft, draft_name = load_pair(bench, device)
     tokenizer = tokenizer_for(target.run_config.data, run_directory(bench.target))  # None: a byte-level run
-    decode = decode_bytes if tokenizer is None else tokenizer.decode
     prompt = build_prompt(bench, target, tokenizer)  # [B, T]
     for name, model in (("the target", target), ("the draft", draft)):
         # verification runs gamma past
@@ -261,15 +259,15 @@ def run_speculative_bench(bench: SpeculativeBench) -> dict[str, Any]:
         "prompt_tokens": prompt_length,
         "sampling": dataclasses.asdict(bench.sampling),
         "repeats": bench.repeats,
-        "prompt": decode(prompt[0].tolist()),
+        "prompt": decode_text(tokenizer, prompt[0].tolist()),
         "base": {
-            "text": decode(timings.first_base[0, prompt_length:].tolist()),
+            "text": decode_text(tokenizer, timings.first_base[0, prompt_length:].tolist()),
             "ms": 1000 * base_seconds,
             "ms_all": [1000 * seconds for seconds in timings.base_seconds],
             "tokens_per_s": n_tokens / base_seconds,
         },
         "speculative": {
-            "text": decode(results[0].tokens[0, prompt_length:].tolist()),
+            "text": decode_text(tokenizer, results[0].tokens[0, prompt_length:].tolist()),
             "ms": 1000 * speculative_seconds,
             "ms_all": [1000 * seconds for seconds in timings.speculative_seconds],
             "tokens_per_s": n_tokens / speculative_seconds,

@@ -4,8 +4,8 @@
 the tokens are the bytes 0..255); tokens and builtin-tokens are tokenized documents in prepared shards
 (data/pretrain.py). Training, evaluation and sampling use only what `Corpus` names.
 
-Sampling from a trained run needs the run's tokenizer but not its data: `tokenizer_for` and
-`encode_prompt` give it without loading (or building) the corpus.
+Sampling from a trained run needs the run's tokenizer but not its data: `tokenizer_for`,
+`encode_prompt` and `decode_text` give it without loading (or building) the corpus.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from attnlab.config import DataConfig
-from attnlab.data.byte_corpus import byte_prompt, load_byte_corpus
+from attnlab.data.byte_corpus import byte_prompt, decode_bytes, load_byte_corpus
 from attnlab.data.pretrain import document_prompt, load_token_corpus, token_folder
 from attnlab.data.shards import TOKENIZER_FOLDER
 from attnlab.data.tokenizer import TOKENIZER_FILE, Tokenizer
@@ -77,3 +77,12 @@ def encode_prompt(tokenizer: Tokenizer | None, text: str) -> list[int]:
     """Prompt ids for generation: BOS then the text for a tokenized run, the text's bytes for a
     byte-level run (as Corpus.encode, without loading the corpus)."""
     return byte_prompt(text) if tokenizer is None else document_prompt(tokenizer, text)
+
+
+def decode_text(tokenizer: Tokenizer | None, ids: Iterable[int]) -> str:
+    """Generated ids as text, as Corpus.decode gives them, without loading the corpus: bytes that are
+    not UTF-8, and ids past the vocabulary (a model with more ids than its tokenizer or than 256
+    bytes can draw one), as U+FFFD."""
+    if tokenizer is None:
+        return decode_bytes(ids)
+    return tokenizer.decode_bytes(ids).decode("utf-8", errors="replace")
