@@ -210,6 +210,17 @@ def test_resume_is_exact_with_token_shards(tmp_path, prepared, layout):
     assert losses[0] == losses[1] and len(losses[0]) == 6
 
 
+def test_a_resume_in_another_layout_is_refused_before_a_step_where_it_cannot_evaluate(tmp_path, prepared):
+    """A padded run resumed packed (other batches, said in a warning) whose one validation document is
+    shorter than a window: refused as it starts, not at its first evaluation after steps it would lose."""
+    short_val = ["data.val_fraction=0.01", "train.eval_every=4"]  # one validation document, of 11 tokens
+    run = tiny_token_run(tmp_path, prepared, "relayout", "data.layout=padded", *short_val)
+    train(run, until_step=2)
+    with pytest.raises(DataError, match="the validation split has 11 tokens; windows of seq_len"):
+        train(tiny_token_run(tmp_path, prepared, "relayout", "data.layout=packed", *short_val), resume=True)
+    assert max(record["step"] for record in read_metrics(run.run_dir)) == 2
+
+
 def test_vocabulary_larger_than_the_model_is_refused(tmp_path, prepared):
     with pytest.raises(Exception, match="model.num_tokens=320"):
         train(tiny_token_run(tmp_path, prepared, "small-vocab", "model.num_tokens=256"))

@@ -429,3 +429,11 @@ def test_learned_positions_check_the_sample_length_only_where_the_run_samples(tm
     assert train(tiny(tmp_path, text_file, "never-samples", *learned)).step == 10
     with pytest.raises(ConfigError, match="train.sample_length = 76 exceeds model.max_seq_len=64"):
         tiny(tmp_path, text_file, "never-samples", *learned, "train.max_steps=20")
+
+
+def test_a_prime_longer_than_the_validation_split_is_shortened(tmp_path, text_file):
+    """train.prime_length past a short validation split: the sample starts from what the split holds,
+    where it stopped the run at its first sample with an error about train.seq_len."""
+    config = tiny(tmp_path, text_file, "short-val", "data.val_fraction=0.0002", "train.sample_every=2",
+                  "train.max_steps=2", "train.prime_length=48", "train.sample_length=4")
+    assert train(config).step == 2

@@ -98,6 +98,15 @@ def eval_windows(data: np.ndarray, seq_len: int, n_windows: int, seed: int = 123
     return fetch_windows(data, starts, seq_len)
 
 
+def check_eval_split(data: Any, seq_len: int) -> None:
+    """eval_batch's DataError for a validation split too short for one window, raised when a run
+    starts: a resumed run evaluates first after train.eval_every steps (on other data than its
+    checkpoint's, e.g. another data.layout, the split may be new), which the error would lose.
+    Padded documents fit any seq_len (data/pretrain.py)."""
+    if not hasattr(data, "eval_batch"):
+        _check_length(len(data), seq_len, "validation")
+
+
 def make_sampler(corpus: Any, config: TrainConfig, rank: int = 0, world_size: int = 1) -> RandomWindowSampler:
     """The training sampler for a corpus: its own (token corpora: by layout, data/pretrain.py), else
     random windows over its token stream."""
@@ -115,9 +124,11 @@ def eval_batch(data: Any, seq_len: int, n_windows: int, seed: int = 1234) -> Bat
 
 
 def prime_tokens(data: Any, length: int, seed: int) -> torch.Tensor:
-    """[P] int64, P <= length: a prime for sampling, taken from a validation split."""
+    """[P] int64, P <= length: a prime for sampling, taken from a validation split (shorter than
+    `length` where the split is, as a document may be: a sample is no reason to stop a run)."""
     if hasattr(data, "prime"):
         return data.prime(length, seed)
+    length = max(1, min(length, len(data) - 2))  # eval_windows' windows of length + 1 need length + 2 tokens
     return eval_windows(data, length, 1, seed=seed)[0, :length]
 
 

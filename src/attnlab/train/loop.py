@@ -49,7 +49,13 @@ from attnlab.config import RunConfig, config_to_dict, save_config
 from attnlab.data.byte_corpus import ByteCorpus
 from attnlab.data.corpus import load_corpus
 from attnlab.data.files import write_atomic
-from attnlab.data.sampler import RandomWindowSampler, make_sampler, prime_tokens, randomly_truncate
+from attnlab.data.sampler import (
+    RandomWindowSampler,
+    check_eval_split,
+    make_sampler,
+    prime_tokens,
+    randomly_truncate,
+)
 from attnlab.errors import AttnlabError, CheckpointError, ConfigError
 from attnlab.evaluate import evaluate
 from attnlab.flops import flops_per_token, peak_flops
@@ -206,7 +212,8 @@ class Run:
 
 
 def load_training_corpus(config: RunConfig, strategy: SingleProcess) -> ByteCorpus:
-    """ByteCorpus, or TokenCorpus for tokenized documents, checked against the model's vocabulary.
+    """ByteCorpus, or TokenCorpus for tokenized documents, checked against the model's vocabulary
+    and, where the run evaluates, for a validation split that holds one window (sampler.check_eval_split).
     Rank 0 first: loading may build the corpus into the shared cache (built-in corpora, tokenizer,
     shards), which ranks must not do at once."""
     corpus = load_corpus(config.data) if strategy.is_main else None
@@ -216,6 +223,8 @@ def load_training_corpus(config: RunConfig, strategy: SingleProcess) -> ByteCorp
     if getattr(corpus, "vocab_size", 256) > config.model.num_tokens:
         raise AttnlabError(f"the data's vocabulary has {corpus.vocab_size} tokens but model.num_tokens="
                            f"{config.model.num_tokens}; set model.num_tokens={corpus.vocab_size}")
+    if config.train.eval_every > 0:
+        check_eval_split(corpus.val, config.train.seq_len)
     return corpus
 
 
