@@ -136,6 +136,21 @@ def test_a_run_directory_in_use_is_refused(tmp_path, text_file):
     assert [r["step"] for r in read_metrics(config.run_dir) if "loss" in r] == [1, 2, 3, 4, 5]
 
 
+@pytest.mark.parametrize("refused", [
+    ["data.path=/nowhere/corpus.txt"], ["train.init_from=/nowhere/run"], ["train.distill_from=/nowhere/run"],
+    ["--resume", "/nowhere/step-0000005.pt"], ["model.num_tokens=100"],
+])
+def test_a_run_refused_at_start_up_leaves_no_run_directory(tmp_path, text_file, capsys, refused):
+    """The folders a refused run made for itself (its run directory, an out_dir that did not exist)
+    are removed again while empty; a folder that was there before, even empty, is kept."""
+    assert main(["train", "-p", "demo", *cli_args(tmp_path, text_file), *refused]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+    assert not (tmp_path / "runs").exists()
+    (tmp_path / "runs" / "run").mkdir(parents=True)  # the user's own
+    assert main(["train", "-p", "demo", *cli_args(tmp_path, text_file), *refused]) == 2
+    assert (tmp_path / "runs" / "run").is_dir() and not any((tmp_path / "runs" / "run").iterdir())
+
+
 def test_a_stale_lock_is_taken_over(tmp_path, text_file, caplog):
     config = tiny(tmp_path, text_file)
     config.run_dir.mkdir(parents=True)

@@ -40,21 +40,26 @@ def _open_lock_file(path: Path) -> int:
 
 
 class RunLock:
-    """`with RunLock(run_dir):` owns the run directory (created if need be) or raises RunDirectoryInUse."""
+    """`with RunLock(run_dir):` owns the run directory (created if need be) or raises RunDirectoryInUse.
+    A directory it created is removed again when the run leaves it empty (a run refused at start-up,
+    e.g. for its data or its train.init_from): never one that existed before."""
 
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / LOCK_FILE
         self.fd: int | None = None
+        self.created: list[Path] = []  # the folders mkdir made, the run directory first
 
     def __enter__(self) -> RunLock:
         try:
+            self.created = missing_folders(self.run_dir)
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self.fd = self._lock()
             if self.fd is not None:
                 self._take_over()
         except OSError as error:
             self._close()
+            remove_if_empty(self.created)
             raise not_writable(self.run_dir, error) from error
         return self
 
@@ -98,11 +103,31 @@ class RunLock:
         if self.fd is not None:
             self.path.unlink(missing_ok=True)  # still locked: a waiting process sees a removed file and retries
         self._close()
+        remove_if_empty(self.created)
 
     def _close(self) -> None:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+
+
+def missing_folders(folder: Path) -> list[Path]:
+    """`folder` and those of its parents that do not exist, deepest first."""
+    missing = []
+    while not folder.exists() and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    return missing
+
+
+def remove_if_empty(folders: list[Path]) -> None:
+    """Remove `folders`, deepest first, while they are empty: rmdir removes no folder that holds
+    anything, so one that another process wrote into meanwhile is kept."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
 
 
 def _read(fd: int) -> dict:
