@@ -437,3 +437,28 @@ def test_a_prime_longer_than_the_validation_split_is_shortened(tmp_path, text_fi
     config = tiny(tmp_path, text_file, "short-val", "data.val_fraction=0.0002", "train.sample_every=2",
                   "train.max_steps=2", "train.prime_length=48", "train.sample_length=4")
     assert train(config).step == 2
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_start_up_lines_come_from_rank_0_only(rank, monkeypatch, caplog):
+    """Every rank of a distributed run loads the data and restores the checkpoint; only rank 0 says
+    what it found (the data modules' progress lines, the resume point, the run's summary line)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    def load_corpus(data):  # as prepare_builtin_tokens finds its cache
+        logging.getLogger("attnlab.data.pretrain").info("token shards: cached at /cache")
+        return SimpleNamespace(vocab_size=256, val=np.zeros(1000, dtype=np.uint8), description="the data")
+
+    monkeypatch.setattr(loop, "load_corpus", load_corpus)
+    config = load_config("demo")
+    strategy = SimpleNamespace(is_main=rank == 0, barrier=lambda: None, device=torch.device("cpu"), world_size=2)
+    with caplog.at_level(logging.INFO):
+        corpus = loop.load_training_corpus(config, strategy)
+        run = SimpleNamespace(config=config, strategy=strategy, corpus=corpus, step=5, autocast_dtype=None,
+                              model=SimpleNamespace(num_parameters=lambda: 2e6))
+        loop.log_start(run, Path("RUN/checkpoints/step-0000005.pt"))
+    expected = ["token shards: cached at /cache", "resumed from RUN/checkpoints/step-0000005.pt at step 5",
+                "demo: full, 2.00M parameters, the data on cpu (fp32, single x 2)"]
+    assert caplog.messages == (expected if rank == 0 else [])

@@ -34,7 +34,8 @@ import signal
 import subprocess
 import sys
 import time
-from contextlib import AbstractContextManager, ExitStack, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -219,13 +220,26 @@ def load_training_corpus(config: RunConfig, strategy: SingleProcess) -> ByteCorp
     corpus = load_corpus(config.data) if strategy.is_main else None
     strategy.barrier()
     if corpus is None:
-        corpus = load_corpus(config.data)
+        with quiet_data_logs():  # rank 0 has said what it found or built; the others find the same
+            corpus = load_corpus(config.data)
     if getattr(corpus, "vocab_size", 256) > config.model.num_tokens:
         raise AttnlabError(f"the data's vocabulary has {corpus.vocab_size} tokens but model.num_tokens="
                            f"{config.model.num_tokens}; set model.num_tokens={corpus.vocab_size}")
     if config.train.eval_every > 0:
         check_eval_split(corpus.val, config.train.seq_len)
     return corpus
+
+
+@contextmanager
+def quiet_data_logs() -> Iterator[None]:
+    """The data modules' warnings and errors only, not their progress lines ("tokenizer: cached at ...")."""
+    logger = logging.getLogger("attnlab.data")
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def prepare(config: RunConfig, resume: str | bool | None, command_line: list[str] | None, cleanup: ExitStack) -> Run:
@@ -274,13 +288,23 @@ def prepare(config: RunConfig, resume: str | bool | None, command_line: list[str
         strategy.compile()
     if strategy.is_main:
         run.metrics = open_metrics(config.log, config.run_dir, config.name, config_to_dict(config), run.step)
+    log_start(run, resume_from)
+    return run
+
+
+def log_start(run: Run, resumed_from: Path | None) -> None:
+    """The run's start-up lines, from rank 0 only: every rank would print the same."""
+    if not run.strategy.is_main:
+        return
+    config, strategy = run.config, run.strategy
+    if resumed_from is not None:
+        log.info("resumed from %s at step %d", resumed_from, run.step)
     log.info(
         "%s: %s, %.2fM parameters, %s on %s (%s, %s x %d)",
-        config.name, config.model.attention.kind, model.num_parameters() / 1e6, corpus.description, device,
-        "fp32" if autocast_dtype is None else str(autocast_dtype).split(".")[-1], config.dist.strategy,
-        strategy.world_size,
+        config.name, config.model.attention.kind, run.model.num_parameters() / 1e6, run.corpus.description,
+        strategy.device, "fp32" if run.autocast_dtype is None else str(run.autocast_dtype).split(".")[-1],
+        config.dist.strategy, strategy.world_size,
     )
-    return run
 
 
 def check_training_config(config: RunConfig) -> None:
@@ -356,7 +380,6 @@ def restore(run: Run, state: dict[str, Any], resume_from: Path) -> None:
         raise CheckpointError(f"{resume_from} was written by {len(rng_states)} processes; this run has "
                               f"{strategy.world_size}")
     set_rng_state(rng_states[strategy.rank])
-    log.info("resumed from %s at step %d", resume_from, run.step)
 
 
 def restored_last_eval(state: dict[str, Any], run_dir: Path | None) -> dict[str, float] | None:
