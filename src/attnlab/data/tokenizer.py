@@ -31,7 +31,6 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from attnlab.data.byte_corpus import REPLACEMENT
 from attnlab.data.files import write_atomic
 from attnlab.data.jsonl import SkipCounter, read_texts
 from attnlab.errors import DataError
@@ -267,6 +266,8 @@ class Tokenizer:
         An id past the vocabulary comes out as U+FFFD's bytes: a model with more ids than its
         tokenizer (model.num_tokens 6400 on a tokenizer that came out smaller) can draw one, as a
         byte-level model can draw an id past 255, and its samples must still print."""
+        from attnlab.data.byte_corpus import REPLACEMENT  # here: the CLI's parser imports this module, not numpy
+
         _, byte_of = byte_symbols()
         ids = [int(i) for i in ids]
         self.check_ids([index for index in ids if index < self.vocab_size])  # a negative id is an error
