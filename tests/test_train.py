@@ -101,11 +101,12 @@ def test_a_run_that_ends_in_its_warm_up_says_so(tmp_path, text_file, caplog):
     """train.warmup_steps past train.max_steps (a preset shortened for a trial) is allowed, but the
     cosine schedule then never reaches train.lr nor decays: a warning says how far it gets."""
     caplog.set_level(logging.WARNING, logger="attnlab.train.loop")
-    check_training_config(tiny(tmp_path, text_file, "run", "train.warmup_steps=40"))
+    loop.warn_if_warm_up_outlasts_the_run(tiny(tmp_path, text_file, "run", "train.warmup_steps=40"))
     assert "warmup_steps=40 exceeds train.max_steps=10: the learning rate ends its warm-up at 0.25 of" in caplog.text
     caplog.clear()
-    check_training_config(tiny(tmp_path, text_file, "run", "train.warmup_steps=40", "train.schedule=constant"))
-    check_training_config(tiny(tmp_path, text_file))
+    loop.warn_if_warm_up_outlasts_the_run(tiny(tmp_path, text_file, "run", "train.warmup_steps=40",
+                                               "train.schedule=constant"))
+    loop.warn_if_warm_up_outlasts_the_run(tiny(tmp_path, text_file))
     assert not caplog.text
 
 
@@ -442,7 +443,8 @@ def test_a_prime_longer_than_the_validation_split_is_shortened(tmp_path, text_fi
 @pytest.mark.parametrize("rank", [0, 1])
 def test_start_up_lines_come_from_rank_0_only(rank, monkeypatch, caplog):
     """Every rank of a distributed run loads the data and restores the checkpoint; only rank 0 says
-    what it found (the data modules' progress lines, the resume point, the run's summary line)."""
+    what it found (the data modules' progress lines, the resume point, the run's summary line) and
+    warns of its config (a warm-up longer than the run)."""
     from types import SimpleNamespace
 
     import numpy as np
@@ -452,13 +454,16 @@ def test_start_up_lines_come_from_rank_0_only(rank, monkeypatch, caplog):
         return SimpleNamespace(vocab_size=256, val=np.zeros(1000, dtype=np.uint8), description="the data")
 
     monkeypatch.setattr(loop, "load_corpus", load_corpus)
-    config = load_config("demo")
+    config = load_config("demo", ["train.warmup_steps=800"])
     strategy = SimpleNamespace(is_main=rank == 0, barrier=lambda: None, device=torch.device("cpu"), world_size=2)
     with caplog.at_level(logging.INFO):
         corpus = loop.load_training_corpus(config, strategy)
         run = SimpleNamespace(config=config, strategy=strategy, corpus=corpus, step=5, autocast_dtype=None,
                               model=SimpleNamespace(num_parameters=lambda: 2e6))
         loop.log_start(run, Path("RUN/checkpoints/step-0000005.pt"))
+        check_training_config(config)  # every rank checks the config
     expected = ["token shards: cached at /cache", "resumed from RUN/checkpoints/step-0000005.pt at step 5",
-                "demo: full, 2.00M parameters, the data on cpu (fp32, single x 2)"]
+                "demo: full, 2.00M parameters, the data on cpu (fp32, single x 2)",
+                "train.warmup_steps=800 exceeds train.max_steps=400: the learning rate ends its warm-up at 0.5 of "
+                "train.lr and never decays (shorten train.warmup_steps for the whole schedule)"]
     assert caplog.messages == (expected if rank == 0 else [])

@@ -305,16 +305,23 @@ def log_start(run: Run, resumed_from: Path | None) -> None:
         strategy.device, "fp32" if run.autocast_dtype is None else str(run.autocast_dtype).split(".")[-1],
         config.dist.strategy, strategy.world_size,
     )
+    warn_if_warm_up_outlasts_the_run(config)
+
+
+def warn_if_warm_up_outlasts_the_run(config: RunConfig) -> None:
+    """Allowed (a preset shortened for a trial), but the cosine schedule then never reaches train.lr
+    nor decays: said once, with the start-up lines."""
+    tc = config.train
+    if tc.schedule == "cosine" and tc.warmup_steps > tc.max_steps:
+        log.warning("train.warmup_steps=%d exceeds train.max_steps=%d: the learning rate ends its warm-up at %.2g of "
+                    "train.lr and never decays (shorten train.warmup_steps for the whole schedule)",
+                    tc.warmup_steps, tc.max_steps, tc.max_steps / tc.warmup_steps)
 
 
 def check_training_config(config: RunConfig) -> None:
     tc = config.train
     if tc.max_steps < 1:
         raise ConfigError(f"train.max_steps must be at least 1, got {tc.max_steps}")
-    if tc.schedule == "cosine" and tc.warmup_steps > tc.max_steps:  # a preset shortened for a trial: allowed
-        log.warning("train.warmup_steps=%d exceeds train.max_steps=%d: the learning rate ends its warm-up at %.2g of "
-                    "train.lr and never decays (shorten train.warmup_steps for the whole schedule)",
-                    tc.warmup_steps, tc.max_steps, tc.max_steps / tc.warmup_steps)
     if tc.on_nonfinite == "skip" and config.dist.strategy == "deepspeed":
         raise ConfigError("train.on_nonfinite=skip: DeepSpeed applies its own steps; use stop")
     if config.dist.deepspeed_config and config.dist.strategy != "deepspeed":  # else a DeepSpeed run silently is not
