@@ -425,6 +425,7 @@ def test_a_checkpoint_resumes_under_its_own_engine_and_number_of_processes(saved
     ('{"fp16": {"enabled": true}}', "bf16", "trains in fp16"),
     ('{"zero_optimization": {"stage": 2},}', "auto", "is not valid JSON (Expecting property name"),
     ('[{"zero_optimization": {"stage": 2}}]', "auto", "holds a list, not a JSON object"),
+    ('{"bf16": true}', "auto", '"bf16" must be an object such as {"enabled": true}, not True'),
     ('{"bf16": {"enabled": true}}', "bf16", None),
     ('{"bf16": {"enabled": false}}', "fp32", None),
     ('{"fp16": {"enabled": true}}', "auto", None),  # auto: the file's precision

@@ -455,6 +455,9 @@ def resolve_deepspeed_config(config: RunConfig) -> dict[str, Any]:
         if key in ds and ds[key] != value:
             raise AttnlabError(f"{path}: {key}={ds[key]} disagrees with the run config ({value})")
         ds[key] = value
+    for name in ("bf16", "fp16"):
+        if not isinstance(ds.get(name, {}), dict):  # `"bf16": true` was an AttributeError traceback on every rank
+            raise AttnlabError(f'{path}: "{name}" must be an object such as {{"enabled": true}}, not {ds[name]!r}')
     precision = next((name for name in ("bf16", "fp16") if ds.get(name, {}).get("enabled")), "fp32")
     if train.precision not in ("auto", precision):
         raise AttnlabError(f"{path}: trains in {precision} (its bf16 and fp16 sections) but train.precision="
