@@ -256,6 +256,7 @@ def test_a_relative_data_path_read_from_another_folder_says_where_it_looked(tmp_
     assert main(["eval", str(result.run_dir)]) == 2
     error = capsys.readouterr().err
     assert f"{prepared.name} does not exist (a relative path, read from the current folder {tmp_path})" in error
+    assert f"`attnlab data prepare --input FILES --tokenizer DIR --out {prepared.name}`" in error  # a whole command
     assert len(error.strip().splitlines()) == 1
 
 

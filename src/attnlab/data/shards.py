@@ -357,7 +357,8 @@ def missing_folder_message(folder: Path) -> str:
     where = "" if folder.is_absolute() else f" (a relative path, read from the current folder {Path.cwd()})"
     if not folder.exists():
         elsewhere = "" if folder.is_absolute() else "run from the folder it is relative to, or "
-        return f"{folder} does not exist{where}: {elsewhere}make it with `attnlab data prepare --out {folder}`"
+        return (f"{folder} does not exist{where}: {elsewhere}make it with "
+                f"`attnlab data prepare --input FILES --tokenizer DIR --out {folder}`")
     return f"{folder} is not a prepared token folder (no {META_FILE}){where}: run `attnlab data prepare`"
 
 
