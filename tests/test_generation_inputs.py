@@ -36,6 +36,8 @@ BAD_PROMPTS = [
     (PROMPT[:, :0], "the prompt needs at least one token"),  # was an IndexError in the first draw
     (torch.tensor([1, 2, 3]), "the prompt must be a [batch, tokens] tensor"),  # an IndexError in the checks
     (PROMPT.float(), "the prompt must hold integer token ids"),  # a RuntimeError in the embedding
+    (PROMPT.to(torch.uint8), "the prompt must hold integer token ids"),  # bytes as numpy holds them: the same
+    (PROMPT.short(), "the prompt must hold integer token ids"),
     (PROMPT.to("meta"), "the prompt is on meta, "),  # another device: an error deep in torch
 ]
 
@@ -58,6 +60,7 @@ def test_a_negative_or_fractional_max_new_tokens_is_refused(count):
     refused(lambda: speculative_generate(target, draft, PROMPT, count), "max_new_tokens must be a whole number",
             ValueError)
     assert generate(target, PROMPT, 0).shape == (1, 3)  # zero new tokens: the prompt
+    assert generate(target, PROMPT.int(), 2).dtype == torch.long  # int32 ids: the embedding takes them
     assert speculative_generate(target, draft, PROMPT, 0).tokens.shape == (1, 3)
 
 

@@ -30,18 +30,23 @@ if TYPE_CHECKING:
     from attnlab.data.tokenizer import Tokenizer
 
 
+EMBEDDING_INDEX_DTYPES = (torch.long, torch.int32)  # the index dtypes nn.Embedding takes
+
+
 def check_prompt(model: torch.nn.Module, prompt: Tensor, who: str = "the model") -> None:
     """The checks of a prompt every decoding makes before its first forward (generate, stream,
     speculative_generate, for each of its models), each a one-line error naming what is wrong rather
     than an index or dtype error deep in the embedding: ConfigError unless prompt is a [B, T] tensor
-    of integer ids with T >= 1 on the model's device; GenerationError if an id lies outside the
-    model's vocabulary (a tokenizer larger than the model's, say)."""
+    of integer ids (torch.long or torch.int32, EMBEDDING_INDEX_DTYPES) with T >= 1 on the model's
+    device; GenerationError if an id lies outside the model's vocabulary (a tokenizer larger than
+    the model's, say)."""
     if not isinstance(prompt, Tensor) or prompt.dim() != 2:
         shape = tuple(prompt.shape) if isinstance(prompt, Tensor) else type(prompt).__name__
         raise ConfigError(f"the prompt must be a [batch, tokens] tensor of token ids, got {shape} "
                           "(one sequence: prompt[None])")
-    if prompt.dtype == torch.bool or prompt.dtype.is_floating_point or prompt.dtype.is_complex:
-        raise ConfigError(f"the prompt must hold integer token ids (torch.long), got {prompt.dtype}")
+    if prompt.dtype not in EMBEDDING_INDEX_DTYPES:  # uint8 bytes too: the embedding refuses them deep in torch
+        raise ConfigError(f"the prompt must hold integer token ids as torch.long or torch.int32, got {prompt.dtype} "
+                          "(prompt.long())")
     if prompt.shape[1] < 1:
         raise ConfigError("the prompt needs at least one token")
     parameter = next(model.parameters(), None) if isinstance(model, torch.nn.Module) else None
