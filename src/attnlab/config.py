@@ -531,7 +531,9 @@ def _build(cls: type, values: dict[str, Any], where: str = "") -> Any:
 
 
 def check_model(model: ModelConfig, where: str = "model.") -> None:
-    """The constraints between model fields that no single field's type says; ConfigError naming them."""
+    """The constraints between model fields that no single field's type says, then what the model's
+    constructor refuses (_check_model_builds: the model built on the meta device); ConfigError
+    naming them."""
     if model.heads % model.n_kv_heads:
         raise ConfigError(f"{where}heads={model.heads} must be a multiple of {where}kv_heads={model.kv_heads}")
     if model.position == "rotary" and model.dim_head % 2:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import secrets
 import sysconfig
 from pathlib import Path
 from typing import Any
@@ -30,14 +29,22 @@ def cache_dir(config: DataConfig) -> Path:
     return Path(config.cache_dir) if config.cache_dir else default_cache_dir()
 
 
+def staging_file(path: Path) -> tuple[Path, int]:
+    """A new file to stage `path`'s next content in: (its path, a descriptor open for writing). Its
+    name, `.NAME.tmp-PID` beside `path`, is the one a run's start clears when a killed write left it
+    (train/timeline.py). It is made as open() makes a file, mode 0o666 less the umask, so what is
+    renamed over `path` is as readable to others as a file written in place (a private staging
+    file would keep its mode: an export or a run's config shared with others, unreadable to them)."""
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    temporary.unlink(missing_ok=True)  # a killed write's, by an earlier process of this number
+    return temporary, os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+
+
 def write_atomic(path: Path, data: bytes) -> None:
-    """Write to a temporary file beside `path`, fsync it and rename it: readers see the old file or
+    """Write to a staging file beside `path`, fsync it and rename it: readers see the old file or
     the whole new one, never a part, and a write that fails leaves the old one alone."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
-    # made as open() makes a file (mode 0o666 less the umask), so the new file is as readable to
-    # others as one written in place; a private temporary file would stay private once renamed
-    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    temporary, descriptor = staging_file(path)
     try:
         with os.fdopen(descriptor, "wb") as handle:
             handle.write(data)

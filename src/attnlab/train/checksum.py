@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from attnlab.data.files import staging_file
 from attnlab.errors import CheckpointError
 
 MANIFEST = "checksums.sha256"
@@ -107,14 +108,9 @@ def save_safetensors(tensors: dict[str, Tensor], path: Path, metadata: dict[str,
     from safetensors.torch import save_file
 
     metadata = {"format": "pt", **(metadata or {}), **safetensors_metadata(tensors)}
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    temporary.unlink(missing_ok=True)
+    temporary, descriptor = staging_file(path)
     try:
-        # the file gets the mode open() gives a new one (0o666 less the umask), as write_atomic's do:
-        # the library makes its files private (0600), so an export or a run's weights shared with
-        # others would be unreadable to them
-        descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        mode = os.fstat(descriptor).st_mode & 0o777
+        mode = os.fstat(descriptor).st_mode & 0o777  # the umask's; the library makes its files private (0600)
         os.close(descriptor)
         save_file(tensors, str(temporary), metadata=metadata)
         os.chmod(temporary, mode)
