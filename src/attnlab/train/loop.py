@@ -382,11 +382,7 @@ def restore(run: Run, state: dict[str, Any], resume_from: Path) -> None:
     run.sampler.load_state_dict(state["sampler"])
     run.nonfinite.consecutive = int(state.get("skipped_in_a_row", 0))  # a streak goes on counting
     run.last_eval = restored_last_eval(state, run.config.run_dir if strategy.is_main else None)
-    rng_states = state["rng"]
-    if len(rng_states) != strategy.world_size:
-        raise CheckpointError(f"{resume_from} was written by {len(rng_states)} processes; this run has "
-                              f"{strategy.world_size}")
-    set_rng_state(rng_states[strategy.rank])
+    set_rng_state(state["rng"][strategy.rank])  # one state a process: their number checked at choose_checkpoint
 
 
 def restored_last_eval(state: dict[str, Any], run_dir: Path | None) -> dict[str, float] | None:
