@@ -942,3 +942,34 @@ def test_decoding_restores_every_modules_own_mode():
     with pytest.raises(RuntimeError, match="a forward that fails"):
         speculative_generate(target, draft, prompt, 4, gamma=2)
     assert {name: module.training for name, module in target.named_modules()} == before
+
+
+@pytest.mark.parametrize("batch, new_tokens, refused", [(1, 18, False), (2, 14, False), (2, 15, True)])
+def test_speculative_bench_checks_positions_as_speculative_generate_does(tmp_path, capsys, batch, new_tokens,
+                                                                          refused):
+    """`attnlab speculative` checked a learned-position model with a sum of its own (prompt, new
+    tokens and gamma): at batch 1 it refused a decoding speculative_generate takes (gamma - 1 past
+    the goal: 4 + 18 + 2 = 24 positions), in a batch it measured one speculative_generate then
+    refused (2 gamma past the goal). Both now ask check_request, before any measurement."""
+    from attnlab.cli.main import main
+    from attnlab.config import DataConfig, RunConfig, TrainConfig, config_to_dict
+    from attnlab.train.checkpoint import checkpoint_path, save_checkpoint
+
+    def write_run(name: str, config) -> Path:
+        torch.manual_seed(0)
+        run = RunConfig(name=name, out_dir=str(tmp_path), model=config, data=DataConfig(),
+                        train=TrainConfig(seq_len=16, sample_every=0))
+        save_checkpoint(checkpoint_path(tmp_path / name, 1), {"config": config_to_dict(run),
+                                                             "model": Transformer(config).state_dict(), "step": 1})
+        return tmp_path / name
+
+    target = write_run("target", variant_config("full-learned-positions", depth=1, num_tokens=256, max_seq_len=24))
+    draft = write_run("draft", variant_config("full", depth=1, num_tokens=256))
+    code = main(["speculative", "--target", str(target), "--draft", str(draft), "--gamma", "3", "--prompt", "def ",
+                 "--batch-size", str(batch), "--max-new-tokens", str(new_tokens), "--json"])
+    output = capsys.readouterr()
+    if refused:
+        assert code == 2 and "the prompt, the new tokens and the 6 positions the target decodes past them" in output.err
+    else:
+        assert code == 0, output.err
+        assert json.loads(output.out)["max_new_tokens"] == new_tokens

@@ -25,7 +25,6 @@ from attnlab.errors import AttnlabError
 from attnlab.generate.sampling import (
     SamplingConfig,
     check_finite,
-    check_prompt,
     generate,
 )
 from attnlab.generate.speculative import (
@@ -33,10 +32,11 @@ from attnlab.generate.speculative import (
     CachedLanguageModel,
     EarlyExitDraft,
     SpeculativeResult,
+    check_request,
     speculative_generate,
 )
 from attnlab.model.quantize import decoding_products, quantize_weights
-from attnlab.model.transformer import Transformer, check_length
+from attnlab.model.transformer import Transformer
 from attnlab.train.checkpoint import load_model
 from attnlab.train.portable import run_directory
 
@@ -222,10 +222,10 @@ def run_speculative_bench(bench: SpeculativeBench) -> dict[str, Any]:
     target, draft, draft_name = load_pair(bench, device)
     tokenizer = tokenizer_for(target.run_config.data, run_directory(bench.target))  # None: a byte-level run
     prompt = build_prompt(bench, target, tokenizer)  # [B, T]
+    # speculative_generate's own checks (the prompt, learned positions with the tokens decoded past the
+    # goal), here before any measurement rather than after the base decoding's warm-up
+    check_request(target, draft, prompt, bench.max_new_tokens, bench.gamma, bench.verification)
     for name, model in (("the target", target), ("the draft", draft)):
-        # verification runs gamma past
-        check_length(model, prompt.shape[1] + bench.max_new_tokens + bench.gamma, "the prompt and the new tokens")
-        check_prompt(model, prompt)  # ids past its vocabulary: refused here, not an index error in its embedding
         with torch.inference_mode():  # damaged (NaN) weights: refused here, not an index error mid-decoding
             check_finite(model(prompt).logits[:, -1], 0, name)
     warn_beyond_training(target, "target", prompt.shape[1] + bench.max_new_tokens)
