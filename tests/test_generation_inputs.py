@@ -98,6 +98,21 @@ def test_learned_positions_are_checked_before_decoding(batch, past_goal):
         assert result.tokens.shape == (batch, 24 - past_goal)
 
 
+def test_a_shared_window_is_checked_for_the_positions_it_reaches():
+    """per_row=False (one window for the batch, starting at the shortest row) feeds gamma - 1 past
+    the goal at any batch, as at batch 1: a goal that left that room was refused as if the rows
+    rolled back on their own (2 gamma past it)."""
+    target = model()
+    draft = model("full-learned-positions", seed=1, depth=1, max_seq_len=24)
+    prompt = PROMPT.expand(4, -1)
+    refused(lambda: speculative_generate(target, draft, prompt, 24 - 3 - 2 + 1, gamma=3, per_row=False),
+            "the prompt, the new tokens and the 2 positions the draft decodes past them", GenerationError)
+    for seed in range(3):
+        generator = torch.Generator().manual_seed(seed)
+        result = speculative_generate(target, draft, prompt, 24 - 3 - 2, gamma=3, per_row=False, generator=generator)
+        assert result.tokens.shape == (4, 24 - 2) and not result.per_row
+
+
 def test_speculative_results_are_ordinary_tensors():
     """They were inference tensors: training on them, or changing them in place, raised."""
     target, draft = model(), model(seed=1, depth=1)

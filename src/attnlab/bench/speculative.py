@@ -224,13 +224,13 @@ def run_speculative_bench(bench: SpeculativeBench) -> dict[str, Any]:
     prompt = build_prompt(bench, target, tokenizer)  # [B, T]
     # speculative_generate's own checks (the prompt, learned positions with the tokens decoded past the
     # goal), here before any measurement rather than after the base decoding's warm-up
-    check_request(target, draft, prompt, bench.max_new_tokens, bench.gamma, bench.verification)
+    per_row = rollback_scheme(bench.batch_scheme)
+    check_request(target, draft, prompt, bench.max_new_tokens, bench.gamma, bench.verification, per_row)
     for name, model in (("the target", target), ("the draft", draft)):
         with torch.inference_mode():  # damaged (NaN) weights: refused here, not an index error mid-decoding
             check_finite(model(prompt).logits[:, -1], 0, name)
     warn_beyond_training(target, "target", prompt.shape[1] + bench.max_new_tokens)
     warn_beyond_training(draft, "draft", prompt.shape[1] + bench.max_new_tokens)
-    per_row = rollback_scheme(bench.batch_scheme)
     timings = time_decoders(bench, target, draft, prompt, per_row, device)
 
     base_seconds = statistics.median(timings.base_seconds)

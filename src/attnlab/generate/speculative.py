@@ -496,12 +496,13 @@ def _decode_per_row(state: _Decoding) -> None:
 
 
 def check_request(target: CachedLanguageModel, draft: CachedLanguageModel, prompt: Tensor, max_new_tokens: int,
-                  gamma: int, verification: str) -> None:
+                  gamma: int, verification: str, per_row: bool | None = None) -> None:
     """speculative_generate's arguments, refused in one line (ConfigError, a ValueError; GenerationError
     for what a model cannot decode) before any forward: the prompt and the new tokens as generate's
     (check_prompt, check_new_tokens), for both models; a draft whose vocabulary is not the target's
     (the acceptance rule compares their distributions token by token); a model with learned
-    positions that the decoding would run past (check_length)."""
+    positions that the decoding would run past (check_length). per_row: speculative_generate's
+    (None: auto, checked as per-row rollback, which reaches furthest)."""
     if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
         raise ConfigError("gamma must be >= 1")
     if verification not in VERIFICATIONS:
@@ -517,9 +518,10 @@ def check_request(target: CachedLanguageModel, draft: CachedLanguageModel, promp
     # Tokens past the goal are fed too, never output: a step drafts and verifies gamma past a row's
     # length, and at batch > 1 a row that has stopped (up to gamma past the goal) still takes part in
     # the forwards of one more window. The target's last position then is goal + gamma - 2 at batch 1,
-    # goal + 2 gamma - 1 in a batch (the draft's one less).
+    # goal + 2 gamma - 1 in a batch (the draft's one less). A shared window (per_row False) starts at
+    # the shortest row's length, below the goal while any row decodes: goal + gamma - 2 at any batch.
     batch, prompt_length = prompt.shape
-    past_goal = gamma - 1 if batch == 1 else 2 * gamma
+    past_goal = gamma - 1 if batch == 1 or per_row is False else 2 * gamma
     for who, model in models:
         check_length(model, prompt_length + max_new_tokens + past_goal, f"the prompt, the new tokens and the "
                      f"{past_goal} positions {who} decodes past them (gamma {gamma}, batch {batch})")
@@ -567,7 +569,7 @@ def _speculative_generate(target: CachedLanguageModel, draft: CachedLanguageMode
                           generator: torch.Generator | None, per_row: bool | None, cache_dtype: torch.dtype | None,
                           verification: str) -> SpeculativeResult:
     """speculative_generate's decoding, under inference mode, after check_request."""
-    check_request(target, draft, prompt, max_new_tokens, gamma, verification)
+    check_request(target, draft, prompt, max_new_tokens, gamma, verification, per_row)
     sampling = sampling or SamplingConfig()
     batch, prompt_length = prompt.shape
     width = gamma + 1  # W: tokens the target scores per step
