@@ -771,6 +771,7 @@ def import_hf(hf_dir: str | Path, run_dir: str | Path, overwrite: bool = False) 
         for name in TOKENIZER_FILES:
             if (hf_dir / name).is_file():
                 copy_atomic(hf_dir / name, run_dir / RUN_TOKENIZER_DIR / name)
-    (run_dir / "run_info.json").write_text(json.dumps({"imported_from": str(hf_dir.resolve())}, indent=2) + "\n")
+    run_info = {"imported_from": str(hf_dir.resolve())}
+    write_atomic(run_dir / "run_info.json", (json.dumps(run_info, indent=2) + "\n").encode())
     log.info("imported %s (%.2fM parameters) -> %s", hf_dir, model.num_parameters() / 1e6, run_dir)
     return run_dir
