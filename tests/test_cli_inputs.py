@@ -284,7 +284,7 @@ def test_the_vocabulary_of_the_data_must_fit_the_model(tmp_path, capsys, monkeyp
 
     monkeypatch.setattr(speculative, "load_model", lambda *args, **kwargs: small)
     line = refused(["speculative", "--target", run, "--early-exit", "1", "--prompt", "document 3"], capsys)
-    assert "the model has 100 (model.num_tokens)" in line
+    assert "the target has 100 (model.num_tokens)" in line  # speculative decoding names which of its models
 
 
 def test_non_finite_logits_stop_sampling_in_one_line(runs, capsys, monkeypatch):
