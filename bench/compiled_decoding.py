@@ -41,7 +41,7 @@ import time
 
 import torch
 
-from attnlab.bench.measure import model_config
+from attnlab.bench.measure import model_config_from
 from attnlab.cli import arguments  # the decoding commands' --dtype names (bf16 too)
 from attnlab.generate.sampling import SamplingConfig, draw_last
 from attnlab.model import Transformer, decode_compile
@@ -72,7 +72,7 @@ def build(kind: str, max_len: int, variant: str, dtype: torch.dtype = torch.floa
         attention[kind] = {**attention.get(kind, {}), "backend": backend}
     values = {**MODEL, "kv_heads": KV_HEADS.get(kind), "max_seq_len": max_len, "attention": attention}
     torch.manual_seed(0)
-    model = Transformer(model_config(values)).to(dtype).eval()
+    model = Transformer(model_config_from(values)).to(dtype).eval()
     if variant == "eager":
         return model
     with separate_products() if step.pop("separate_products", False) else contextlib.nullcontext():

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from attnlab.bench.measure import model_config
+from attnlab.bench.measure import model_config_from
 from attnlab.model import Transformer
 
 SHAPE = dict(dim=256, depth=4, heads=4, dim_head=64)
@@ -26,7 +26,7 @@ SHAPE = dict(dim=256, depth=4, heads=4, dim_head=64)
 
 def compiled_model(kind: str, max_len: int) -> Transformer:
     torch.manual_seed(0)
-    model = Transformer(model_config({**SHAPE, "max_seq_len": max_len, "attention": {"kind": kind}})).eval()
+    model = Transformer(model_config_from({**SHAPE, "max_seq_len": max_len, "attention": {"kind": kind}})).eval()
     model.compile_decoding(linear="library")
     return model
 

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from attnlab.bench.measure import model_config
+from attnlab.bench.measure import model_config_from
 from attnlab.model import Transformer
 
 NSA = dict(sliding_window_size=64, compress_block_size=16, compress_stride=8, selection_block_size=16, num_selected=4)
@@ -31,7 +31,7 @@ def main() -> None:
         values = dict(dim=256, depth=4, heads=4, dim_head=64, kv_heads=2, max_seq_len=args.seq_len,
                       attention=dict(kind=kind, nsa={**NSA, "use_diff_topk": args.diff_topk}))
         torch.manual_seed(0)
-        model = Transformer(model_config(values)).train()
+        model = Transformer(model_config_from(values)).train()
         models[kind] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4))
     tokens = torch.randint(0, 256, (1, args.seq_len + 1))
     seconds: dict[str, list[float]] = {kind: [] for kind in models}

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnlab.bench.measure import model_config
+from attnlab.bench.measure import model_config_from
 from attnlab.model import Transformer
 from attnlab.model.decode_compile import decode_compile_options
 
@@ -121,7 +121,7 @@ def measure(context: int, rounds: int, repeats: int, backend: str = "inductor") 
     reference_step = torch.compile(reference, fullgraph=True, dynamic=False, backend=backend, options=options)
     values = dict(dim=DIM, depth=DEPTH, heads=HEADS, dim_head=DIM // HEADS, max_seq_len=max_len,
                   attention={"kind": "full"})
-    model = Transformer(model_config(values)).eval()
+    model = Transformer(model_config_from(values)).eval()
     model.compile_decoding(linear="library", backend=backend)
     token, position = torch.zeros(1, 1, dtype=torch.long), torch.tensor([context])
     cache = model.new_cache(1, max_len)

@@ -25,7 +25,8 @@ from attnlab.config import ModelConfig, config_from_dict
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def model_config(values: dict[str, Any]) -> ModelConfig:
+def model_config_from(values: dict[str, Any]) -> ModelConfig:
+    """A benchmark's model settings (attnlab's names, nested dicts) as a checked ModelConfig."""
     return config_from_dict(values, ModelConfig)
 
 
@@ -88,7 +89,7 @@ def measure_train(
     from attnlab.model import Transformer
 
     torch_device = torch.device(device)
-    config = model_config({**model_values, "max_seq_len": max(seq_len, model_values.get("max_seq_len", 0))})
+    config = model_config_from({**model_values, "max_seq_len": max(seq_len, model_values.get("max_seq_len", 0))})
     torch.manual_seed(0)
     model = Transformer(config).to(torch_device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -139,7 +140,7 @@ def measure_decode(
 
     torch_device = torch.device(device)
     length = context + new_tokens
-    config = model_config({**model_values, "max_seq_len": max(length, model_values.get("max_seq_len", 0))})
+    config = model_config_from({**model_values, "max_seq_len": max(length, model_values.get("max_seq_len", 0))})
     torch.manual_seed(0)
     model = Transformer(config).to(torch_device).eval()
     if dtype != "fp32":
@@ -190,7 +191,7 @@ def attention_layer(model_values: dict[str, Any], seq_len: int, device: str, dty
     from attnlab.model.transformer import Block
 
     torch_device = torch.device(device)
-    config = model_config({**model_values, "max_seq_len": max(seq_len, model_values.get("max_seq_len", 0))})
+    config = model_config_from({**model_values, "max_seq_len": max(seq_len, model_values.get("max_seq_len", 0))})
     torch.manual_seed(0)
     rotary = RotaryEmbedding(config.dim_head, config.rope_theta, seq_len) if config.position == "rotary" else None
     attention = Block(config, 0, rotary).attention.to(torch_device, DTYPES[dtype]).train()
