@@ -84,6 +84,14 @@ def test_bench_makes_the_folders_of_its_output_files(tmp_path, monkeypatch):
     assert json.loads(out.read_text())["ms_per_token"] == 1.0 and "| full | 4 |" in markdown.read_text()
 
 
+def test_bench_refused_for_its_settings_makes_no_output_folder(tmp_path, monkeypatch, capsys):
+    """Settings are checked before --out's missing folders are made: a refused run leaves none."""
+    _no_measurement(monkeypatch)
+    out = tmp_path / "new" / "decode.jsonl"
+    assert main(["bench", *TINY_DECODE, "--set", "attention.no_such_key=1", "--out", str(out)]) == 2
+    assert "no_such_key" in capsys.readouterr().err and not (tmp_path / "new").exists()
+
+
 @pytest.mark.parametrize("kind", [TINY_DECODE, ["suite", "--quick", "--attention", "full"]])
 def test_bench_refuses_a_device_before_measuring(kind, tmp_path, monkeypatch, capsys):
     """--device is a device name (refused by argparse otherwise), and one this machine has: not a

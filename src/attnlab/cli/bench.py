@@ -61,12 +61,13 @@ def short_dtype(text: str) -> str:
 def run(args: argparse.Namespace) -> int:
     from attnlab.bench.runner import decode_jobs, decode_table, model_values, run_jobs, train_jobs, train_table
 
-    check_before_measuring(args)
     if args.bench_kind == "suite":
+        check_before_measuring(args)
         return run_suite_command(args)
     results = []
     variants = [model_values(args.dim, args.depth, args.heads, attention, args.overrides)
                 for attention in args.attention]  # every one checked before the first is measured
+    check_before_measuring(args)  # after the settings: a refused one leaves no output folder made
     for values in variants:
         if args.bench_kind == "train":
             jobs = train_jobs(values, args.seq_len, args.batch_size, args.steps, args.warmup, args.device, args.dtype)
